@@ -1,0 +1,35 @@
+"""The contract of an inference-engine adapter: which fields to ask for, how to read tokens back.
+
+Everything upstream of the engine speaks OpenAI Chat Completions; engines differ only in how
+they are asked for token ids and logprobs and where they put them in answers and stream chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass
+class TokenData:
+    """Token-level facts of one call, accumulated across stream chunks. Never re-derived."""
+
+    prompt_token_ids: list[int] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    sampled_logprobs: list[float] = field(default_factory=list)
+
+
+class Engine:
+    name: ClassVar[str]
+
+    def prepare(self, chat_request: dict[str, Any]) -> dict[str, Any]:
+        """Add the engine's token-id / logprob request fields (in place, returned for chaining)."""
+        raise NotImplementedError
+
+    def read_response(self, response: dict[str, Any], into: TokenData) -> None:
+        """Collect token data from a whole (non-streaming) chat.completion."""
+        raise NotImplementedError
+
+    def read_chunk(self, chunk: dict[str, Any], into: TokenData) -> None:
+        """Collect token data from one streamed chat.completion.chunk."""
+        raise NotImplementedError

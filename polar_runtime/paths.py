@@ -1,0 +1,46 @@
+"""Where Polar keeps what it builds: one cache root, overridable with POLAR_HOME.
+
+The cache lives outside the checkout so every clone (and CI) reuses venvs, models and harnesses.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def polar_home() -> Path:
+    return Path(os.environ.get("POLAR_HOME") or Path.home() / ".cache" / "polar")
+
+
+def models_dir() -> Path:
+    return polar_home() / "models"
+
+
+def harnesses_dir() -> Path:
+    return polar_home() / "harnesses"
+
+
+def mitmproxy_confdir() -> Path:
+    return polar_home() / "mitmproxy"
+
+
+def vllm_cache_dir() -> Path:
+    return polar_home() / "vllm-cache"
+
+
+def tiktoken_cache_dir() -> Path:
+    return polar_home() / "tiktoken"
+
+
+def has_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None and os.path.exists("/dev/nvidia0")
+
+
+def vllm_python() -> Path:
+    """Python of the inference-server venv made by scripts/setup.sh."""
+    kind = "gpu" if has_gpu() else "cpu"
+    return polar_home() / "venvs" / f"vllm-{kind}" / "bin" / "python"

