@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: set-up (idempotent), then unit tests, then the
+# integration tests that start real servers (vLLM on CPU, mitmdump) and run real harness CLIs.
+# Prints the time of every phase. Extra arguments go to both pytest runs.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+t_all=$(date +%s)
+declare -a SUMMARY
+run_phase() {  # name, command...
+  local name="$1"; shift
+  local t0; t0=$(date +%s)
+  printf '\n\033[1m==== %s ====\033[0m\n' "$name"
+  "$@"; local rc=$?
+  [ "$name" != setup ] && [ $rc -eq 5 ] && rc=0  # pytest: no tests selected in this phase
+  SUMMARY+=("$(printf '%-12s %5ss  rc=%s' "$name" "$(( $(date +%s) - t0 ))" "$rc")")
+  return $rc
+}
+status=0
+run_phase setup bash scripts/setup.sh || { echo "setup failed"; exit 1; }
+PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider --durations=15)
+run_phase unit "${PYTEST[@]}" -m "not vllm and not harness and not slow" "$@" || status=1
+run_phase integration "${PYTEST[@]}" -m "vllm or harness or slow" "$@" || status=1
+printf '\n\033[1m==== phase times ====\033[0m\n'
+printf '%s\n' "${SUMMARY[@]}"
+echo "total        $(( $(date +%s) - t_all ))s"
+exit $status
