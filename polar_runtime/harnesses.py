@@ -1,0 +1,573 @@
+"""Agent harness presets: install each CLI from npm (pinned) and run it headless through the proxy.
+
+A preset knows, for one harness, how to install it, how to give one session an isolated HOME and
+config, and which command line and environment make it reach the proxy either way:
+
+* ``base_url`` mode: the harness's base URL points at the proxy in reverse mode;
+* ``proxy`` mode: the harness is left pointing at its hosted API (api.openai.com, ...) and only gets
+  ``HTTPS_PROXY=http://<session>@127.0.0.1:PORT`` plus the proxy's CA, which it must trust.
+
+The session id reaches the proxy twice over: as the API key ``polar-<session>`` (Bearer,
+``x-api-key`` or ``x-goog-api-key`` depending on the wire format) and, in proxy mode, as the
+proxy-auth user. Telemetry and side calls are switched off where the CLI allows it.
+Running and timing out is the caller's business (``run_invocation`` kills the whole process group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Literal
+
+from polar_runtime import paths
+
+Mode = Literal["base_url", "proxy"]
+MODES: tuple[Mode, ...] = ("base_url", "proxy")
+
+#: Hosted API roots the harnesses talk to when left unmodified (proxy mode intercepts these).
+OPENAI_HOSTED = "https://api.openai.com/v1"
+ANTHROPIC_HOSTED = "https://api.anthropic.com"
+GOOGLE_HOSTED = "https://generativelanguage.googleapis.com"
+
+API_KEY_PREFIX = "polar-"
+
+#: Environment variables passed through from the caller; everything else is dropped so a user's
+#: real API keys, proxy settings or CA bundles never leak into a harness run.
+PASSTHROUGH_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL")
+
+
+# ---------------------------------------------------------------------------------------------
+# npm packages
+
+
+@dataclass(frozen=True)
+class Package:
+    """One npm-distributed CLI, pinned. Several presets may share one package (Pi's wire formats)."""
+
+    name: str  # install directory name under paths.harnesses_dir()
+    npm: str
+    version: str
+    bin: str  # executable under node_modules/.bin
+
+    @property
+    def spec(self) -> str:
+        return f"{self.npm}@{self.version}"
+
+    @property
+    def prefix(self) -> Path:
+        return paths.harnesses_dir() / self.name
+
+    @property
+    def bin_path(self) -> Path:
+        return self.prefix / "node_modules" / ".bin" / self.bin
+
+    @property
+    def stamp(self) -> Path:
+        return self.prefix / ".polar-installed"
+
+    def installed(self) -> bool:
+        try:
+            return self.stamp.read_text().strip() == self.spec and self.bin_path.exists()
+        except OSError:
+            return False
+
+
+PACKAGES: dict[str, Package] = {
+    p.name: p
+    for p in (
+        Package("codex", "@openai/codex", "0.171.0", "codex"),
+        Package("claude-code", "@anthropic-ai/claude-code", "2.1.332", "claude"),
+        Package("qwen-code", "@qwen-code/qwen-code", "0.24.4", "qwen"),
+        Package("pi", "@mariozechner/pi-coding-agent", "0.73.1", "pi"),
+        Package("gemini", "@google/gemini-cli", "0.61.0", "gemini"),
+        Package("opencode", "opencode-ai", "1.18.33", "opencode"),
+    )
+}
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Serialize installs of one package across processes (setup and tests may race)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def install(name: str, *, force: bool = False, timeout: float = 900.0, log: Callable[[str], None] = print) -> Path:
+    """Install one package into ``harnesses_dir()/<name>`` unless that exact version is there.
+
+    Idempotent and fast when present (a stamp file records the installed spec). Returns the binary.
+    """
+    pkg = PACKAGES[name]
+    if not force and pkg.installed():
+        return pkg.bin_path
+    npm = shutil.which("npm")
+    if npm is None:
+        raise RuntimeError("npm not found: the harnesses need Node 20+ and npm on PATH")
+    with _locked(paths.harnesses_dir() / f".{name}.lock"):
+        if not force and pkg.installed():  # another process finished it while we waited
+            return pkg.bin_path
+        pkg.prefix.mkdir(parents=True, exist_ok=True)
+        pkg.stamp.unlink(missing_ok=True)
+        t0 = time.monotonic()
+        log(f"npm install {pkg.spec} -> {pkg.prefix}")
+        proc = subprocess.run(
+            [npm, "install", "--prefix", str(pkg.prefix), "--no-audit", "--no-fund",
+             "--loglevel=error", "--no-update-notifier", pkg.spec],
+            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        )
+        if proc.returncode != 0 or not pkg.bin_path.exists():
+            raise RuntimeError(f"npm install {pkg.spec} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+        pkg.stamp.write_text(pkg.spec + "\n")
+        log(f"installed {pkg.spec} in {time.monotonic() - t0:.0f} s")
+    return pkg.bin_path
+
+
+# ---------------------------------------------------------------------------------------------
+# sessions and invocations
+
+
+@dataclass
+class Endpoint:
+    """Where the proxy listens and how a harness should reach it."""
+
+    mode: Mode
+    base_url: str = ""  # reverse-mode root, e.g. http://127.0.0.1:8123 (no /v1)
+    proxy_url: str = ""  # regular-mode address, e.g. http://127.0.0.1:8124
+    ca_cert: Path | None = None  # mitmproxy CA (PEM) the harness must trust in proxy mode
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {self.mode!r}")
+        if self.mode == "base_url" and not self.base_url:
+            raise ValueError("base_url mode needs the proxy's reverse-mode base URL")
+        if self.mode == "proxy" and not (self.proxy_url and self.ca_cert):
+            raise ValueError("proxy mode needs the proxy URL and its CA certificate")
+        self.base_url = self.base_url.rstrip("/")
+
+    def proxy_url_with_session(self, session_id: str) -> str:
+        """``http://<session>@host:port``: the proxy-auth user names the session."""
+        scheme, _, rest = self.proxy_url.partition("://")
+        return f"{scheme}://{session_id}@{rest}"
+
+
+@dataclass
+class Session:
+    """One harness run: its ids, task text, and the private directories it may write."""
+
+    session_id: str
+    task: str
+    workdir: Path
+    home: Path
+    model: str  # the model name the harness asks for (the proxy swaps in the served one)
+    endpoint: Endpoint
+    trim: bool = True  # trim tools/system prompts through the harness's own flags
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def api_key(self) -> str:
+        return API_KEY_PREFIX + self.session_id
+
+
+@dataclass
+class Invocation:
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+
+    def shell(self) -> str:
+        """The command as one copy-pasteable line (for logs and `polar harness run --dry-run`)."""
+        keys = sorted(k for k in self.env if k not in PASSTHROUGH_ENV)
+        env = " ".join(f"{k}={shlex.quote(self.env[k])}" for k in keys)
+        return f"cd {shlex.quote(str(self.cwd))} && env {env} {shlex.join(self.argv)}"
+
+
+def base_env(s: Session) -> dict[str, str]:
+    """A clean environment: isolated HOME/XDG dirs, no inherited keys, proxies or CA overrides."""
+    env = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ}
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env.setdefault("LANG", "C.UTF-8")
+    home = s.home
+    env.update(
+        HOME=str(home),
+        XDG_CONFIG_HOME=str(home / ".config"),
+        XDG_DATA_HOME=str(home / ".local" / "share"),
+        XDG_STATE_HOME=str(home / ".local" / "state"),
+        XDG_CACHE_HOME=str(home / ".cache"),
+        TERM="dumb",
+        NO_COLOR="1",
+        FORCE_COLOR="0",
+        NO_UPDATE_NOTIFIER="1",
+        NPM_CONFIG_UPDATE_NOTIFIER="false",
+        DO_NOT_TRACK="1",
+        POLAR_SESSION=s.session_id,
+        POLAR_API_KEY=s.api_key,
+        POLAR_MODEL=s.model,
+        POLAR_MODE=s.endpoint.mode,
+        POLAR_WORKDIR=str(s.workdir),
+    )
+    if os.geteuid() == 0:
+        env["IS_SANDBOX"] = "1"  # Claude Code refuses --dangerously-skip-permissions as root otherwise
+    ep = s.endpoint
+    if ep.base_url:
+        env["POLAR_BASE_URL"] = ep.base_url
+    if ep.mode == "proxy":
+        proxy = ep.proxy_url_with_session(s.session_id)
+        env["POLAR_PROXY_URL"] = proxy
+        for k in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy", "ALL_PROXY", "all_proxy"):
+            env[k] = proxy
+        env["NO_PROXY"] = env["no_proxy"] = ""  # also proxy 127.0.0.1 (some harnesses tunnel it)
+        ca = str(ep.ca_cert)
+        env.update(NODE_EXTRA_CA_CERTS=ca, SSL_CERT_FILE=ca, CODEX_CA_CERTIFICATE=ca,
+                   REQUESTS_CA_BUNDLE=ca, CURL_CA_BUNDLE=ca)
+    env.update(s.extra_env)
+    return env
+
+
+def _write_json(path: Path, data: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# presets
+
+
+class Preset:
+    """How to run one harness headless. Subclasses fill ``prepare`` (config files, argv, env)."""
+
+    name: str = ""
+    package: str | None = None  # key of PACKAGES; None for the generic preset
+    wire: str = ""  # provider wire format the harness speaks (schema.PROVIDERS)
+    description: str = ""
+    trim_flags: str = ""  # documentation of what ``trim`` does for this harness
+
+    def binary(self) -> Path:
+        pkg = PACKAGES[self.package]  # type: ignore[index]
+        if not pkg.installed():
+            raise FileNotFoundError(f"{pkg.spec} is not installed: run `polar harness install {pkg.name}`")
+        return pkg.bin_path
+
+    def installed(self) -> bool:
+        return self.package is None or PACKAGES[self.package].installed()
+
+    def prepare(self, s: Session) -> Invocation:
+        raise NotImplementedError
+
+    def _dirs(self, s: Session) -> None:
+        s.workdir.mkdir(parents=True, exist_ok=True)
+        s.home.mkdir(parents=True, exist_ok=True)
+
+
+class Codex(Preset):
+    name, package, wire = "codex", "codex", "openai_responses"
+    description = "OpenAI Codex CLI (`codex exec`), Responses API"
+    trim_flags = '`--disable multi_agent --disable goals -c web_search="disabled"` (4 function tools left)'
+
+    def prepare(self, s: Session) -> Invocation:
+        self._dirs(s)
+        codex_home = s.home / ".codex"
+        codex_home.mkdir(parents=True, exist_ok=True)
+        base = f"{s.endpoint.base_url}/v1" if s.endpoint.mode == "base_url" else OPENAI_HOSTED
+        # A provider of our own (not the built-in "openai" one) so that no login or ChatGPT auth
+        # flow starts; in proxy mode it still names the hosted URL, so the wire is unchanged.
+        (codex_home / "config.toml").write_text(
+            f'model = {json.dumps(s.model)}\n'
+            'model_provider = "polar"\n'
+            'approval_policy = "never"\n'
+            'sandbox_mode = "danger-full-access"\n'
+            'check_for_update_on_startup = false\n'
+            '[analytics]\nenabled = false\n'
+            '[feedback]\nenabled = false\n'
+            '[otel]\nexporter = "none"\n'
+            '[model_providers.polar]\n'
+            'name = "polar"\n'
+            f'base_url = {json.dumps(base)}\n'
+            'env_key = "POLAR_API_KEY"\n'
+            'wire_api = "responses"\n'
+            'request_max_retries = 1\n'
+            'stream_max_retries = 1\n'
+        )
+        env = base_env(s)
+        env["CODEX_HOME"] = str(codex_home)
+        argv = [str(self.binary()), "exec", "--skip-git-repo-check", "--json",
+                "--dangerously-bypass-approvals-and-sandbox", "--cd", str(s.workdir), "--model", s.model]
+        if s.trim:
+            argv += ["--disable", "multi_agent", "--disable", "goals", "-c", 'web_search="disabled"']
+        argv.append(s.task)
+        return Invocation(argv, env, s.workdir)
+
+
+class ClaudeCode(Preset):
+    name, package, wire = "claude-code", "claude-code", "anthropic"
+    description = "Anthropic Claude Code (`claude -p`), Messages API"
+    trim_flags = "`--bare` (no CLAUDE.md/hooks/MCP, short system prompt, no in-message system reminder)"
+
+    def prepare(self, s: Session) -> Invocation:
+        self._dirs(s)
+        cfg = s.home / ".claude"
+        _write_json(cfg / "settings.json", {"autoUpdates": False, "includeCoAuthoredBy": False})
+        env = base_env(s)
+        env.update(
+            ANTHROPIC_API_KEY=s.api_key,  # sent as x-api-key
+            CLAUDE_CONFIG_DIR=str(cfg),
+            CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+            DISABLE_TELEMETRY="1",
+            DISABLE_ERROR_REPORTING="1",
+            DISABLE_AUTOUPDATER="1",
+            DISABLE_BUG_COMMAND="1",
+            CLAUDE_CODE_DISABLE_TERMINAL_TITLE="1",
+        )
+        if s.endpoint.mode == "base_url":
+            env["ANTHROPIC_BASE_URL"] = s.endpoint.base_url
+        argv = [str(self.binary()), "-p", s.task, "--output-format", "stream-json", "--verbose",
+                "--dangerously-skip-permissions", "--model", s.model]
+        if s.trim:
+            argv.append("--bare")
+        return Invocation(argv, env, s.workdir)
+
+
+class QwenCode(Preset):
+    name, package, wire = "qwen-code", "qwen-code", "openai_chat"
+    description = "Qwen Code (`qwen --yolo`), Chat Completions"
+    trim_flags = ""
+
+    def prepare(self, s: Session) -> Invocation:
+        self._dirs(s)
+        settings: dict = {
+            "privacy": {"usageStatisticsEnabled": False},
+            "telemetry": {"enabled": False},
+            "general": {"disableAutoUpdate": True, "disableUpdateNag": True, "checkpointing": {"enabled": False}},
+        }
+        _write_json(s.home / ".qwen" / "settings.json", settings)
+        env = base_env(s)
+        env.update(
+            OPENAI_BASE_URL=f"{s.endpoint.base_url}/v1" if s.endpoint.mode == "base_url" else OPENAI_HOSTED,
+            OPENAI_API_KEY=s.api_key,
+            OPENAI_MODEL=s.model,
+        )
+        argv = [str(self.binary()), "--auth-type", "openai", "--yolo", "-o", "json", "--model", s.model, s.task]
+        return Invocation(argv, env, s.workdir)
+
+
+#: Pi's four wire formats: (preset suffix, Pi `api` name, provider wire, hosted base URL).
+PI_APIS = {
+    "chat": ("openai-completions", "openai_chat", OPENAI_HOSTED),
+    "responses": ("openai-responses", "openai_responses", OPENAI_HOSTED),
+    "anthropic": ("anthropic-messages", "anthropic", ANTHROPIC_HOSTED),
+    "google": ("google-generative-ai", "google", GOOGLE_HOSTED + "/v1beta"),
+}
+
+
+class Pi(Preset):
+    package = "pi"
+    trim_flags = "`--no-context-files --no-extensions --no-skills --no-prompt-templates` (tools: read, bash, edit, write)"
+
+    def __init__(self, variant: str):
+        self.variant = variant
+        self.api, self.wire, self.hosted = PI_APIS[variant]
+        self.name = f"pi-{variant}"
+        self.description = f"Pi coding agent (`pi -p`), {self.api}"
+
+    def base(self, s: Session) -> str:
+        if s.endpoint.mode == "proxy":
+            return self.hosted
+        if self.variant in ("chat", "responses"):
+            return f"{s.endpoint.base_url}/v1"
+        if self.variant == "google":
+            return f"{s.endpoint.base_url}/v1beta"
+        return s.endpoint.base_url
+
+    def prepare(self, s: Session) -> Invocation:
+        self._dirs(s)
+        agent_dir = s.home / ".pi" / "agent"
+        provider = {
+            "api": self.api,
+            "baseUrl": self.base(s),
+            "apiKey": "POLAR_API_KEY",  # an env var name: Pi resolves it
+            "models": [{"id": s.model, "name": s.model, "reasoning": False, "input": ["text"],
+                        "contextWindow": 32768, "maxTokens": 4096,
+                        "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0}}],
+        }
+        if self.variant == "chat":
+            provider["compat"] = {"supportsDeveloperRole": False}
+        _write_json(agent_dir / "models.json", {"providers": {"polar": provider}})
+        _write_json(agent_dir / "settings.json", {"defaultProvider": "polar", "defaultModel": s.model})
+        env = base_env(s)
+        env["PI_CODING_AGENT_DIR"] = str(agent_dir)
+        env.update(PI_OFFLINE="1", PI_SKIP_VERSION_CHECK="1", PI_TELEMETRY="0")
+        argv = [str(self.binary()), "-p", "--model", f"polar/{s.model}"]
+        if s.trim:  # nothing from the machine leaks into the prompt; tools stay the default four
+            argv += ["--no-context-files", "--no-extensions", "--no-skills", "--no-prompt-templates"]
+        argv.append(s.task)
+        return Invocation(argv, env, s.workdir)
+
+
+class Gemini(Preset):
+    name, package, wire = "gemini", "gemini", "google"
+    description = "Google Gemini CLI (`gemini -p`), streamGenerateContent"
+    trim_flags = ""
+
+    def prepare(self, s: Session) -> Invocation:
+        self._dirs(s)
+        settings = {
+            "security": {"auth": {"selectedType": "gemini-api-key"}},
+            "privacy": {"usageStatisticsEnabled": False},
+            "telemetry": {"enabled": False},
+            "general": {"disableAutoUpdate": True, "disableUpdateNag": True, "checkpointing": {"enabled": False}},
+        }
+        _write_json(s.home / ".gemini" / "settings.json", settings)
+        env = base_env(s)
+        env["GEMINI_API_KEY"] = s.api_key  # sent as x-goog-api-key
+        if s.endpoint.mode == "base_url":
+            env["GOOGLE_GEMINI_BASE_URL"] = s.endpoint.base_url
+        # Always pass -m: without it a model-router call runs first and retries for ~85 s.
+        argv = [str(self.binary()), "-m", s.model, "-p", s.task, "--yolo", "--skip-trust", "-o", "json"]
+        return Invocation(argv, env, s.workdir)
+
+
+class OpenCode(Preset):
+    name, package, wire = "opencode", "opencode", "openai_chat"
+    description = "OpenCode (`opencode run`), Chat Completions via @ai-sdk/openai-compatible"
+    trim_flags = ""
+
+    def prepare(self, s: Session) -> Invocation:
+        self._dirs(s)
+        base = f"{s.endpoint.base_url}/v1" if s.endpoint.mode == "base_url" else OPENAI_HOSTED
+        cfg = {
+            "$schema": "https://opencode.ai/config.json",
+            "autoupdate": False,
+            "share": "disabled",
+            "provider": {
+                "polar": {
+                    "npm": "@ai-sdk/openai-compatible",
+                    "name": "polar",
+                    "options": {"baseURL": base, "apiKey": s.api_key},
+                    "models": {s.model: {"name": s.model}},
+                }
+            },
+            "model": f"polar/{s.model}",
+            "small_model": f"polar/{s.model}",
+            "permission": {"edit": "allow", "bash": "allow", "webfetch": "deny", "external_directory": "allow"},
+        }
+        # Outside the work dir (OPENCODE_CONFIG) so the task's files stay the task's.
+        cfg_path = s.home / ".config" / "opencode" / "opencode.json"
+        _write_json(cfg_path, cfg)
+        env = base_env(s)
+        env.update(OPENCODE_CONFIG=str(cfg_path), OPENCODE_DISABLE_MODELS_FETCH="1",
+                   OPENCODE_DISABLE_AUTOUPDATE="1", OPENCODE_DISABLE_LSP_DOWNLOAD="1",
+                   OPENCODE_DISABLE_SHARE="1", OPENCODE_DISABLE_DEFAULT_PLUGINS="1",
+                   OPENCODE_DISABLE_CLAUDE_CODE="1", OPENCODE_DISABLE_EXTERNAL_SKILLS="1")
+        argv = [str(self.binary()), "run", "--model", f"polar/{s.model}", s.task]
+        return Invocation(argv, env, s.workdir)
+
+
+class Generic(Preset):
+    """Any shell command. Placeholders are substituted shell-quoted: {task} {workdir} {home}
+    {session} {api_key} {model} {base_url} {proxy_url}; the same facts are in the environment
+    (POLAR_SESSION, POLAR_API_KEY, POLAR_MODEL, POLAR_BASE_URL, POLAR_PROXY_URL, POLAR_WORKDIR)."""
+
+    name, package, wire = "generic", None, ""
+    description = "any command template: bring your own harness"
+
+    def __init__(self, command: str = ""):
+        self.command = command
+
+    def prepare(self, s: Session) -> Invocation:
+        if not self.command:
+            raise ValueError("the generic preset needs a command template (--command)")
+        self._dirs(s)
+        env = base_env(s)
+        values = {
+            "task": s.task, "workdir": str(s.workdir), "home": str(s.home), "session": s.session_id,
+            "api_key": s.api_key, "model": s.model, "base_url": s.endpoint.base_url,
+            "proxy_url": env.get("POLAR_PROXY_URL", ""),
+        }
+        cmd = self.command.format(**{k: shlex.quote(v) for k, v in values.items()})
+        return Invocation(["bash", "-c", cmd], env, s.workdir)
+
+
+def presets() -> dict[str, Preset]:
+    ps: list[Preset] = [Codex(), ClaudeCode(), QwenCode(), *(Pi(v) for v in PI_APIS), Gemini(), OpenCode()]
+    return {p.name: p for p in ps}
+
+
+#: Short aliases accepted wherever a preset name is.
+ALIASES = {"pi": "pi-chat", "claude": "claude-code", "qwen": "qwen-code", "gemini-cli": "gemini"}
+
+
+def get_preset(name: str, command: str = "") -> Preset:
+    if name == "generic" or command:
+        return Generic(command)
+    name = ALIASES.get(name, name)
+    table = presets()
+    if name not in table:
+        raise KeyError(f"unknown harness {name!r}; known: {', '.join([*table, 'generic'])}")
+    return table[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+
+
+@dataclass
+class RunResult:
+    returncode: int | None  # None when it was killed for the timeout
+    timed_out: bool
+    wall_s: float
+    stdout_path: Path
+    stderr_path: Path
+
+    def tail(self, n: int = 2000) -> str:
+        out = []
+        for p in (self.stdout_path, self.stderr_path):
+            with contextlib.suppress(OSError):
+                out.append(p.read_text(errors="replace")[-n:])
+        return "\n".join(out)
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM the process group, then SIGKILL what is left after ``grace`` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    # Stragglers that outlived their leader (daemons a harness forked) still hold the group id.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_invocation(inv: Invocation, timeout: float, log_dir: Path, name: str = "harness") -> RunResult:
+    """Run headless (stdin closed) in its own process group; a hard timeout kills the whole group."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out_p, err_p = log_dir / f"{name}.stdout", log_dir / f"{name}.stderr"
+    t0 = time.monotonic()
+    with open(out_p, "wb") as out, open(err_p, "wb") as err:
+        proc = subprocess.Popen(inv.argv, env=inv.env, cwd=inv.cwd, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=err, start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            rc, timed_out = None, True
+        finally:
+            # On timeout the whole group goes; after a clean exit, whatever it left behind does.
+            kill_group(proc, grace=5.0 if proc.returncode is None else 0.0)
+    return RunResult(rc, timed_out, time.monotonic() - t0, out_p, err_p)

@@ -1,0 +1,520 @@
+"""`polar rollout`: run a harness on every task N times through the proxy, evaluate, record rewards.
+
+Each sample gets its own session id (``<task>.st<step>.s<sample>``), work dir and HOME; the proxy
+captures its calls under that id (the task/group ids are registered through the proxy's control
+API before the harness starts). After the harness ends -- or is killed for the timeout, in which
+case its partial trace is kept and the sample is marked ``timeout`` -- the task's evaluator runs in
+the work dir and its verdict becomes the reward:
+
+* exit code 0: the number on the evaluator's last stdout line if there is one (partial credit),
+  else 1.0;
+* exit code != 0: 0.0;
+* the evaluator could not run or timed out: reward null, ``evaluator_status`` says why.
+  Evaluator failures are recorded, never fatal to the rollout.
+
+Results are written per sample as ``<capture_dir>/rollouts/<key>.json`` the moment a sample
+finishes (atomic rename), and gathered into ``<capture_dir>/rollouts.parquet`` after every sample.
+A re-run skips every sample that already has a result (resume). Several machines may write into one
+shared capture directory, each running its own proxy and ``--shard I/N`` of the task list: per-sample
+files never collide, and every machine rebuilds the Parquet from all of them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import hashlib
+import json
+import os
+import re
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import orjson
+import polars as pl
+
+from polar_analysis.schema import SESSIONS_SUBDIR, valid_session_id
+from polar_runtime.harnesses import Endpoint, Preset, Session, kill_group, run_invocation
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+ROLLOUTS_SUBDIR = "rollouts"
+ROLLOUTS_FILE = "rollouts.parquet"
+
+STATUSES = ("ok", "failed", "timeout")
+
+#: rollouts.parquet columns (the first twelve are the contract; the rest are for debugging).
+ROLLOUT_SCHEMA: dict[str, pl.DataType] = {
+    "task_id": pl.String,
+    "sample_index": pl.Int64,
+    "session_id": pl.String,
+    "group_id": pl.String,
+    "step": pl.Int64,
+    "status": pl.String,  # ok | failed | timeout
+    "reward": pl.Float64,  # null when the evaluator could not give a verdict
+    "calls": pl.Int64,
+    "prompt_tokens": pl.Int64,  # sum over the session's calls of len(prompt_token_ids)
+    "sampled_tokens": pl.Int64,  # sum over the session's calls of len(sampled_token_ids)
+    "wall_s": pl.Float64,  # harness wall time
+    "evaluator_output": pl.String,
+    "evaluator_status": pl.String,  # pass | fail | error | timeout | none
+    "eval_s": pl.Float64,
+    "exit_code": pl.Int64,
+    "harness": pl.String,
+    "mode": pl.String,
+    "model": pl.String,
+    "attempt": pl.Int64,
+    "error": pl.String,
+    "started_at": pl.Float64,
+    "workdir": pl.String,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# tasks
+
+
+@dataclass
+class Task:
+    """One task of a tasks file (JSON Lines, one object per line).
+
+    Keys: ``id`` (or ``task_id``), ``instruction`` (or ``prompt``), optional ``files``
+    ({relative path: content} written into the work dir), ``setup`` (shell command run in the work
+    dir before the harness), ``evaluator`` (shell command run in the work dir afterwards) and
+    ``timeout`` (seconds, overrides ``--timeout`` for this task).
+    """
+
+    id: str
+    instruction: str
+    files: dict[str, str] = field(default_factory=dict)
+    setup: str | None = None
+    evaluator: str | None = None
+    timeout: float | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Task":
+        tid = d.get("id", d.get("task_id"))
+        text = d.get("instruction", d.get("prompt"))
+        if not tid or not isinstance(tid, str):
+            raise ValueError(f"task without an id: {d!r:.200}")
+        if not text or not isinstance(text, str):
+            raise ValueError(f"task {tid!r} has no instruction")
+        files = d.get("files") or {}
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+            raise ValueError(f"task {tid!r}: files must map relative paths to text")
+        return cls(tid, text, dict(files), d.get("setup"), d.get("evaluator"), d.get("timeout"))
+
+
+def builtin_tasks() -> list[Path]:
+    return sorted(TASKS_DIR.glob("*.jsonl"))
+
+
+def resolve_tasks_path(spec: str | Path) -> Path:
+    """A path, or the name of a built-in tasks file (``coding`` -> polar_runtime/tasks/coding.jsonl)."""
+    p = Path(spec)
+    if p.exists():
+        return p
+    builtin = TASKS_DIR / f"{spec}.jsonl"
+    if builtin.exists():
+        return builtin
+    raise FileNotFoundError(f"no tasks file {spec!r} (built-in: {', '.join(b.stem for b in builtin_tasks())})")
+
+
+def load_tasks(spec: str | Path) -> list[Task]:
+    path = resolve_tasks_path(spec)
+    tasks: list[Task] = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            tasks.append(Task.from_dict(json.loads(line)))
+        except (ValueError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}:{n}: {exc}") from exc
+    ids = [t.id for t in tasks]
+    dup = {i for i in ids if ids.count(i) > 1}
+    if dup:
+        raise ValueError(f"{path}: duplicate task ids {sorted(dup)}")
+    return tasks
+
+
+def parse_shard(spec: str | None) -> tuple[int, int]:
+    """``"I/N"`` (0-based I) -> (I, N); None -> (0, 1)."""
+    if not spec:
+        return 0, 1
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", spec)
+    if not m or int(m[2]) < 1 or int(m[1]) >= int(m[2]):
+        raise ValueError(f"--shard must be I/N with 0 <= I < N, not {spec!r}")
+    return int(m[1]), int(m[2])
+
+
+def shard_tasks(tasks: list[Task], index: int, count: int) -> list[Task]:
+    """Tasks of shard ``index`` of ``count``: chosen by a hash of the task id, so the split does not
+    depend on file order and every machine computes the same partition on its own."""
+    def bucket(t: Task) -> int:
+        return int.from_bytes(hashlib.sha1(t.id.encode()).digest()[:8], "big") % count
+    return [t for t in tasks if bucket(t) == index]
+
+
+# ---------------------------------------------------------------------------------------------
+# ids
+
+
+def _safe(text: str, limit: int = 80) -> str:
+    s = re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-.") or "task"
+    s = re.sub(r"\.\.+", ".", s)
+    if not s[0].isalnum():
+        s = "t" + s
+    if len(s) > limit or s != text:  # keep ids distinct when sanitizing merged two task ids
+        digest = hashlib.sha1(text.encode()).hexdigest()[:8]
+        s = f"{s[: limit - 9]}-{digest}"
+    return s
+
+
+def group_id_for(task_id: str, step: int) -> str:
+    return f"{_safe(task_id)}.st{step}"
+
+
+def sample_key(task_id: str, step: int, sample: int) -> str:
+    return f"{group_id_for(task_id, step)}.s{sample}"
+
+
+def session_id_for(task_id: str, step: int, sample: int, attempt: int = 0) -> str:
+    """Deterministic, so a re-run finds its results; ``.r<attempt>`` only when an earlier attempt
+    of the same sample left captures but no result (a crash), so attempts never share a session."""
+    sid = sample_key(task_id, step, sample) + (f".r{attempt}" if attempt else "")
+    assert valid_session_id(sid), sid
+    return sid
+
+
+# ---------------------------------------------------------------------------------------------
+# work dirs, evaluator, capture statistics
+
+
+def _shell(cmd: str, cwd: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int | None, str, float]:
+    """Run ``cmd`` with bash in its own process group; (exit code or None on timeout, output, secs)."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(["bash", "-c", cmd], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        rc: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        kill_group(proc, grace=2.0)
+        out, _ = proc.communicate()
+        rc = None
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, 9)
+    return rc, out.decode(errors="replace"), time.monotonic() - t0
+
+
+def prepare_workdir(task: Task, workdir: Path, timeout: float = 300.0) -> str | None:
+    """Write the task's files and run its setup command. Returns an error message or None."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    root = workdir.resolve()
+    for rel, content in task.files.items():
+        target = (workdir / rel).resolve()
+        if root not in target.parents:
+            return f"task file {rel!r} escapes the work dir"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content)
+    if task.setup:
+        rc, out, _ = _shell(task.setup, workdir, timeout)
+        if rc != 0:
+            return f"setup {'timed out' if rc is None else f'exited {rc}'}: {out[-1000:]}"
+    return None
+
+
+@dataclass
+class Evaluation:
+    reward: float | None
+    status: str  # pass | fail | error | timeout | none
+    output: str
+    seconds: float = 0.0
+
+
+_NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
+
+
+def reward_from(rc: int | None, output: str) -> tuple[float | None, str]:
+    """The reward rule: exit 0 -> number on the last stdout line, else 1.0; exit != 0 -> 0.0."""
+    if rc is None:
+        return None, "timeout"
+    if rc != 0:
+        return 0.0, "fail"
+    lines = [ln.strip() for ln in output.strip().splitlines() if ln.strip()]
+    if lines and _NUMBER.fullmatch(lines[-1]):
+        value = float(lines[-1])
+        if value != value or value in (float("inf"), float("-inf")):
+            return None, "error"
+        return value, "pass" if value > 0 else "fail"
+    return 1.0, "pass"
+
+
+def evaluate(task: Task, workdir: Path, timeout: float = 120.0) -> Evaluation:
+    if not task.evaluator:
+        return Evaluation(None, "none", "")
+    try:
+        rc, out, secs = _shell(task.evaluator, workdir, timeout)
+    except OSError as exc:  # bash missing, work dir gone: recorded, not fatal
+        return Evaluation(None, "error", f"evaluator could not start: {exc}")
+    reward, status = reward_from(rc, out)
+    if rc is None:
+        out += f"\n[polar] evaluator timed out after {timeout:.0f} s"
+    elif rc in (126, 127) and status == "fail":  # shell: not executable / command not found
+        reward, status = None, "error"
+    return Evaluation(reward, status, out[-4000:], secs)
+
+
+def session_capture_files(capture_dir: Path, session_id: str) -> list[Path]:
+    return [p for p in [capture_dir / SESSIONS_SUBDIR / f"{session_id}.jsonl"] if p.exists()]
+
+
+def capture_stats(capture_dir: Path, session_id: str) -> tuple[int, int, int]:
+    """(calls, prompt tokens, sampled tokens) of one session, from its capture file.
+
+    Torn or foreign lines are skipped (the loader's rule); counts are of ids as captured."""
+    calls = prompt = sampled = 0
+    for path in session_capture_files(capture_dir, session_id):
+        with open(path, "rb") as fh:
+            for line in fh:
+                if not line.endswith(b"\n"):
+                    continue
+                try:
+                    rec = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    continue
+                if rec.get("record_type", "call") != "call" or rec.get("session_id") != session_id:
+                    continue
+                calls += 1
+                prompt += len(rec.get("prompt_token_ids") or ())
+                sampled += len(rec.get("sampled_token_ids") or ())
+    return calls, prompt, sampled
+
+
+# ---------------------------------------------------------------------------------------------
+# results
+
+
+class ResultStore:
+    """Per-sample result files plus the gathered Parquet, safe for many writers."""
+
+    def __init__(self, capture_dir: Path):
+        self.capture_dir = capture_dir
+        self.dir = capture_dir / ROLLOUTS_SUBDIR
+        self.parquet = capture_dir / ROLLOUTS_FILE
+        self._lock = threading.Lock()
+        self._last_write = float("-inf")
+
+    def path(self, key: str) -> Path:
+        return self.dir / f"{key}.json"
+
+    def done(self, key: str) -> dict[str, Any] | None:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(self.path(key).read_text())
+        return None
+
+    def put(self, key: str, row: dict[str, Any]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp.write_text(json.dumps(row))
+        os.replace(tmp, self.path(key))
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = []
+        for p in sorted(self.dir.glob("*.json")):
+            with contextlib.suppress(OSError, ValueError):
+                out.append(json.loads(p.read_text()))
+        return out
+
+    def frame(self) -> pl.DataFrame:
+        rows = [{k: r.get(k) for k in ROLLOUT_SCHEMA} for r in self.rows()]
+        return pl.DataFrame(rows, schema=ROLLOUT_SCHEMA).sort("step", "task_id", "sample_index")
+
+    def write_parquet(self, *, min_interval: float = 0.0) -> pl.DataFrame | None:
+        """Gather every result file into rollouts.parquet (atomic replace). With ``min_interval``,
+        skip (return None) when the last write was more recent: big runs do not rewrite per sample."""
+        with self._lock:
+            now = time.monotonic()
+            if min_interval and now - self._last_write < min_interval:
+                return None
+            self._last_write = now
+            df = self.frame()
+            tmp = self.capture_dir / f".{ROLLOUTS_FILE}.{os.getpid()}.tmp"
+            df.write_parquet(tmp)
+            os.replace(tmp, self.parquet)
+            return df
+
+
+# ---------------------------------------------------------------------------------------------
+# the proxy's control API (task/group ids of a session)
+
+
+class SessionRegistry:
+    """Tells the proxy which task/group/sample a session id belongs to, and when it ended.
+
+    ``register``/``finish`` are no-ops without a control URL (the ids are still in rollouts.parquet
+    and can be joined on session_id)."""
+
+    def __init__(self, control: Any | None = None):
+        self.control = control  # an object with register_session(...) / end_session(...), or None
+
+    def register(self, session_id: str, task_id: str, group_id: str, sample_index: int, step: int) -> None:
+        if self.control is not None:
+            self.control.register_session(session_id, task_id=task_id, group_id=group_id,
+                                          sample_index=sample_index, step=step)
+
+    def finish(self, session_id: str, status: str, reward: float | None) -> None:
+        if self.control is not None and hasattr(self.control, "end_session"):
+            with contextlib.suppress(Exception):  # marking is best effort; the row is authoritative
+                self.control.end_session(session_id, status=status, reward=reward)
+
+
+# ---------------------------------------------------------------------------------------------
+# the runner
+
+
+@dataclass
+class RolloutConfig:
+    tasks: list[Task]
+    preset: Preset
+    endpoint: Endpoint
+    capture_dir: Path
+    model: str
+    samples: int = 4
+    concurrency: int = 1
+    timeout: float = 600.0
+    eval_timeout: float = 120.0
+    step: int = 0
+    work_root: Path | None = None  # default <capture_dir>/work
+    trim: bool = True
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def work(self) -> Path:
+        return self.work_root or self.capture_dir / "work"
+
+
+@dataclass
+class Job:
+    task: Task
+    sample: int
+
+
+def plan(cfg: RolloutConfig, store: ResultStore) -> tuple[list[Job], list[dict[str, Any]]]:
+    """(samples still to run, rows of samples already finished). Task-major order, so each task's
+    samples run back to back and the server's prefix cache holds their shared prompt."""
+    todo, done = [], []
+    for task in cfg.tasks:
+        for i in range(cfg.samples):
+            row = store.done(sample_key(task.id, cfg.step, i))
+            if row is not None and row.get("status") in STATUSES:
+                done.append(row)
+            else:
+                todo.append(Job(task, i))
+    return todo, done
+
+
+def next_attempt(cfg: RolloutConfig, task_id: str, sample: int) -> int:
+    attempt = 0
+    while session_capture_files(cfg.capture_dir, session_id_for(task_id, cfg.step, sample, attempt)):
+        attempt += 1
+    return attempt
+
+
+def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[str, Any]:
+    """One harness run, end to end; never raises for harness or evaluator failures."""
+    task, i = job.task, job.sample
+    attempt = next_attempt(cfg, task.id, i)
+    sid = session_id_for(task.id, cfg.step, i, attempt)
+    gid = group_id_for(task.id, cfg.step)
+    workdir = cfg.work / sid / "work"
+    home = cfg.work / sid / "home"
+    row: dict[str, Any] = dict(
+        task_id=task.id, sample_index=i, session_id=sid, group_id=gid, step=cfg.step,
+        status="failed", reward=None, calls=0, prompt_tokens=0, sampled_tokens=0, wall_s=0.0,
+        evaluator_output="", evaluator_status="none", eval_s=0.0, exit_code=None,
+        harness=cfg.preset.name, mode=cfg.endpoint.mode, model=cfg.model, attempt=attempt,
+        error=None, started_at=time.time(), workdir=str(workdir),
+    )
+    err = prepare_workdir(task, workdir)
+    if err:
+        row["error"] = err
+        return row
+    registry.register(sid, task.id, gid, i, cfg.step)
+    session = Session(session_id=sid, task=task.instruction, workdir=workdir, home=home, model=cfg.model,
+                      endpoint=cfg.endpoint, trim=cfg.trim, extra_env=dict(cfg.extra_env))
+    try:
+        inv = cfg.preset.prepare(session)
+        result = run_invocation(inv, task.timeout or cfg.timeout, cfg.work / sid / "logs", cfg.preset.name)
+    except Exception as exc:  # noqa: BLE001 - a preset that cannot start is a failed sample, not a crash
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        return row
+    row["wall_s"] = round(result.wall_s, 3)
+    row["exit_code"] = result.returncode
+    if result.timed_out:
+        row["status"] = "timeout"
+        row["error"] = f"killed after {task.timeout or cfg.timeout:.0f} s"
+    elif result.returncode == 0:
+        row["status"] = "ok"
+    else:
+        row["status"] = "failed"
+        row["error"] = result.tail(600).strip()[-600:] or f"exit code {result.returncode}"
+    ev = evaluate(task, workdir, cfg.eval_timeout)
+    row.update(reward=ev.reward, evaluator_status=ev.status, evaluator_output=ev.output, eval_s=round(ev.seconds, 3))
+    row["calls"], row["prompt_tokens"], row["sampled_tokens"] = capture_stats(cfg.capture_dir, sid)
+    registry.finish(sid, row["status"], row["reward"])
+    return row
+
+
+def run_rollout(
+    cfg: RolloutConfig,
+    *,
+    control: Any | None = None,
+    on_start: Callable[[int, int], None] | None = None,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
+) -> pl.DataFrame:
+    """Run every sample not finished yet; return the whole rollouts frame (old and new rows)."""
+    if cfg.samples < 1 or cfg.concurrency < 1:
+        raise ValueError("samples and concurrency must be >= 1")
+    cfg.capture_dir.mkdir(parents=True, exist_ok=True)
+    store = ResultStore(cfg.capture_dir)
+    todo, done = plan(cfg, store)
+    if on_start:
+        on_start(len(todo), len(done))
+    registry = SessionRegistry(control)
+
+    def one(job: Job) -> dict[str, Any]:
+        row = run_sample(cfg, job, registry)
+        store.put(sample_key(job.task.id, cfg.step, job.sample), row)
+        store.write_parquet(min_interval=10.0)
+        return row
+
+    with cf.ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="rollout") as pool:
+        for fut in cf.as_completed([pool.submit(one, j) for j in todo]):
+            row = fut.result()
+            if on_result:
+                on_result(row)
+    df = store.write_parquet()
+    assert df is not None
+    return df
+
+
+def summarize(df: pl.DataFrame) -> pl.DataFrame:
+    """Per task: samples, status counts, mean reward, calls and tokens -- the table printed at the end."""
+    return (
+        df.group_by("task_id")
+        .agg(
+            pl.len().alias("samples"),
+            (pl.col("status") == "ok").sum().alias("ok"),
+            (pl.col("status") == "timeout").sum().alias("timeout"),
+            (pl.col("status") == "failed").sum().alias("failed"),
+            pl.col("reward").mean().alias("mean_reward"),
+            pl.col("calls").sum().alias("calls"),
+            pl.col("sampled_tokens").sum().alias("sampled_tokens"),
+            pl.col("wall_s").mean().alias("mean_wall_s"),
+        )
+        .sort("task_id")
+    )
