@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -496,7 +497,8 @@ class Generic(Preset):
             "api_key": s.api_key, "model": s.model, "base_url": s.endpoint.base_url,
             "proxy_url": env.get("POLAR_PROXY_URL", ""),
         }
-        cmd = self.command.format(**{k: shlex.quote(v) for k, v in values.items()})
+        # Only the known placeholders are replaced, so shell braces (${VAR}, awk '{print}') survive.
+        cmd = re.sub(r"\{(" + "|".join(values) + r")\}", lambda m: shlex.quote(values[m[1]]), self.command)
         return Invocation(["bash", "-c", cmd], env, s.workdir)
 
 
