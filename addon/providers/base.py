@@ -45,6 +45,9 @@ class NormalizedCall:
     stream: bool  # the harness asked for a streamed answer
     requested_model: str  # restored in every answer
     notes: list[str] = field(default_factory=list)  # what was dropped/flattened/stripped, counted
+    # What the answer translation needs to know about the request and the engine must not see
+    # (e.g. the harness asked for logprobs / a usage chunk). Pass the call to from_chat/new_stream.
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 class StreamTranslator:
@@ -73,13 +76,22 @@ class Provider:
         """Native request -> normalized chat request. Raises ProviderError for bad input."""
         raise NotImplementedError
 
-    def from_chat(self, response: dict[str, Any], requested_model: str) -> dict[str, Any]:
+    def from_chat(
+        self, response: dict[str, Any], requested_model: str, call: NormalizedCall | None = None
+    ) -> dict[str, Any]:
         """A whole chat.completion (message.content / reasoning / tool_calls, finish_reason, usage)
-        -> the native non-streaming answer."""
+        -> the native non-streaming answer. ``call`` (the to_chat result) carries its options."""
         raise NotImplementedError
 
-    def new_stream(self, requested_model: str) -> StreamTranslator:
+    def new_stream(
+        self, requested_model: str, call: NormalizedCall | None = None
+    ) -> StreamTranslator:
         raise NotImplementedError
+
+    def side_call(self, method: str, path: str) -> str | None:
+        """Name of a side endpoint of this format that the core answers itself instead of
+        generating (e.g. Anthropic's ``count_tokens``), or None for a normal generation call."""
+        return None
 
     def error_response(self, status: int, kind: str, message: str) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body) of an error in this provider's own shape."""

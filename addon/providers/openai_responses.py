@@ -1,0 +1,587 @@
+"""OpenAI Responses (``/v1/responses``, also ``/responses``) <-> chat. Codex's only wire API.
+
+Input items become chat messages: ``instructions`` and leading system/developer items form the
+system message; the reasoning / message / function_call items of one model turn are merged back
+into one assistant message (``reasoning``, ``content``, ``tool_calls``), exactly the shape our own
+answer had, so re-rendering a history reproduces the sampled turn; ``function_call_output`` items
+become tool messages. Only ``function`` tools reach the engine (``namespace`` tools are flattened
+into their function tools); hosted tool kinds are dropped and counted.
+
+Answers: a ``response`` object with reasoning (summary_text), message (output_text) and
+function_call items; streams are the Responses event sequence with ``sequence_number`` on every
+event, ending in ``response.completed`` (or ``response.incomplete``) with the full response.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .base import NormalizedCall, Provider, ProviderError, StreamTranslator
+from .common import (
+    PART_SEPARATOR,
+    SYSTEM_SEPARATOR,
+    ChunkReader,
+    Event,
+    Notes,
+    base_id,
+    cached_tokens,
+    dump_arguments,
+    iter_text_parts,
+    read_answer,
+    require_dict,
+    require_list,
+    require_str,
+    sse,
+)
+from .openai_chat import openai_error
+
+TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+MEDIA_PARTS = ("input_image", "input_file", "input_audio", "image_url")
+IGNORED_FIELDS = (
+    "store",
+    "include",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "metadata",
+    "user",
+    "service_tier",
+    "truncation",
+    "background",
+    "safety_identifier",
+    "stream_options",
+    "client_metadata",
+    "top_logprobs",
+    "max_tool_calls",
+)
+HANDLED_FIELDS = (
+    "model", "input", "instructions", "stream", "tools", "tool_choice", "parallel_tool_calls",
+    "max_output_tokens", "temperature", "top_p", "reasoning", "text",
+    "previous_response_id", "conversation",
+)
+DROPPED_ITEMS = (
+    "web_search_call", "file_search_call", "computer_call", "computer_call_output",
+    "image_generation_call", "code_interpreter_call", "mcp_call", "mcp_list_tools",
+    "mcp_approval_request", "mcp_approval_response", "compaction", "tool_search_call",
+    "tool_search_output",
+)
+
+
+def _path_only(path: str) -> str:
+    return path.split("?", 1)[0].rstrip("/")
+
+
+def _parts_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in require_list(content, where):
+        if isinstance(part, dict) and part.get("type") == "refusal":
+            texts.append(require_str(part.get("refusal"), f"{where} refusal"))
+        else:
+            texts.extend(iter_text_parts([part], text_types=TEXT_PARTS, media_types=MEDIA_PARTS,
+                                         where=where))
+    return PART_SEPARATOR.join(texts)
+
+
+def _tool_output_text(output: Any, where: str) -> str:
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list):
+        return _parts_text(output, where)
+    raise ProviderError(f"{where}: output must be a string or an array of parts")
+
+
+class _Builder:
+    """Accumulates chat messages; one open assistant message collects a model turn's items."""
+
+    def __init__(self, notes: Notes):
+        self.notes = notes
+        self.system: list[str] = []
+        self.messages: list[dict[str, Any]] = []
+        self.assistant: dict[str, Any] | None = None
+
+    def close(self) -> None:
+        self.assistant = None
+
+    def _assistant(self, fresh_if: tuple[str, ...]) -> dict[str, Any]:
+        a = self.assistant
+        if a is None or any(a.get(k) for k in fresh_if):
+            a = {"role": "assistant", "content": ""}
+            self.messages.append(a)
+            self.assistant = a
+        return a
+
+    def system_text(self, text: str, role: str) -> None:
+        self.close()
+        if role == "developer":
+            self.notes.add("developer role mapped to system")
+        if self.messages:
+            self.messages.append({"role": "system", "content": text})
+            self.notes.add("kept inline system message in place")
+        else:
+            self.system.append(text)
+
+    def user(self, text: str) -> None:
+        self.close()
+        self.messages.append({"role": "user", "content": text})
+
+    def assistant_text(self, text: str) -> None:
+        a = self._assistant(("content", "tool_calls"))
+        a["content"] = text
+
+    def reasoning(self, text: str) -> None:
+        a = self._assistant(("content", "tool_calls", "reasoning"))
+        # keep key order role, content, reasoning, tool_calls for a deterministic request
+        a["reasoning"] = text
+
+    def tool_call(self, call_id: str, name: str, arguments: str) -> None:
+        a = self._assistant(())
+        a.setdefault("tool_calls", []).append(
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        )
+
+    def tool_output(self, call_id: str, text: str) -> None:
+        self.close()
+        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+
+    def result(self) -> list[dict[str, Any]]:
+        out = list(self.messages)
+        if self.system:
+            out.insert(0, {"role": "system", "content": SYSTEM_SEPARATOR.join(self.system)})
+        return out
+
+
+def _input_items(items: list[Any], b: _Builder) -> None:
+    notes = b.notes
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        item = require_dict(item, where)
+        kind = item.get("type") or ("message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            text = _parts_text(item.get("content"), where)
+            if role in ("system", "developer"):
+                b.system_text(text, role)
+            elif role == "user":
+                b.user(text)
+            elif role == "assistant":
+                b.assistant_text(text)
+            else:
+                raise ProviderError(f"{where}: unknown role {role!r}")
+        elif kind == "reasoning":
+            texts = [_parts_text(item.get("content"), where)] if item.get("content") else []
+            if not texts:
+                texts = [_parts_text([s], where) for s in item.get("summary") or []]
+            text = SYSTEM_SEPARATOR.join(t for t in texts if t)
+            if text:
+                b.reasoning(text)
+            else:
+                notes.add("reasoning item without readable text dropped")
+            if item.get("encrypted_content"):
+                notes.add("ignored reasoning encrypted_content")
+        elif kind == "function_call":
+            arguments = item.get("arguments")
+            b.tool_call(require_str(item.get("call_id"), f"{where}.call_id"),
+                        require_str(item.get("name"), f"{where}.name"),
+                        arguments if isinstance(arguments, str) else dump_arguments(arguments))
+        elif kind == "function_call_output":
+            b.tool_output(require_str(item.get("call_id"), f"{where}.call_id"),
+                          _tool_output_text(item.get("output"), where))
+        elif kind == "custom_tool_call":
+            b.tool_call(require_str(item.get("call_id"), f"{where}.call_id"),
+                        require_str(item.get("name"), f"{where}.name"),
+                        dump_arguments({"input": item.get("input", "")}))
+            notes.add("custom_tool_call rendered as a function call with {input}")
+        elif kind == "custom_tool_call_output":
+            b.tool_output(require_str(item.get("call_id"), f"{where}.call_id"),
+                          _tool_output_text(item.get("output"), where))
+        elif kind == "local_shell_call":
+            call_id = item.get("call_id") or item.get("id")
+            b.tool_call(require_str(call_id, f"{where}.call_id"), "local_shell",
+                        dump_arguments(item.get("action") or {}))
+            notes.add("local_shell_call rendered as a local_shell function call")
+        elif kind == "local_shell_call_output":
+            call_id = item.get("call_id") or item.get("id")
+            b.tool_output(require_str(call_id, f"{where}.call_id"),
+                          _tool_output_text(item.get("output"), where))
+        elif kind == "item_reference":
+            raise ProviderError("item_reference needs stored responses, which the proxy does "
+                                "not keep: send the items themselves", kind="unsupported")
+        elif kind in DROPPED_ITEMS:
+            notes.add(f"dropped input item {kind}")
+        else:
+            raise ProviderError(f"{where}: unknown input item type {kind!r}")
+
+
+def _function_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    fn: dict[str, Any] = {"name": require_str(tool.get("name"), "tool name")}
+    if tool.get("description"):
+        fn["description"] = tool["description"]
+    params = tool.get("parameters")
+    fn["parameters"] = params if isinstance(params, dict) else {"type": "object", "properties": {}}
+    return {"type": "function", "function": fn}
+
+
+def _tools(tools: list[Any], notes: Notes) -> list[dict[str, Any]]:
+    out = []
+    for tool in tools:
+        tool = require_dict(tool, "tool")
+        kind = tool.get("type")
+        if kind == "function":
+            out.append(_function_tool(tool))
+        elif kind == "namespace":
+            inner = [t for t in tool.get("tools") or [] if isinstance(t, dict)
+                     and t.get("type", "function") == "function"]
+            if inner:
+                out.extend(_function_tool(t) for t in inner)
+                notes.add(f"flattened namespace tool {tool.get('name')} ({len(inner)} functions)")
+            else:
+                notes.add("dropped tool kind namespace")
+        else:
+            notes.add(f"dropped tool kind {kind}")
+    return out
+
+
+def _tool_choice(choice: Any, tool_names: set[str], notes: Notes) -> Any:
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise ProviderError(f"unknown tool_choice {choice!r}")
+        return choice
+    choice = require_dict(choice, "tool_choice")
+    kind = choice.get("type")
+    if kind == "function":
+        name = require_str(choice.get("name"), "tool_choice.name")
+        if name in tool_names:
+            return {"type": "function", "function": {"name": name}}
+    elif kind == "allowed_tools":
+        notes.add("allowed_tools tool_choice reduced to its mode")
+        return "required" if choice.get("mode") == "required" else "auto"
+    notes.add(f"tool_choice {kind} for a dropped tool replaced by auto")
+    return "auto"
+
+
+def _response_format(fmt: Any) -> dict[str, Any] | None:
+    fmt = require_dict(fmt, "text.format")
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        spec = {"name": fmt.get("name") or "response", "schema": fmt.get("schema") or {}}
+        for key in ("description", "strict"):
+            if key in fmt:
+                spec[key] = fmt[key]
+        return {"type": "json_schema", "json_schema": spec}
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind in (None, "text"):
+        return None
+    raise ProviderError(f"unknown text.format type {kind!r}")
+
+
+def _usage(prompt: int, completion: int, usage: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached_tokens(usage)},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
+def _response(rid: str, model: str, created: int, status: str, output: list[dict[str, Any]],
+              usage: dict[str, Any] | None, options: dict[str, Any]) -> dict[str, Any]:
+    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "background": False,
+        "error": None,
+        "incomplete_details": incomplete,
+        "instructions": None,
+        "max_output_tokens": options.get("max_output_tokens"),
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": options.get("parallel_tool_calls", True),
+        "previous_response_id": None,
+        "reasoning": {"effort": options.get("reasoning_effort"), "summary": None},
+        "store": False,
+        "temperature": options.get("temperature"),
+        "text": {"format": {"type": "text"}},
+        "tool_choice": "auto",
+        "tools": [],
+        "top_p": options.get("top_p"),
+        "truncation": "disabled",
+        "usage": usage,
+        "metadata": {},
+    }
+
+
+def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant",
+            "content": content if status == "completed" else []}
+
+
+def _reasoning_item(item_id: str, text: str | None) -> dict[str, Any]:
+    summary = [] if text is None else [{"type": "summary_text", "text": text}]
+    return {"id": item_id, "type": "reasoning", "summary": summary}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str,
+               status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "status": status, "arguments": arguments,
+            "call_id": call_id, "name": name}
+
+
+class OpenAIResponsesProvider(Provider):
+    name = "openai_responses"
+
+    def detect(self, method: str, path: str, headers: dict[str, str], body: Any) -> bool:
+        return method.upper() == "POST" and _path_only(path).endswith("/responses")
+
+    def to_chat(self, body: dict[str, Any], path: str, query: dict[str, str]) -> NormalizedCall:
+        body = require_dict(body)
+        notes = Notes()
+        model = require_str(body.get("model"), "model")
+        for key in ("previous_response_id", "conversation"):
+            if body.get(key):
+                raise ProviderError(f"{key} needs stored responses, which the proxy does not "
+                                    "keep: send the full input (store=false)", kind="unsupported")
+        b = _Builder(notes)
+        instructions = body.get("instructions")
+        if instructions:
+            b.system.append(_parts_text(instructions, "instructions"))
+        raw_input = body.get("input")
+        if isinstance(raw_input, str):
+            b.user(raw_input)
+        elif isinstance(raw_input, list):
+            _input_items(raw_input, b)
+        else:
+            raise ProviderError("input must be a string or an array of items")
+        messages = b.result()
+        if not messages:
+            raise ProviderError("input must not be empty")
+        chat: dict[str, Any] = {"model": model, "messages": messages}
+        if body.get("tools"):
+            tools = _tools(require_list(body["tools"], "tools"), notes)
+            if tools:
+                chat["tools"] = tools
+        if body.get("tool_choice") is not None and chat.get("tools"):
+            names = {t["function"]["name"] for t in chat["tools"]}
+            chat["tool_choice"] = _tool_choice(body["tool_choice"], names, notes)
+        if body.get("parallel_tool_calls") is not None and chat.get("tools"):
+            chat["parallel_tool_calls"] = bool(body["parallel_tool_calls"])
+        if body.get("max_output_tokens") is not None:
+            chat["max_tokens"] = body["max_output_tokens"]
+        for key in ("temperature", "top_p"):
+            if body.get(key) is not None:
+                chat[key] = body[key]
+        effort = None
+        reasoning = body.get("reasoning")
+        if reasoning is not None:
+            effort = require_dict(reasoning, "reasoning").get("effort")
+            if effort is not None:
+                chat["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
+        text = body.get("text")
+        if text is not None:
+            text = require_dict(text, "text")
+            if text.get("format") is not None:
+                fmt = _response_format(text["format"])
+                if fmt:
+                    chat["response_format"] = fmt
+            if "verbosity" in text:
+                notes.add("ignored text.verbosity")
+        for key in body:
+            if key in IGNORED_FIELDS:
+                notes.add(f"ignored field {key}")
+            elif key not in HANDLED_FIELDS:
+                notes.add(f"ignored unknown field {key}")
+        stream = bool(body.get("stream"))
+        chat["stream"] = stream
+        options = {
+            "max_output_tokens": body.get("max_output_tokens"),
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"),
+            "reasoning_effort": effort,
+        }
+        return NormalizedCall(chat_request=chat, stream=stream, requested_model=model,
+                              notes=notes.render(), options=options)
+
+    def from_chat(self, response: dict[str, Any], requested_model: str,
+                  call: NormalizedCall | None = None) -> dict[str, Any]:
+        answer = read_answer(response)
+        b = base_id(answer.id)
+        output: list[dict[str, Any]] = []
+        if answer.reasoning:
+            output.append(_reasoning_item(f"rs_{b}", answer.reasoning))
+        if answer.content:
+            output.append(_message_item(f"msg_{b}", answer.content))
+        for i, tc in enumerate(answer.tool_calls):
+            output.append(_call_item(f"fc_{b}_{i}", tc.id, tc.name, tc.arguments))
+        status = "incomplete" if answer.finish_reason == "length" else "completed"
+        usage = answer.usage
+        return _response(
+            f"resp_{b}", requested_model, answer.created or int(time.time()), status, output,
+            _usage(usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0, usage),
+            call.options if call else {},
+        )
+
+    def new_stream(self, requested_model: str,
+                   call: NormalizedCall | None = None) -> StreamTranslator:
+        return ResponsesStream(requested_model, call.options if call else {})
+
+    def error_response(self, status: int, kind: str, message: str) -> tuple[int, dict[str, Any]]:
+        return openai_error(status, kind, message)
+
+
+class ResponsesStream(StreamTranslator):
+    """chat chunks -> Responses events. Items are opened lazily, closed when another starts;
+    the final ``response.completed`` carries every item in output order."""
+
+    def __init__(self, requested_model: str, options: dict[str, Any]):
+        self.model = requested_model
+        self.options = options
+        self.reader = ChunkReader()
+        self.seq = 0
+        self.started = False
+        self.base = ""
+        self.created = 0
+        self.output: list[dict[str, Any] | None] = []  # finished items by output_index
+        self.open: dict[str, Any] | None = None  # {kind, index, id, text[]}
+        self.tools: dict[int, dict[str, Any]] = {}  # chat tool index -> state
+        self.tool_seq = 0
+
+    def _emit(self, kind: str, payload: dict[str, Any]) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **payload}
+        self.seq += 1
+        return sse(data, kind)
+
+    def _snapshot(self, status: str, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        output = [item for item in self.output if item is not None]
+        return _response(f"resp_{self.base}", self.model, self.created, status, output, usage,
+                         self.options)
+
+    def _start(self) -> bytes:
+        if self.started:
+            return b""
+        self.started = True
+        self.base = base_id(self.reader.id)
+        self.created = self.reader.created or int(time.time())
+        snap = self._snapshot("in_progress")
+        return (self._emit("response.created", {"response": snap})
+                + self._emit("response.in_progress", {"response": snap}))
+
+    def _new_index(self) -> int:
+        self.output.append(None)
+        return len(self.output) - 1
+
+    def _close(self) -> bytes:
+        o = self.open
+        if o is None:
+            return b""
+        self.open = None
+        idx, item_id = o["index"], o["id"]
+        if o["kind"] == "reasoning":
+            text = "".join(o["text"])
+            part = {"type": "summary_text", "text": text}
+            item = _reasoning_item(item_id, text)
+            out = self._emit("response.reasoning_summary_text.done",
+                             {"item_id": item_id, "output_index": idx, "summary_index": 0,
+                              "text": text})
+            out += self._emit("response.reasoning_summary_part.done",
+                              {"item_id": item_id, "output_index": idx, "summary_index": 0,
+                               "part": part})
+        elif o["kind"] == "message":
+            text = "".join(o["text"])
+            item = _message_item(item_id, text)
+            part = item["content"][0]
+            out = self._emit("response.output_text.done",
+                             {"item_id": item_id, "output_index": idx, "content_index": 0,
+                              "text": text, "logprobs": []})
+            out += self._emit("response.content_part.done",
+                              {"item_id": item_id, "output_index": idx, "content_index": 0,
+                               "part": part})
+        else:
+            t = o["tool"]
+            arguments = "".join(t["args"])
+            item = _call_item(item_id, t["call_id"], t["name"], arguments)
+            out = self._emit("response.function_call_arguments.done",
+                             {"item_id": item_id, "output_index": idx, "name": t["name"],
+                              "arguments": arguments})
+        self.output[idx] = item
+        return out + self._emit("response.output_item.done", {"output_index": idx, "item": item})
+
+    def _event(self, ev: Event) -> bytes:
+        out = b""
+        o = self.open
+        if ev.kind == "reasoning":
+            if o is None or o["kind"] != "reasoning":
+                out += self._close()
+                idx = self._new_index()
+                item_id = f"rs_{self.base}_{idx}"
+                self.open = o = {"kind": "reasoning", "index": idx, "id": item_id, "text": []}
+                out += self._emit("response.output_item.added",
+                                  {"output_index": idx, "item": _reasoning_item(item_id, None)})
+                out += self._emit("response.reasoning_summary_part.added",
+                                  {"item_id": item_id, "output_index": idx, "summary_index": 0,
+                                   "part": {"type": "summary_text", "text": ""}})
+            o["text"].append(ev.text)
+            return out + self._emit("response.reasoning_summary_text.delta",
+                                    {"item_id": o["id"], "output_index": o["index"],
+                                     "summary_index": 0, "delta": ev.text})
+        if ev.kind == "text":
+            if o is None or o["kind"] != "message":
+                out += self._close()
+                idx = self._new_index()
+                item_id = f"msg_{self.base}_{idx}"
+                self.open = o = {"kind": "message", "index": idx, "id": item_id, "text": []}
+                out += self._emit("response.output_item.added",
+                                  {"output_index": idx,
+                                   "item": _message_item(item_id, "", "in_progress")})
+                out += self._emit("response.content_part.added",
+                                  {"item_id": item_id, "output_index": idx, "content_index": 0,
+                                   "part": {"type": "output_text", "text": "",
+                                            "annotations": [], "logprobs": []}})
+            o["text"].append(ev.text)
+            return out + self._emit("response.output_text.delta",
+                                    {"item_id": o["id"], "output_index": o["index"],
+                                     "content_index": 0, "delta": ev.text, "logprobs": []})
+        if ev.kind == "tool_start":
+            out += self._close()
+            idx = self._new_index()
+            item_id = f"fc_{self.base}_{idx}"
+            t = {"call_id": ev.call_id, "name": ev.name, "args": [], "index": idx, "id": item_id}
+            self.tools[ev.index] = t
+            self.open = {"kind": "function_call", "index": idx, "id": item_id, "tool": t}
+            return out + self._emit(
+                "response.output_item.added",
+                {"output_index": idx,
+                 "item": _call_item(item_id, ev.call_id, ev.name, "", "in_progress")})
+        t = self.tools[ev.index]  # tool_args
+        t["args"].append(ev.text)
+        if self.output[t["index"]] is not None:  # fragment after its item closed: keep it
+            self.output[t["index"]]["arguments"] = "".join(t["args"])
+        return self._emit("response.function_call_arguments.delta",
+                          {"item_id": t["id"], "output_index": t["index"], "delta": ev.text})
+
+    def feed(self, chunk: dict[str, Any]) -> bytes:
+        events = list(self.reader.feed(chunk))
+        return self._start() + b"".join(self._event(ev) for ev in events)
+
+    def finish(self) -> bytes:
+        out = self._start() + b"".join(self._event(ev) for ev in self.reader.flush())
+        out += self._close()
+        status = "incomplete" if self.reader.finish_reason == "length" else "completed"
+        usage = _usage(self.reader.prompt_tokens, self.reader.completion_tokens, self.reader.usage)
+        return out + self._emit(f"response.{status}", {"response": self._snapshot(status, usage)})
+
+    def fail(self, kind: str, message: str) -> bytes:
+        out = self._start()
+        snap = self._snapshot("failed")
+        code = openai_error(500, kind, message)[1]["error"]
+        snap["error"] = {"code": code["code"] or code["type"], "message": code["message"]}
+        return out + self._emit("response.failed", {"response": snap})
