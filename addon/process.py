@@ -1,0 +1,291 @@
+"""Run the Polar proxy as a child process: ``with ProxyProcess(upstream, capture_dir) as proxy: ...``.
+
+Why a process and not an in-process master: the proxy is what harnesses, rollouts, benchmarks and
+tests talk to over sockets, exactly as in production; a child ``mitmdump`` keeps its event loop,
+its crash and its CPU separate from the caller. This module also has a tiny client for the
+proxy's loopback control API (``/_polar/...``), used by the trainer and the rollout runner.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+from polar_runtime import paths
+
+ENTRY_SCRIPT = Path(__file__).resolve().parent / "polar.py"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the caller retries if someone else takes it)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def mitmdump_path() -> str:
+    """mitmdump next to the running interpreter (the project venv), else on PATH."""
+    here = Path(sys.executable).parent / "mitmdump"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mitmdump")
+    if not found:
+        raise FileNotFoundError("mitmdump not found: install mitmproxy==11.0.2 into this environment")
+    return found
+
+
+class ProxyControl:
+    """Client of the loopback control API: status, pause (and drain), resume, policy version, sessions."""
+
+    def __init__(self, base_url: str, timeout: float = 30.0):
+        self.base = base_url.rstrip("/")
+        self.timeout = timeout
+
+    def _call(self, method: str, name: str, body: Any = None, timeout: float | None = None) -> dict[str, Any]:
+        data = orjson.dumps(body) if body is not None else None
+        req = urllib.request.Request(f"{self.base}/_polar/{name}", data=data, method=method,
+                                     headers={"content-type": "application/json"} if data else {})
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via HTTP(S)_PROXY
+        try:
+            with opener.open(req, timeout=timeout or self.timeout) as resp:
+                return orjson.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            payload = exc.read()
+            try:
+                return {"http_status": exc.code, **orjson.loads(payload)}
+            except orjson.JSONDecodeError:
+                raise RuntimeError(f"control API {name}: HTTP {exc.code}: {payload[:200]!r}") from None
+
+    def status(self) -> dict[str, Any]:
+        return self._call("GET", "status")
+
+    def pause(self, drain: bool = True, timeout: float = 300.0) -> dict[str, Any]:
+        """Hold new calls; with ``drain`` also wait until in-flight calls are done."""
+        return self._call("POST", "pause", {"drain": drain, "timeout": timeout}, timeout=timeout + 10)
+
+    def resume(self, policy_version: int | None = None) -> dict[str, Any]:
+        return self._call("POST", "resume", {"policy_version": policy_version} if policy_version is not None else {})
+
+    def set_policy_version(self, version: int) -> dict[str, Any]:
+        return self._call("POST", "policy_version", {"policy_version": version})
+
+    def register_sessions(self, sessions: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+        """Tell the proxy task/group/sample ids of sessions: ``[{session_id, task_id, group_id, sample_index}]``."""
+        return self._call("POST", "sessions", {"sessions": list(sessions)})
+
+    def sessions(self) -> dict[str, Any]:
+        return self._call("GET", "sessions")
+
+    def forget_session(self, session_id: str) -> dict[str, Any]:
+        return self._call("DELETE", "sessions", {"session_id": session_id})
+
+
+class ProxyProcess:
+    """Start ``mitmdump -s addon/polar.py`` on a free loopback port, wait until it serves, stop it.
+
+    ``mode``: ``"reverse"`` (harness base URL = ``proxy.url``) or ``"regular"`` (harness keeps its
+    hosted-API URLs and gets ``proxy.harness_env()``: HTTPS_PROXY and the CA bundle).
+    """
+
+    def __init__(
+        self,
+        upstream: str | Iterable[str],
+        capture_dir: str | os.PathLike[str],
+        *,
+        mode: str = "reverse",
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        confdir: str | os.PathLike[str] | None = None,
+        served_model: str | None = None,
+        engine: str = "vllm",
+        stream_mode: str = "passthrough",
+        intercept_hosts: Iterable[str] | None = None,
+        upstream_timeout: float | None = None,
+        passthrough: bool = True,
+        options: Mapping[str, Any] | None = None,
+        log_file: str | os.PathLike[str] | None = None,
+        startup_timeout: float = 30.0,
+        web: bool = False,
+        env: Mapping[str, str] | None = None,
+    ):
+        if mode not in ("reverse", "regular"):
+            raise ValueError("mode must be 'reverse' or 'regular'")
+        self.upstreams = [upstream] if isinstance(upstream, str) else list(upstream)
+        self.upstreams = [u for part in self.upstreams for u in part.split(",") if u.strip()]
+        if not self.upstreams:
+            raise ValueError("at least one upstream URL is needed")
+        self.capture_dir = Path(capture_dir)
+        self.mode = mode
+        self.host = host
+        self.port = port
+        self.confdir = Path(confdir) if confdir else paths.mitmproxy_confdir()
+        self.served_model = served_model
+        self.engine = engine
+        self.stream_mode = stream_mode
+        self.intercept_hosts = list(intercept_hosts) if intercept_hosts is not None else None
+        self.upstream_timeout = upstream_timeout
+        self.passthrough = passthrough
+        self.options = dict(options or {})
+        self.log_file = Path(log_file) if log_file else None
+        self.startup_timeout = startup_timeout
+        self.web = web
+        self.env = dict(env) if env is not None else None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self._own_log: Path | None = None
+
+    # -- addresses ----------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """The proxy as a server: base URL for reverse mode and for the control API."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def proxy_url(self) -> str:
+        return self.url
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.confdir / "mitmproxy-ca-cert.pem"
+
+    @property
+    def control(self) -> ProxyControl:
+        return ProxyControl(self.url)
+
+    def harness_env(self, session: str | None = None) -> dict[str, str]:
+        """Environment a harness needs to go through this proxy (regular mode) or to it (reverse)."""
+        if self.mode == "reverse":
+            return {"OPENAI_BASE_URL": f"{self.url}/v1", "ANTHROPIC_BASE_URL": self.url,
+                    "GOOGLE_GEMINI_BASE_URL": self.url}
+        auth = f"{session}@" if session else ""
+        proxy = f"http://{auth}{self.host}:{self.port}"
+        ca = str(self.ca_cert)
+        return {"HTTPS_PROXY": proxy, "HTTP_PROXY": proxy, "https_proxy": proxy, "http_proxy": proxy,
+                "NO_PROXY": "", "no_proxy": "", "NODE_EXTRA_CA_CERTS": ca, "SSL_CERT_FILE": ca,
+                "REQUESTS_CA_BUNDLE": ca, "CODEX_CA_CERTIFICATE": ca}
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def command(self) -> list[str]:
+        listen_port = str(self.port)
+        dump = Path(mitmdump_path())
+        cmd = [str(dump.with_name("mitmweb")), "--no-web-open-browser"] if self.web else [str(dump)]
+        cmd += ["--set", "flow_detail=0", "--set", "termlog_verbosity=warn",
+               "-s", str(ENTRY_SCRIPT),
+               "--listen-host", self.host, "--listen-port", listen_port,
+               "--set", f"confdir={self.confdir}",
+               "--set", "connection_strategy=lazy",
+               "--set", f"polar_capture_dir={self.capture_dir}",
+               "--set", f"polar_upstream={','.join(self.upstreams)}",
+               "--set", f"polar_engine={self.engine}",
+               "--set", f"polar_stream_mode={self.stream_mode}",
+               "--set", f"polar_passthrough={'true' if self.passthrough else 'false'}"]
+        if self.mode == "reverse":
+            cmd += ["--mode", f"reverse:{self.upstreams[0]}"]
+        if self.served_model:
+            cmd += ["--set", f"polar_served_model={self.served_model}"]
+        if self.upstream_timeout is not None:
+            cmd += ["--set", f"polar_upstream_timeout={self.upstream_timeout:g}"]
+        if self.intercept_hosts is not None:
+            for h in self.intercept_hosts:
+                cmd += ["--set", f"polar_intercept_hosts={h}"]
+        for key, value in self.options.items():
+            if isinstance(value, bool):
+                value = "true" if value else "false"
+            values = value if isinstance(value, (list, tuple)) else [value]
+            for v in values:
+                cmd += ["--set", f"{key}={v}"]
+        return cmd
+
+    def start(self) -> "ProxyProcess":
+        self.capture_dir.mkdir(parents=True, exist_ok=True)
+        self.confdir.mkdir(parents=True, exist_ok=True)
+        fixed_port = self.port is not None
+        last_error = ""
+        for _ in range(1 if fixed_port else 4):
+            if not fixed_port:
+                self.port = free_port(self.host)
+            if self.log_file is None:
+                fd, name = tempfile.mkstemp(prefix="polar-proxy-", suffix=".log")
+                os.close(fd)
+                self._own_log = Path(name)
+            log_path = self.log_file or self._own_log
+            assert log_path is not None
+            self._log = open(log_path, "ab")
+            env = dict(os.environ if self.env is None else self.env)
+            for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
+                env.pop(k, None)
+            self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+            if self._wait_ready():
+                return self
+            last_error = self.log_tail()
+            self.stop()
+            if "address already in use" not in last_error.lower():
+                break
+        raise RuntimeError(f"polar proxy did not start:\n{last_error}")
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + self.startup_timeout
+        ctl = ProxyControl(self.url, timeout=2)
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                return False
+            try:
+                ctl.status()
+                return True
+            except (OSError, RuntimeError, ValueError):
+                time.sleep(0.05)
+        return False
+
+    def log_tail(self, n: int = 4000) -> str:
+        path = self.log_file or self._own_log
+        if path is None or not path.exists():
+            return ""
+        return path.read_bytes()[-n:].decode("utf-8", "replace")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(5)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._own_log is not None and proc is not None and proc.returncode in (0, -signal.SIGTERM):
+            self._own_log.unlink(missing_ok=True)
+            self._own_log = None
+
+    def __enter__(self) -> "ProxyProcess":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __del__(self) -> None:  # last resort: never leave a mitmdump behind
+        try:
+            self.stop(timeout=2)
+        except Exception:
+            pass

@@ -1,0 +1,240 @@
+"""The inference servers behind the proxy: choice, stickiness, health and backoff.
+
+Why sticky: consecutive calls of one harness run share a long prompt prefix; sending them to the
+same server reuses its prefix cache. New sessions go to the least-loaded server (in-flight calls).
+A server that refuses connections or answers 5xx is taken out and retried after an exponential
+backoff; when every server is out, the one due soonest is tried anyway (the call is the probe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import orjson
+
+
+def normalize_url(url: str) -> str:
+    """``host:port`` or ``http://host:port/`` or ``http://host:port/v1`` -> ``http://host:port``."""
+    url = url.strip()
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) upstream URL: {url!r}")
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.scheme}://{host}:{port}{path}"
+
+
+def parse_upstreams(value: str) -> list[str]:
+    urls = [normalize_url(u) for u in value.split(",") if u.strip()]
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"duplicate upstreams in {value!r}")
+    return urls
+
+
+@dataclass
+class Upstream:
+    url: str
+    in_flight: int = 0
+    healthy: bool = True
+    failures: int = 0  # consecutive
+    retry_at: float = 0.0
+    last_error: str | None = None
+    calls: int = 0
+    errors: int = 0
+    served_model: str | None = None
+    max_model_len: int | None = None
+    sessions: int = 0  # sessions currently pinned here
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        p = urlsplit(self.url)
+        return p.hostname or "", p.port or (443 if p.scheme == "https" else 80)
+
+    def status(self) -> dict:
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+            "calls": self.calls,
+            "errors": self.errors,
+            "failures": self.failures,
+            "retry_in": max(0.0, round(self.retry_at - time.monotonic(), 3)) if not self.healthy else 0.0,
+            "last_error": self.last_error,
+            "served_model": self.served_model,
+            "max_model_len": self.max_model_len,
+            "sessions": self.sessions,
+        }
+
+
+@dataclass
+class UpstreamPool:
+    urls: list[str]
+    backoff_base: float = 0.5
+    backoff_max: float = 30.0
+    max_sticky: int = 100_000
+    upstreams: list[Upstream] = field(init=False)
+    _sticky: OrderedDict[str, Upstream] = field(init=False, default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError("at least one upstream is needed")
+        self.upstreams = [Upstream(u) for u in self.urls]
+
+    def _eligible(self, up: Upstream, now: float) -> bool:
+        return up.healthy or now >= up.retry_at
+
+    def pick(self, session_id: str | None, exclude: set[str] | frozenset[str] = frozenset()) -> Upstream:
+        """The server for this session's next call (sticky while healthy, else least loaded)."""
+        now = time.monotonic()
+        if session_id is not None:
+            up = self._sticky.get(session_id)
+            if up is not None and up.url not in exclude and self._eligible(up, now):
+                self._sticky.move_to_end(session_id)
+                return up
+        candidates = [u for u in self.upstreams if u.url not in exclude and self._eligible(u, now)]
+        if candidates:
+            # Least in-flight; ties go to the one with fewer pinned sessions, then list order.
+            up = min(candidates, key=lambda u: (not u.healthy, u.in_flight, u.sessions))
+        else:
+            rest = [u for u in self.upstreams if u.url not in exclude] or self.upstreams
+            up = min(rest, key=lambda u: u.retry_at)
+        if session_id is not None:
+            self._pin(session_id, up)
+        return up
+
+    def _pin(self, session_id: str, up: Upstream) -> None:
+        old = self._sticky.get(session_id)
+        if old is up:
+            return
+        if old is not None:
+            old.sessions -= 1
+        self._sticky[session_id] = up
+        self._sticky.move_to_end(session_id)
+        up.sessions += 1
+        while len(self._sticky) > self.max_sticky:
+            _, gone = self._sticky.popitem(last=False)
+            gone.sessions -= 1
+
+    def acquire(self, up: Upstream) -> None:
+        up.in_flight += 1
+        up.calls += 1
+
+    def release(self, up: Upstream) -> None:
+        up.in_flight = max(0, up.in_flight - 1)
+
+    def mark_ok(self, up: Upstream) -> None:
+        up.healthy = True
+        up.failures = 0
+        up.retry_at = 0.0
+
+    def mark_failed(self, up: Upstream, error: str) -> None:
+        """Take the server out; it becomes eligible again after an exponential backoff."""
+        up.errors += 1
+        up.failures += 1
+        up.healthy = False
+        up.last_error = error
+        delay = min(self.backoff_max, self.backoff_base * (2 ** (up.failures - 1)))
+        up.retry_at = time.monotonic() + delay
+
+    def forget_session(self, session_id: str) -> None:
+        up = self._sticky.pop(session_id, None)
+        if up is not None:
+            up.sessions -= 1
+
+    def by_host_port(self) -> set[tuple[str, int]]:
+        return {u.host_port for u in self.upstreams}
+
+    def status(self) -> list[dict]:
+        return [u.status() for u in self.upstreams]
+
+
+# ----------------------------------------------------------------------------------------------
+# The stream relay: how a streamed answer gets from the upstream to mitmproxy under our control.
+#
+# mitmproxy can only stream a response that comes from a server connection, and when that
+# connection fails or stalls it answers with its own HTML 502 or just cuts the client off. So the
+# addon performs the upstream exchange itself (aiohttp, with timeouts, health tracking and
+# failover) and points the flow at this loopback relay, which replays the upstream's SSE bytes as
+# they arrive. When the upstream stalls past the timeout or breaks mid-stream, the relay ends its
+# response with one marker event that the flow's stream translator turns into the provider's own
+# in-stream error. The relay lives in mitmproxy's event loop, in the same process.
+# ----------------------------------------------------------------------------------------------
+
+RELAY_TICKET_HEADER = "x-polar-relay-ticket"
+RELAY_ERROR_EVENT = b"polar-relay-error"
+
+
+def relay_error_event(kind: str, message: str) -> bytes:
+    return b"event: " + RELAY_ERROR_EVENT + b"\ndata: " + orjson.dumps({"kind": kind, "message": message}) + b"\n\n"
+
+
+class StreamRelay:
+    """A minimal HTTP/1.1 server on loopback that serves registered upstream streams by ticket.
+
+    ``pump(ticket, write)`` is supplied by the addon: it copies the upstream body with ``write``
+    and returns when done (having written an error event itself when the upstream failed).
+    """
+
+    def __init__(self, pump: Callable[[str, Callable[[bytes], Awaitable[None]]], Awaitable[bool]]):
+        self._pump = pump
+        self._server: asyncio.base_events.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str = "127.0.0.1") -> None:
+        self._server = await asyncio.start_server(self._handle, host, 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                    return
+                lines = head.decode("latin-1").split("\r\n")
+                headers: dict[str, str] = {}
+                for line in lines[1:]:
+                    name, sep, value = line.partition(":")
+                    if sep:
+                        headers[name.strip().lower()] = value.strip()
+                length = int(headers.get("content-length") or 0)
+                if length:
+                    await reader.readexactly(length)
+                ticket = headers.get(RELAY_TICKET_HEADER, "")
+                close = headers.get("connection", "").lower() == "close"
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+                    b"transfer-encoding: chunked\r\n" + (b"connection: close\r\n" if close else b"") + b"\r\n"
+                )
+
+                async def write(data: bytes) -> None:
+                    if data:
+                        writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                        await writer.drain()
+
+                ok = await self._pump(ticket, write)
+                if not ok:  # the mitmproxy side went away: drop the connection
+                    return
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+                if close:
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            writer.close()
