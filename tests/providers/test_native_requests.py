@@ -1,0 +1,444 @@
+"""Hand-built requests in the shapes harnesses send that the fixtures do not cover: Codex's
+Responses input (developer items, namespace / web_search tools, reasoning items), Gemini CLI
+(functionCall with id + thoughtSignature, parallel calls without ids), Claude Code without
+--bare (system messages inside messages, defer_loading tools); media refused; malformed input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from polar_proxy.providers import PROVIDERS, ProviderError, detect_provider
+
+OBJ = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
+
+
+def fn(name):
+    return {"type": "function", "name": name, "description": f"{name} tool", "strict": False,
+            "parameters": OBJ}
+
+
+CODEX = {
+    "model": "gpt-5.1-codex",
+    "input": [
+        {"type": "message", "role": "developer",
+         "content": [{"type": "input_text", "text": "<permissions instructions>sandbox</permissions instructions>"}]},
+        {"type": "message", "role": "developer",
+         "content": [{"type": "input_text", "text": "You are Codex, a coding agent."}]},
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "<environment_context>cwd=/w</environment_context>"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Create hi.txt"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Need a shell."}],
+         "content": None, "encrypted_content": "gAAAAB-opaque"},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_A", "name": "shell_command",
+         "arguments": "{\"command\":\"echo hi > hi.txt\"}"},
+        {"type": "function_call_output", "call_id": "call_A", "output": "Exit code: 0\nOutput:\n"},
+        {"type": "message", "role": "assistant", "id": "msg_1",
+         "content": [{"type": "output_text", "text": "Done.", "annotations": []}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "now list it"}]},
+        {"type": "message", "role": "developer",
+         "content": [{"type": "input_text", "text": "<permissions changed>"}]},
+    ],
+    "tools": [
+        fn("shell_command"), fn("update_plan"),
+        {"type": "namespace", "name": "mcp__fs", "description": "fs server",
+         "tools": [fn("mcp__fs__read")]},
+        {"type": "namespace", "name": "collab", "description": "agents", "tools": []},
+        {"type": "web_search", "external_web_access": False},
+        {"type": "custom", "name": "apply_patch", "format": {"type": "grammar"}},
+        {"type": "local_shell"},
+    ],
+    "tool_choice": "auto",
+    "parallel_tool_calls": False,
+    "reasoning": {"effort": "medium", "summary": "auto"},
+    "store": False,
+    "stream": True,
+    "include": ["reasoning.encrypted_content"],
+    "prompt_cache_key": "019a-thread",
+    "text": {"verbosity": "low"},
+}
+
+
+def test_codex_responses_shape():
+    call = PROVIDERS["openai_responses"].to_chat(CODEX, "/v1/responses", {})
+    chat = call.chat_request
+    msgs = chat["messages"]
+    assert [m["role"] for m in msgs] == ["system", "user", "user", "assistant", "tool",
+                                         "assistant", "user", "system"]
+    assert msgs[0]["content"] == ("<permissions instructions>sandbox</permissions instructions>"
+                                  "\n\nYou are Codex, a coding agent.")
+    turn = msgs[3]
+    assert turn == {"role": "assistant", "content": "", "reasoning": "Need a shell.",
+                    "tool_calls": [{"id": "call_A", "type": "function",
+                                    "function": {"name": "shell_command",
+                                                 "arguments": "{\"command\":\"echo hi > hi.txt\"}"}}]}
+    assert msgs[4] == {"role": "tool", "tool_call_id": "call_A", "content": "Exit code: 0\nOutput:\n"}
+    assert msgs[5] == {"role": "assistant", "content": "Done."}
+    assert msgs[7] == {"role": "system", "content": "<permissions changed>"}  # kept in place
+    assert [t["function"]["name"] for t in chat["tools"]] == ["shell_command", "update_plan",
+                                                              "mcp__fs__read"]
+    assert "strict" not in chat["tools"][0]["function"]
+    assert chat["parallel_tool_calls"] is False and chat["tool_choice"] == "auto"
+    assert chat["chat_template_kwargs"] == {"enable_thinking": True}
+    assert not {"include", "store", "prompt_cache_key", "reasoning", "text", "input"} & set(chat)
+    notes = " | ".join(call.notes)
+    for expected in ("dropped tool kind web_search", "dropped tool kind custom",
+                     "dropped tool kind local_shell", "dropped tool kind namespace",
+                     "flattened namespace tool mcp__fs", "ignored reasoning encrypted_content",
+                     "developer role mapped to system (x3)", "ignored field include"):
+        assert expected in notes, expected
+
+
+def test_responses_variants():
+    p = PROVIDERS["openai_responses"]
+    call = p.to_chat({"model": "m", "input": "hi", "instructions": "Be brief.",
+                      "max_output_tokens": 64, "reasoning": {"effort": "none"},
+                      "text": {"format": {"type": "json_schema", "name": "out",
+                                          "schema": OBJ, "strict": True}},
+                      "tool_choice": {"type": "function", "name": "x"}}, "/responses", {})
+    chat = call.chat_request
+    assert chat["messages"] == [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "hi"}]
+    assert chat["max_tokens"] == 64 and chat["stream"] is False
+    assert chat["chat_template_kwargs"] == {"enable_thinking": False}
+    assert chat["response_format"] == {"type": "json_schema",
+                                       "json_schema": {"name": "out", "schema": OBJ, "strict": True}}
+    assert "tool_choice" not in chat  # no tools left to choose from
+    # other tool-call item kinds in history, and output given as parts
+    hist = p.to_chat({"model": "m", "input": [
+        {"role": "user", "content": "go"},
+        {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "*** Begin"},
+        {"type": "custom_tool_call_output", "call_id": "c1", "output": "ok"},
+        {"type": "local_shell_call", "call_id": "c2", "action": {"type": "exec", "command": ["ls"]}},
+        {"type": "local_shell_call_output", "call_id": "c2",
+         "output": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+        {"type": "web_search_call", "id": "ws", "status": "completed"},
+    ]}, "/v1/responses", {})
+    msgs = hist.chat_request["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant", "tool"]
+    assert json.loads(msgs[1]["tool_calls"][0]["function"]["arguments"]) == {"input": "*** Begin"}
+    assert msgs[3]["tool_calls"][0]["function"]["name"] == "local_shell"
+    assert msgs[4] == {"role": "tool", "tool_call_id": "c2", "content": "a\nb"}
+    assert "dropped input item web_search_call" in hist.notes
+
+
+GEMINI_CLI = {
+    "contents": [
+        {"role": "user", "parts": [{"text": "Create hi.txt"}]},
+        {"role": "model", "parts": [
+            {"text": "Plan: use the shell.", "thought": True},
+            {"functionCall": {"id": "gc-1", "name": "run_shell_command",
+                              "args": {"command": "echo hi > hi.txt", "description": "write"}},
+             "thoughtSignature": "CiQBVKhc7opaque"}]},
+        {"role": "user", "parts": [{"functionResponse": {
+            "id": "gc-1", "name": "run_shell_command",
+            "response": {"output": "Command: echo hi > hi.txt\nExit Code: 0"}}}]},
+        {"role": "model", "parts": [{"text": "Done"}, {"text": " - created."}]},
+        {"role": "user", "parts": [{"text": "Now read a and b"}]},
+        {"role": "model", "parts": [{"functionCall": {"name": "read_file", "args": {"path": "a"}}},
+                                    {"functionCall": {"name": "read_file", "args": {"path": "b"}}}]},
+        {"role": "user", "parts": [
+            {"functionResponse": {"name": "read_file", "response": {"output": "AAA"}}},
+            {"functionResponse": {"name": "read_file", "response": {"error": "no such file"}}}]},
+    ],
+    "systemInstruction": {"role": "user", "parts": [{"text": "You are Gemini CLI."},
+                                                    {"text": "Be careful."}]},
+    "tools": [{"functionDeclarations": [
+        {"name": "run_shell_command", "description": "Runs a command",
+         "parametersJsonSchema": OBJ},
+        {"name": "read_file", "description": "Reads",
+         "parameters": {"type": "OBJECT", "properties": {"path": {"type": "STRING"},
+                                                         "lines": {"type": "ARRAY",
+                                                                   "items": {"type": "INTEGER"}}},
+                        "required": ["path"]}}]},
+        {"googleSearch": {}}],
+    "generationConfig": {"temperature": 0, "topP": 1, "maxOutputTokens": 100,
+                         "thinkingConfig": {"includeThoughts": True, "thinkingBudget": -1}},
+    "toolConfig": {"functionCallingConfig": {"mode": "AUTO"}},
+}
+GEMINI_PATH = "/v1beta/models/gemini-2.5-pro:streamGenerateContent?alt=sse"
+
+
+def test_gemini_cli_shape():
+    p = detect_provider("POST", GEMINI_PATH, {}, GEMINI_CLI)
+    assert p is PROVIDERS["google"]
+    call = p.to_chat(GEMINI_CLI, GEMINI_PATH, {"alt": "sse"})
+    chat = call.chat_request
+    assert call.requested_model == chat["model"] == "gemini-2.5-pro" and call.stream
+    msgs = chat["messages"]
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant", "user",
+                                         "assistant", "tool", "tool"]
+    assert msgs[0]["content"] == "You are Gemini CLI.\nBe careful."
+    assert msgs[2]["reasoning"] == "Plan: use the shell." and msgs[2]["content"] == ""
+    (tc,) = msgs[2]["tool_calls"]
+    assert tc["id"] == "gc-1" == msgs[3]["tool_call_id"]
+    assert tc["function"]["arguments"] == '{"command": "echo hi > hi.txt", "description": "write"}'
+    assert msgs[3]["content"] == "Command: echo hi > hi.txt\nExit Code: 0"
+    assert msgs[4]["content"] == "Done - created."  # model parts are pieces of one generation
+    ids = [t["id"] for t in msgs[6]["tool_calls"]]
+    assert ids == ["call_5_0", "call_5_1"]
+    assert [m["tool_call_id"] for m in msgs[7:]] == ids  # matched by name, in order
+    assert msgs[7]["content"] == "AAA" and json.loads(msgs[8]["content"]) == {"error": "no such file"}
+    params = chat["tools"][1]["function"]["parameters"]
+    assert params == {"type": "object", "properties": {"path": {"type": "string"},
+                                                       "lines": {"type": "array",
+                                                                 "items": {"type": "integer"}}},
+                      "required": ["path"]}
+    assert chat["tools"][0]["function"]["parameters"] == OBJ
+    assert len(chat["tools"]) == 2
+    assert (chat["temperature"], chat["top_p"], chat["max_tokens"]) == (0, 1, 100)
+    assert chat["chat_template_kwargs"] == {"enable_thinking": True}
+    assert chat["tool_choice"] == "auto"
+    assert "dropped tool kind googleSearch" in call.notes
+    assert "ignored thoughtSignature" in call.notes
+    # Re-rendering the same history gives the same request (generated ids are positional).
+    again = p.to_chat(json.loads(json.dumps(GEMINI_CLI)), GEMINI_PATH, {"alt": "sse"})
+    assert again.chat_request == chat
+
+
+def test_gemini_paths_and_config():
+    p = PROVIDERS["google"]
+    body = {"contents": [{"parts": [{"text": "hi"}]}],
+            "generationConfig": {"thinkingConfig": {"thinkingBudget": 0}, "stopSequences": ["X"]},
+            "toolConfig": {"functionCallingConfig": {"mode": "ANY",
+                                                     "allowedFunctionNames": ["f"]}},
+            "tools": [{"functionDeclarations": [{"name": "f"}]}]}
+    call = p.to_chat(body, "/v1/models/gemma:generateContent", {})
+    assert call.stream is False and call.requested_model == "gemma"
+    assert call.chat_request["chat_template_kwargs"] == {"enable_thinking": False}
+    assert call.chat_request["stop"] == ["X"]
+    assert call.chat_request["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    with pytest.raises(ProviderError) as e:
+        p.to_chat(body, "/v1beta/models/gemma:streamGenerateContent", {})
+    assert e.value.kind == "unsupported"
+    with pytest.raises(ProviderError) as e:
+        p.to_chat({**body, "generationConfig": {"candidateCount": 2}},
+                  "/v1/models/gemma:generateContent", {})
+    assert e.value.kind == "unsupported"
+
+
+CLAUDE_NON_BARE = {
+    "model": "claude-sonnet-4-5",
+    "max_tokens": 128000,
+    "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332; cch=abc12;"},
+               {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+    "messages": [
+        {"role": "system", "content": "<system-reminder>skills: none</system-reminder>"},
+        {"role": "user", "content": [{"type": "text", "text": "Fix the bug"}]},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Look at the file.", "signature": "EqQBopaque"},
+            {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "text", "text": "Reading."},
+            {"type": "tool_use", "id": "toolu_01", "name": "Read",
+             "input": {"file_path": "/a.py", "limit": 5, "note": "naïve"}},
+            {"type": "tool_use", "id": "toolu_02", "name": "Bash", "input": {"command": "ls"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_01",
+             "content": [{"type": "text", "text": "line1"}, {"type": "text", "text": "line2"}]},
+            {"type": "tool_result", "tool_use_id": "toolu_02", "content": "boom", "is_error": True},
+            {"type": "text", "text": "continue", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "system", "content": [{"type": "text", "text": "<system-reminder>todo</system-reminder>"}]},
+        {"role": "user", "content": "and then?"},
+    ],
+    "tools": [
+        {"name": "Read", "description": "Reads a file", "input_schema": OBJ},
+        {"name": "Bash", "input_schema": OBJ, "cache_control": {"type": "ephemeral"}},
+        {"name": "mcp__srv__tool", "description": "deferred", "input_schema": OBJ,
+         "defer_loading": True},
+        {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+    ],
+    "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+    "thinking": {"type": "enabled", "budget_tokens": 1024},
+    "temperature": 1,
+    "stop_sequences": ["END"],
+    "metadata": {"user_id": "u"},
+    "context_management": {"edits": []},
+    "stream": True,
+}
+
+
+def test_claude_code_non_bare():
+    p = PROVIDERS["anthropic"]
+    call = p.to_chat(CLAUDE_NON_BARE, "/v1/messages?beta=true", {"beta": "true"})
+    chat = call.chat_request
+    msgs = chat["messages"]
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "tool", "user",
+                                         "system", "user"]
+    assert msgs[0]["content"] == ("You are Claude Code.\n\n"
+                                  "<system-reminder>skills: none</system-reminder>")
+    a = msgs[2]
+    assert a["content"] == "Reading." and a["reasoning"] == "Look at the file."
+    assert [tc["id"] for tc in a["tool_calls"]] == ["toolu_01", "toolu_02"]
+    # objects serialized with json.dumps(obj, ensure_ascii=False)
+    assert a["tool_calls"][0]["function"]["arguments"] == \
+        '{"file_path": "/a.py", "limit": 5, "note": "naïve"}'
+    assert msgs[3] == {"role": "tool", "tool_call_id": "toolu_01", "content": "line1\nline2"}
+    assert msgs[4] == {"role": "tool", "tool_call_id": "toolu_02", "content": "boom"}
+    assert msgs[5] == {"role": "user", "content": "continue"}
+    assert msgs[6] == {"role": "system", "content": "<system-reminder>todo</system-reminder>"}
+    assert [t["function"]["name"] for t in chat["tools"]] == ["Read", "Bash"]
+    assert chat["tools"][1]["function"] == {"name": "Bash", "parameters": OBJ}
+    assert chat["tool_choice"] == "auto" and chat["parallel_tool_calls"] is False
+    assert chat["chat_template_kwargs"] == {"enable_thinking": True}
+    assert chat["stop"] == ["END"] and chat["temperature"] == 1 and chat["max_tokens"] == 128000
+    assert not {"metadata", "context_management", "system", "thinking"} & set(chat)
+    notes = " | ".join(call.notes)
+    for expected in ("stripped x-anthropic-billing-header", "dropped defer_loading tool",
+                     "dropped tool kind web_search_20250305", "dropped redacted_thinking block",
+                     "tool_result is_error", "merged system message", "kept inline system message",
+                     "ignored field context_management"):
+        assert expected in notes, expected
+
+
+def test_anthropic_variants():
+    p = PROVIDERS["anthropic"]
+    base = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "f", "input_schema": OBJ}]}
+    assert p.to_chat({**base, "thinking": {"type": "disabled"}}, "/v1/messages", {}) \
+        .chat_request["chat_template_kwargs"] == {"enable_thinking": False}
+    assert p.to_chat({**base, "tool_choice": {"type": "any"}}, "/v1/messages", {}) \
+        .chat_request["tool_choice"] == "required"
+    assert p.to_chat({**base, "tool_choice": {"type": "tool", "name": "f"}}, "/v1/messages", {}) \
+        .chat_request["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    prefill = p.to_chat({**base, "messages": [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "{"}]},
+                        "/v1/messages", {}).chat_request
+    assert prefill["continue_final_message"] is True and prefill["add_generation_prompt"] is False
+    # count_tokens: same normalization, no max_tokens needed; a generation call needs it
+    assert p.side_call("POST", "/v1/messages/count_tokens?beta=true") == "count_tokens"
+    assert p.side_call("POST", "/v1/messages?beta=true") is None
+    no_max = {k: v for k, v in base.items() if k != "max_tokens"}
+    counted = p.to_chat(no_max, "/v1/messages/count_tokens", {})
+    assert counted.chat_request["messages"] == [{"role": "user", "content": "hi"}]
+    assert p.count_tokens_answer(42) == {"input_tokens": 42}
+    with pytest.raises(ProviderError):
+        p.to_chat(no_max, "/v1/messages", {})
+
+
+def test_chat_normalization():
+    p = PROVIDERS["openai_chat"]
+    body = {"model": "m", "messages": [
+        {"role": "developer", "content": "A"},
+        {"role": "system", "content": [{"type": "text", "text": "B"}, {"type": "text", "text": "C"}]},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "text", "text": "x"}],
+         "tool_calls": [{"id": "t1", "type": "function",
+                         "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": [{"type": "text", "text": "r1"},
+                                                           {"type": "text", "text": "r2"}]},
+        {"role": "system", "content": "late"},
+    ], "max_completion_tokens": 99, "logprobs": True, "top_logprobs": 3,
+        "stream_options": {"include_usage": True}, "store": True, "metadata": {"a": "b"},
+        "temperature": 0.2, "seed": 7, "response_format": {"type": "json_object"},
+        "tools": [{"type": "function", "function": {"name": "f"}}, {"type": "custom", "name": "g"}],
+        "tool_choice": "auto", "parallel_tool_calls": True, "stream": True}
+    call = p.to_chat(body, "/v1/chat/completions", {})
+    chat = call.chat_request
+    assert chat["messages"] == [
+        {"role": "system", "content": "A\n\nB\nC"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "x", "tool_calls": body["messages"][3]["tool_calls"]},
+        {"role": "tool", "tool_call_id": "t1", "content": "r1\nr2"},
+        {"role": "system", "content": "late"},
+    ]
+    assert chat["max_tokens"] == 99 and "max_completion_tokens" not in chat
+    assert not {"logprobs", "top_logprobs", "stream_options", "store", "metadata"} & set(chat)
+    assert (chat["temperature"], chat["seed"], chat["tool_choice"]) == (0.2, 7, "auto")
+    assert chat["response_format"] == {"type": "json_object"} and chat["parallel_tool_calls"]
+    assert [t["function"]["name"] for t in chat["tools"]] == ["f"]
+    assert call.options == {"include_usage": True, "logprobs": True, "top_logprobs": 3}
+    assert "dropped tool kind custom" in call.notes
+    with pytest.raises(ProviderError) as e:
+        p.to_chat({**body, "n": 2}, "/v1/chat/completions", {})
+    assert e.value.kind == "unsupported"
+
+
+IMAGE_CASES = [
+    ("anthropic", "/v1/messages", {"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {"type": "base64",
+                                                                  "media_type": "image/png",
+                                                                  "data": "iVBOR"}}]}]}),
+    ("anthropic", "/v1/messages", {"model": "m", "max_tokens": 5, "messages": [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "image", "source": {"type": "base64", "data": "x"}}]}]}]}),
+    ("openai_chat", "/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "what is it"},
+                                     {"type": "image_url", "image_url": {"url": "data:,"}}]}]}),
+    ("openai_responses", "/v1/responses", {"model": "m", "input": [
+        {"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}),
+    ("openai_responses", "/v1/responses", {"model": "m", "input": [
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c",
+         "output": [{"type": "input_image", "image_url": "data:,"}]}]}),
+    ("google", "/v1beta/models/g:generateContent", {"contents": [
+        {"role": "user", "parts": [{"inlineData": {"mimeType": "image/png", "data": "x"}}]}]}),
+]
+
+
+@pytest.mark.parametrize("provider,path,body", IMAGE_CASES)
+def test_images_refused(provider, path, body):
+    with pytest.raises(ProviderError) as e:
+        PROVIDERS[provider].to_chat(body, path, {})
+    assert e.value.kind == "unsupported" and e.value.status == 400
+    assert "text-only" in e.value.message
+
+
+MALFORMED = [
+    ("anthropic", "/v1/messages", ["not", "an", "object"]),
+    ("anthropic", "/v1/messages", {"model": "m", "max_tokens": 5}),
+    ("anthropic", "/v1/messages", {"model": "m", "max_tokens": 5,
+                                   "messages": [{"role": "robot", "content": "x"}]}),
+    ("anthropic", "/v1/messages", {"model": "m", "max_tokens": 5, "messages": [
+        {"role": "assistant", "content": [{"type": "tool_use", "name": "f", "input": {}}]}]}),
+    ("anthropic", "/v1/messages", {"model": "m", "max_tokens": 5,
+                                   "messages": [{"role": "user", "content": 42}]}),
+    ("openai_chat", "/v1/chat/completions", "text"),
+    ("openai_chat", "/v1/chat/completions", {"model": "m", "messages": {"role": "user"}}),
+    ("openai_chat", "/v1/chat/completions", {"model": "m", "messages": [{"role": "bot"}]}),
+    ("openai_chat", "/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text"}]}]}),
+    ("openai_chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ("openai_responses", "/v1/responses", {"model": "m"}),
+    ("openai_responses", "/v1/responses", {"model": "m", "input": [{"type": "mystery"}]}),
+    ("openai_responses", "/v1/responses", {"model": "m", "input": [
+        {"type": "function_call", "name": "f", "arguments": "{}"}]}),
+    ("openai_responses", "/v1/responses", {"model": "m", "input": "x",
+                                           "previous_response_id": "resp_1"}),
+    ("google", "/v1beta/models/g:generateContent", {}),
+    ("google", "/v1beta/models/g:generateContent", {"contents": [
+        {"role": "user", "parts": [{"functionCall": {"name": "f", "args": {}}}]}]}),
+    ("google", "/v1beta/models/g:generateContent", {"contents": [
+        {"role": "wizard", "parts": [{"text": "x"}]}]}),
+    ("google", "/v1beta/models/g:generateContent", None),
+]
+
+
+@pytest.mark.parametrize("provider,path,body", MALFORMED)
+def test_malformed_bodies_refused(provider, path, body):
+    with pytest.raises(ProviderError) as e:
+        PROVIDERS[provider].to_chat(body, path, {})
+    assert e.value.status == 400 and e.value.kind in ("invalid_request", "unsupported")
+    assert e.value.message
+
+
+@pytest.mark.parametrize("method,path,expected", [
+    ("POST", "/v1/messages?beta=true", "anthropic"),
+    ("POST", "/v1/messages/count_tokens?beta=true", "anthropic"),
+    ("POST", "/v1/chat/completions", "openai_chat"),
+    ("POST", "/chat/completions", "openai_chat"),
+    ("POST", "/openai/v1/chat/completions", "openai_chat"),
+    ("POST", "/v1/responses", "openai_responses"),
+    ("POST", "/responses", "openai_responses"),
+    ("POST", "/v1beta/models/gemini-2.5-pro:streamGenerateContent?alt=sse", "google"),
+    ("POST", "/v1/models/gemma:generateContent", "google"),
+    ("POST", "/v1beta/models/gemma:countTokens", "google"),
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/embeddings", None),
+    ("POST", "/v1/messages/batches", None),
+    ("GET", "/v1/responses", None),
+])
+def test_detection(method, path, expected):
+    p = detect_provider(method, path, {}, {})
+    assert (p.name if p else None) == expected
