@@ -1,0 +1,299 @@
+"""`polar calls | inspect | align | drift | trajectories | flows`: captures -> frames -> trajectories.
+
+SOURCE arguments accept a capture directory (``sessions/*.jsonl``), a saved mitmproxy flow file,
+or a calls Parquet written by ``polar calls``.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import polars as pl
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console()
+
+SourceArg = typer.Argument(..., help="Capture directory, mitmproxy flow file, or calls Parquet.", show_default=False)
+ModelOpt = typer.Option(
+    None,
+    "--model",
+    help="Model directory or built model name whose tokenizer/chat template to use "
+    "(default: the capture's served model, looked up under POLAR_HOME/models).",
+)
+
+
+class Mode(str, Enum):
+    per_request = "per-request"
+    prefix_merge = "prefix-merge"
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+
+
+def _load(source: Path, rewards: Optional[Path] = None):
+    """(calls LazyFrame, ScanReport or None) with a progress bar over JSONL conversion."""
+    from polar_analysis import frames
+
+    if not source.exists():
+        console.print(f"[red]{source} does not exist[/red]")
+        raise typer.Exit(2)
+    if source.is_dir():
+        report = frames.ScanReport()
+        with _progress() as prog:
+            task = prog.add_task("converting captures", total=None)
+
+            def tick(done: int, total: int) -> None:
+                prog.update(task, completed=done, total=total)
+
+            lf = frames.calls(source, report=report, progress=tick, rewards=rewards if rewards else "auto")
+        return lf, report
+    lf = frames.load(source)
+    if rewards:
+        lf = frames.attach_session_rewards(lf.drop("reward", "rollout_status", strict=False), None, rewards)
+    return lf, None
+
+
+def _scan_line(report) -> str:
+    if report is None:
+        return ""
+    t = report.totals()
+    return (
+        f"{len(report.files)} session files ({report.converted} converted, {report.appended} appended, "
+        f"{report.cached} cached); {t['records']} records, {t['invalid']} invalid lines skipped, "
+        f"{t['recovered']} recovered, {t['torn_tail']} torn tails"
+    )
+
+
+def _renderer(lf: pl.LazyFrame, model: Optional[str], required: bool):
+    from polar_analysis import alignment
+
+    try:
+        r = alignment.renderer_for_calls(lf, model)
+    except (FileNotFoundError, OSError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2)
+    if r is None and required:
+        console.print("[red]no tokenizer found for this capture's model: pass --model DIR[/red]")
+        raise typer.Exit(2)
+    return r
+
+
+def _table(df: pl.DataFrame, title: str, float_fmt: str = "{:.3f}") -> Table:
+    t = Table(title=title, title_justify="left")
+    for c in df.columns:
+        t.add_column(c, justify="right" if df[c].dtype.is_numeric() else "left")
+    for row in df.iter_rows():
+        t.add_row(*[("" if v is None else float_fmt.format(v) if isinstance(v, float) else str(v)) for v in row])
+    return t
+
+
+def _stats_table(stats) -> Table:
+    d = stats.as_dict()
+    t = Table(title=f"trajectories ({stats.mode})", title_justify="left", show_header=False)
+    t.add_column("k")
+    t.add_column("v", justify="right")
+    for k in ("calls", "usable_calls", "skipped_error", "skipped_empty", "skipped_error_sampled_tokens", "sessions",
+              "chains", "sequences", "merges", "breaks", "sampled_tokens", "covered_tokens", "sequence_tokens"):
+        t.add_row(k, str(d[k]))
+    t.add_row("coverage", f"{stats.coverage:.4%}")
+    t.add_row("merge rate", f"{stats.merge_rate:.2%}")
+    t.add_row("exact-merge rate", f"{stats.exact_merge_rate:.2%}")
+    t.add_row("calls per sequence", f"{stats.calls_per_sequence:.2f}")
+    t.add_row("merge kinds", json.dumps(d["merge_kinds"]))
+    t.add_row("break causes", json.dumps(d["break_reasons"]))
+    t.add_row("template", d["template"])
+    return t
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("calls")
+    def calls_cmd(
+        source: Path = SourceArg,
+        out: Path = typer.Option(..., "--out", "-o", help="Parquet file to write (one row per model call)."),
+    ) -> None:
+        """Write the calls frame of a capture (token ids as list columns, nested JSON as strings)."""
+        lf, report = _load(source)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lf.sink_parquet(out)
+        n = pl.scan_parquet(out).select(pl.len()).collect().item()
+        console.print(f"wrote {n} calls to {out}")
+        if report:
+            console.print(_scan_line(report))
+
+    @app.command("inspect")
+    def inspect_cmd(
+        source: Path = SourceArg,
+        model: Optional[str] = ModelOpt,
+        rewards: Optional[Path] = typer.Option(None, help="Rewards file (see `polar trajectories --help`)."),
+    ) -> None:
+        """A readable summary: sessions, calls per harness/provider, tokens, errors, merging, rewards."""
+        from polar_analysis import alignment, frames
+        from polar_analysis.trajectories import prefix_merge
+
+        lf, report = _load(source, rewards)
+        if report:
+            console.print(_scan_line(report))
+        sess = frames.sessions(lf).collect()
+        by_hp = (
+            lf.group_by("harness", "provider")
+            .agg(
+                calls=pl.len(),
+                sessions=pl.col("session_id").n_unique(),
+                errors=(pl.col("status") != "ok").sum(),
+                prompt_ids=pl.col("n_prompt_ids").sum(),
+                sampled_ids=pl.col("n_sampled_ids").sum(),
+                p50_latency_s=pl.col("latency_s").median(),
+            )
+            .sort("calls", descending=True)
+            .collect()
+        )
+        console.print(f"[bold]{sess.height}[/bold] sessions, [bold]{int(by_hp['calls'].sum())}[/bold] calls")
+        console.print(_table(by_hp, "calls per harness / provider"))
+        fin = lf.group_by("finish_reason").len().sort("len", descending=True).collect()
+        console.print(_table(fin, "finish reasons"))
+        errors = lf.filter(pl.col("status") != "ok").group_by("error_kind").agg(calls=pl.len(), example=pl.col("error").first()).collect()
+        if errors.height:
+            console.print(_table(errors, "errors"))
+        renderer = _renderer(lf, model, required=False)
+        template = alignment.template_info_for(renderer, lf)
+        _, stats = prefix_merge.build(lf, template=template)
+        console.print(_stats_table(stats))
+        rw = sess.filter(pl.col("reward").is_not_null()) if "reward" in sess.columns else sess.clear()
+        if rw.height:
+            dist = rw.group_by("rollout_status").agg(
+                sessions=pl.len(),
+                mean=pl.col("reward").mean(),
+                std=pl.col("reward").std(),
+                min=pl.col("reward").min(),
+                max=pl.col("reward").max(),
+                solved=(pl.col("reward") > 0).sum(),
+            )
+            console.print(_table(dist, "rewards"))
+        else:
+            console.print("rewards: none attached (no rollouts.parquet, no --rewards)")
+
+    @app.command("align")
+    def align_cmd(
+        source: Path = SourceArg,
+        model: Optional[str] = ModelOpt,
+        out: Optional[Path] = typer.Option(None, "--out", "-o", help="Parquet of the per-call alignment."),
+        show: int = typer.Option(10, help="Divergent calls to print."),
+    ) -> None:
+        """Re-render every normalized request with the chat template and compare with the server's ids."""
+        from polar_analysis import alignment
+
+        lf, _ = _load(source)
+        renderer = _renderer(lf, model, required=True)
+        total = lf.select(pl.len()).collect().item()
+        with _progress() as prog:
+            task = prog.add_task(f"re-rendering ({renderer.name})", total=total)
+            df = alignment.align(lf, renderer, progress=lambda n: prog.advance(task, n))
+        console.print(_table(df.group_by("status").len().sort("len", descending=True), "alignment"))
+        bad = df.filter(pl.col("status") == "diverged").head(show)
+        if bad.height:
+            console.print(_table(bad.select("session_id", "call_index", "first_divergence", "server_text", "rendered_text"), "first divergences"))
+        if out:
+            df.write_parquet(out)
+            console.print(f"wrote {df.height} rows to {out}")
+
+    @app.command("drift")
+    def drift_cmd(
+        source: Path = SourceArg,
+        model: Optional[str] = ModelOpt,
+        out: Optional[Path] = typer.Option(None, "--out", "-o", help="Parquet of the per-call drift report."),
+        show: int = typer.Option(15, help="Non-exact continuations to print."),
+    ) -> None:
+        """Why each call's prompt is not the previous prompt + sampled ids, classified by cause."""
+        from polar_analysis import alignment, drift
+
+        lf, _ = _load(source)
+        renderer = _renderer(lf, model, required=False)
+        report = drift.drift_report(lf, alignment.template_info_for(renderer, lf))
+        console.print(_table(drift.summarize(report).filter(pl.col("calls") > 0), "drift causes"))
+        rows = report.filter(~pl.col("exact") & (pl.col("cause") != "new_conversation")).head(show)
+        if rows.height:
+            console.print(
+                _table(rows.select("session_id", "call_index", "prev_call_index", "cause", "prompt_divergence", "answer_divergence", "detail"), "examples")
+            )
+        if out:
+            report.write_parquet(out)
+            console.print(f"wrote {report.height} rows to {out}")
+
+    @app.command("trajectories")
+    def trajectories_cmd(
+        source: Path = SourceArg,
+        mode: Mode = typer.Option(Mode.prefix_merge, "--mode", help="per-request: one sequence per call; prefix-merge: the turns of a conversation in one sequence."),
+        out: Path = typer.Option(..., "--out", "-o", help="Trajectory Parquet (schema.TRAJECTORY_COLUMNS)."),
+        rewards: Optional[Path] = typer.Option(
+            None,
+            "--rewards",
+            help="Rewards per session: Parquet, JSONL or CSV with session_id and reward (optional status: "
+            "ok | timeout | failed; optional task_id, group_id). Default: <capture>/rollouts.parquet "
+            "written by `polar rollout`, when present.",
+        ),
+        strict: bool = typer.Option(False, "--strict", help="Split wherever a merge is not exact (next prompt did not repeat the sampled ids)."),
+        model: Optional[str] = ModelOpt,
+    ) -> None:
+        """Rebuild training sequences from captured token ids (loss mask 1 exactly on sampled ids).
+
+        Rewards are attached per session from --rewards or <capture>/rollouts.parquet; sessions without one get a null reward. Coverage (sampled ids present with loss mask 1) is checked id by id and printed; below 100% the command exits 1.
+        """
+        from polar_analysis import alignment, rewards as rw
+        from polar_analysis.trajectories import common, per_request, prefix_merge
+
+        lf, report = _load(source)
+        if report:
+            console.print(_scan_line(report))
+        if mode == Mode.per_request:
+            df, stats = per_request.build(lf)
+        else:
+            renderer = _renderer(lf, model, required=False)
+            df, stats = prefix_merge.build(lf, strict=strict, template=alignment.template_info_for(renderer, lf))
+        table = rw.resolve(source if source.is_dir() else None, rewards)
+        df = common.attach_rewards(df, table)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        df.write_parquet(out)
+        console.print(_stats_table(stats))
+        with_reward = df["reward"].is_not_null().sum()
+        console.print(f"wrote {df.height} sequences to {out} ({with_reward} with a reward)")
+        if stats.coverage < 1.0:
+            console.print(f"[red]coverage {stats.coverage:.4%}: some sampled ids are not in any sequence[/red]")
+            raise typer.Exit(1)
+
+    @app.command("flows")
+    def flows_cmd(
+        files: list[Path] = typer.Argument(..., help="Saved mitmproxy flow files (mitmdump -w).", show_default=False),
+        out: Optional[Path] = typer.Option(None, "--out", "-o", help="Calls Parquet to write."),
+    ) -> None:
+        """Rebuild calls from saved mitmproxy flows (bodies + flow.metadata['polar'])."""
+        from polar_analysis import frames
+
+        parts, all_stats = [], []
+        for f in files:
+            st = frames.FileStats(path=str(f))
+            parts.append(frames.flows_calls(f, stats=st))
+            all_stats.append(st)
+        df = pl.concat(parts) if parts else frames.empty_calls()
+        summary = df.group_by("session_id", "harness", "provider").agg(
+            calls=pl.len(), errors=(pl.col("status") != "ok").sum(), sampled_ids=pl.col("sampled_token_ids").list.len().sum()
+        )
+        console.print(_table(summary.sort("session_id"), "flows"))
+        for st in all_stats:
+            console.print(f"{st.path}: {st.records} calls, {st.other_records} flows without Polar metadata, {st.invalid} invalid")
+        if out:
+            df.write_parquet(out)
+            console.print(f"wrote {df.height} calls to {out}")

@@ -1,0 +1,327 @@
+"""Drift between the turns of a session: why call N+1's prompt is not call N's prompt + sampled ids.
+
+For every call the report names its predecessor (the earlier call of the same session whose
+conversation it continues, with the longest common prompt prefix — so sub-agents are compared
+with their own previous turn) and classifies the difference, using both the token ids and the
+normalized requests' messages:
+
+- ``none``: previous prompt + sampled ids are a prefix of the next prompt (prefix merge is exact);
+- ``retokenized``: the answer came back as the same text with other ids (``[fish, ing]`` vs
+  ``[fishing]``);
+- ``tool_args_reserialized``: a tool call came back with the same arguments, serialized
+  differently (key order, whitespace);
+- ``reasoning_removed`` / ``reasoning_changed``: the sampled reasoning (think text) is missing or
+  different in the history;
+- ``length_turn``: a ``finish_reason=length`` answer (often empty content) came back differently;
+- ``answer_dropped``: the history does not contain the previous answer at all;
+- ``empty_think_generation_prompt``: the previous prompt ended with an empty
+  ``<think>\\n\\n</think>\\n\\n`` that the history rendering does not repeat (Qwen3,
+  ``enable_thinking=false``); ``generation_prompt_changed`` for other generation-prompt tails;
+- ``tool_result_reformatted``: an earlier tool result is rendered differently (string vs parts);
+- ``system_changed``: the system prompt differs (e.g. Claude Code's per-request billing header);
+- ``compacted``: the context was compacted or truncated (a summary call with ``tools=[]``, or a
+  shorter history);
+- ``tools_changed``: a different tools list;
+- ``new_conversation``: no earlier call of the session is continued (first call, sub-agent start);
+- ``other``: anything else (details in ``detail``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import polars as pl
+
+from polar_analysis.trajectories.common import (
+    Call,
+    TemplateInfo,
+    by_session,
+    collect_calls,
+    infer_template_info,
+    is_prefix,
+    lcp,
+)
+from polar_analysis.trajectories.prefix_merge import _message_text, canonical_answer, continues
+
+CAUSES = (
+    "none",
+    "retokenized",
+    "tool_args_reserialized",
+    "reasoning_removed",
+    "reasoning_changed",
+    "length_turn",
+    "answer_dropped",
+    "empty_think_generation_prompt",
+    "generation_prompt_changed",
+    "tool_result_reformatted",
+    "system_changed",
+    "compacted",
+    "tools_changed",
+    "new_conversation",
+    "other",
+)
+
+DRIFT_SCHEMA = {
+    "session_id": pl.String,
+    "call_id": pl.String,
+    "call_index": pl.Int32,
+    "prev_call_id": pl.String,
+    "prev_call_index": pl.Int32,
+    "cause": pl.String,
+    "exact": pl.Boolean,
+    "prompt_divergence": pl.Int64,  # first index where the next prompt leaves the previous prompt (null: prefix)
+    "answer_divergence": pl.Int64,  # first index in the sampled ids the next prompt does not repeat (null: none)
+    "common_prefix": pl.Int64,  # common prefix of the two prompts, in ids
+    "prev_text": pl.String,  # decoded window at the divergence, previous prompt + sampled side
+    "next_text": pl.String,  # the same window in the next prompt
+    "detail": pl.String,
+}
+
+
+@dataclass
+class Drift:
+    cause: str
+    prompt_divergence: int | None = None
+    answer_divergence: int | None = None
+    common_prefix: int = 0
+    prev_text: str | None = None
+    next_text: str | None = None
+    detail: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.cause == "none"
+
+
+# ------------------------------------------------------------------------------------------------
+# message-level views
+# ------------------------------------------------------------------------------------------------
+def _messages(call: Call) -> list[dict[str, Any]] | None:
+    req = call.request
+    if not req or not isinstance(req.get("messages"), list):
+        return None
+    return [m for m in req["messages"] if isinstance(m, dict)]
+
+
+def _system_text(msgs: list[dict[str, Any]]) -> str:
+    return "\n".join(_message_text(m.get("content")) for m in msgs if m.get("role") in ("system", "developer"))
+
+
+def _turns(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [m for m in msgs if m.get("role") not in ("system", "developer")]
+
+
+def _args(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _tool_calls(m: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    out = []
+    for tc in m.get("tool_calls") or []:
+        fn = tc.get("function") or tc
+        raw = fn.get("arguments")
+        out.append((fn.get("name"), _args(raw), raw if isinstance(raw, str) else json.dumps(raw)))
+    return out
+
+
+def _reasoning(m: dict[str, Any]) -> str:
+    return m.get("reasoning") or m.get("reasoning_content") or ""
+
+
+def _tools_key(call: Call) -> str:
+    req = call.request or {}
+    return json.dumps(req.get("tools") or [], sort_keys=True)
+
+
+def _first_line_diff(a: str, b: str) -> str:
+    for la, lb in zip(a.splitlines(), b.splitlines()):
+        if la != lb:
+            return f"{la[:80]!r} -> {lb[:80]!r}"
+    return f"{len(a)} -> {len(b)} chars"
+
+
+def _history_diff(pm: list[dict[str, Any]], nm: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """Cause of the first differing message of the shared history (non-system turns), or None."""
+    for i, (a, b) in enumerate(zip(pm, nm)):
+        if a == b:
+            continue
+        role = a.get("role")
+        if role != b.get("role"):
+            return "other", f"turn {i}: role {role} -> {b.get('role')}"
+        if role == "tool":
+            return "tool_result_reformatted", f"turn {i}: {type(a.get('content')).__name__} -> {type(b.get('content')).__name__}"
+        if role == "assistant":
+            if _reasoning(a) and not _reasoning(b):
+                return "reasoning_removed", f"turn {i}"
+            if _reasoning(a) != _reasoning(b):
+                return "reasoning_changed", f"turn {i}"
+            ta, tb = _tool_calls(a), _tool_calls(b)
+            if [(n, v) for n, v, _ in ta] == [(n, v) for n, v, _ in tb] and ta != tb:
+                return "tool_args_reserialized", f"turn {i}"
+        if _message_text(a.get("content")) == _message_text(b.get("content")) and role != "assistant":
+            if role == "user":
+                return "tool_result_reformatted" if isinstance(a.get("content"), list) or isinstance(b.get("content"), list) else "other", f"turn {i}: same text, other shape"
+        return "other", f"turn {i} ({role}) edited"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# classification of one pair
+# ------------------------------------------------------------------------------------------------
+def _window(decode: Callable[[list[int]], str] | None, ids: np.ndarray, at: int, width: int = 10) -> str | None:
+    if decode is None:
+        return None
+    return decode(ids[max(0, at - width) : at + width].tolist())
+
+
+def _is_empty_think(text: str) -> bool:
+    t = text.strip()
+    return t.startswith("<think>") and t.endswith("</think>") and not t[len("<think>") : -len("</think>")].strip()
+
+
+def classify_pair(prev: Call, nxt: Call, template: TemplateInfo | None = None) -> Drift:
+    """Why ``nxt.prompt`` is not ``prev.prompt + prev.sampled + ...`` (token ids and messages)."""
+    t = template or TemplateInfo(eot_ids=frozenset())
+    a, s, p = prev.prompt, prev.sampled, nxt.prompt
+    common = lcp(a, p)
+    expected = np.concatenate([a, s]) if s.size else a
+    if is_prefix(expected, p):
+        return Drift("none", common_prefix=common)
+    pm, nm = _messages(prev), _messages(nxt)
+    decode = t.decode
+    if common == a.size:  # the prompt is a prefix: the answer came back differently
+        k = lcp(s, p[a.size :])
+        drift = Drift("other", None, k, common, _window(decode, expected, a.size + k), _window(decode, p, a.size + k))
+        answer_msg = None
+        if pm is not None and nm is not None:
+            tp, tn = _turns(pm), _turns(nm)
+            if len(tn) > len(tp):
+                answer_msg = tn[len(tp)]
+            if answer_msg is None or answer_msg.get("role") != "assistant":
+                drift.cause, drift.detail = "answer_dropped", "no assistant turn after the previous history"
+                return drift
+        if prev.output_reasoning:
+            sent = _reasoning(answer_msg) if answer_msg else ""
+            rendered = decode(p[a.size : a.size + s.size + 64].tolist()) if decode else None
+            if not sent or (rendered is not None and prev.output_reasoning.strip()[:40] not in rendered):
+                drift.cause, drift.detail = "reasoning_removed", "reasoning sampled but not in the next prompt"
+                return drift
+            if sent.strip() != prev.output_reasoning.strip():
+                drift.cause = "reasoning_changed"
+                return drift
+        if prev.finish_reason == "length":
+            drift.cause, drift.detail = "length_turn", f"{s.size} sampled ids, output text {len(prev.output_text)} chars"
+            return drift
+        if decode is not None:
+            eot = t.eot_ids
+            body = s[:-1] if s.size and int(s[-1]) in eot else s
+            ends = np.flatnonzero(np.isin(p[a.size :], np.fromiter(eot, dtype=np.int64))) if eot else np.zeros(0)
+            region = p[a.size : a.size + int(ends[0])] if ends.size else p[a.size : a.size + body.size]
+            ta, tb = decode(body.tolist()), decode(region.tolist())
+            if ta == tb:
+                drift.cause, drift.detail = "retokenized", f"{body.size} sampled ids -> {region.size} ids, same text"
+                return drift
+            if canonical_answer(ta) == canonical_answer(tb):
+                drift.cause, drift.detail = "tool_args_reserialized", _first_line_diff(ta, tb)
+                return drift
+            drift.detail = _first_line_diff(ta, tb)
+            return drift
+        if answer_msg is not None:
+            got = prev.tool_calls
+            sent = _tool_calls(answer_msg)
+            if got and [(g.get("name"), _args(g.get("arguments"))) for g in got] == [(n, v) for n, v, _ in sent]:
+                drift.cause = "tool_args_reserialized"
+            elif _message_text(answer_msg.get("content")).strip() == prev.output_text.strip() and not got:
+                drift.cause = "retokenized"
+        return drift
+
+    # the prompt itself diverged
+    drift = Drift("other", common, None, common, _window(decode, a, common), _window(decode, p, common))
+    if pm is not None and nm is not None:
+        tp, tn = _turns(pm), _turns(nm)
+        prev_tools, next_tools = _tools_key(prev), _tools_key(nxt)
+        if (prev_tools != "[]" and next_tools == "[]") or len(tn) < len(tp):
+            drift.cause = "compacted"
+            drift.detail = f"{len(tp)} -> {len(tn)} turns, tools {'removed' if next_tools == '[]' else 'kept'}"
+            return drift
+        if _system_text(pm) != _system_text(nm):
+            drift.cause, drift.detail = "system_changed", _first_line_diff(_system_text(pm), _system_text(nm))
+            return drift
+        if prev_tools != next_tools:
+            drift.cause = "tools_changed"
+            return drift
+        hist = _history_diff(tp, tn)
+        if hist is not None:
+            drift.cause, drift.detail = hist
+            return drift
+    # same messages (or none known): where in the prompt did it diverge?
+    gen = len(t.generation_prompt)
+    last_eot = max((i for i in range(a.size - 1, max(-1, a.size - 64), -1) if int(a[i]) in t.eot_ids), default=None)
+    in_gen_prompt = (gen and common >= a.size - gen) or (last_eot is not None and common > last_eot)
+    if in_gen_prompt:
+        tail = decode(a[common:].tolist()) if decode else ""
+        drift.cause = "empty_think_generation_prompt" if _is_empty_think(tail) else "generation_prompt_changed"
+        drift.detail = f"previous prompt tail {tail!r}" if decode else None
+        return drift
+    if pm is not None and nm is not None and drift.detail is None:
+        drift.detail = "same messages, different ids (template or preprocessing changed)"
+    return drift
+
+
+# ------------------------------------------------------------------------------------------------
+# whole capture
+# ------------------------------------------------------------------------------------------------
+def predecessor(call: Call, earlier: list[Call], window: int = 32) -> Call | None:
+    """The earlier call whose conversation ``call`` continues: longest common prompt prefix wins."""
+    best, best_l = None, -1
+    for prev in reversed(earlier[-window:]):
+        l = lcp(prev.prompt, call.prompt)
+        if l > best_l and (is_prefix(prev.prompt, call.prompt) or continues(prev, call)):
+            best, best_l = prev, l
+    return best
+
+
+def drift_report(calls_lf: pl.LazyFrame, template: TemplateInfo | None = None) -> pl.DataFrame:
+    """One row per usable call (DRIFT_SCHEMA): its predecessor and the cause of any drift."""
+    calls = collect_calls(calls_lf)
+    template = template or infer_template_info(calls)
+    rows = []
+    for session_id, session_calls in by_session(calls):
+        seen: list[Call] = []
+        for call in session_calls:
+            if not call.usable and call.prompt.size == 0:
+                continue
+            prev = predecessor(call, seen)
+            base = {"session_id": session_id, "call_id": call.call_id, "call_index": call.call_index}
+            if prev is None:
+                rows.append(base | {"cause": "new_conversation", "exact": False})
+            else:
+                d = classify_pair(prev, call, template)
+                rows.append(
+                    base
+                    | {"prev_call_id": prev.call_id, "prev_call_index": prev.call_index, "exact": d.exact}
+                    | {k: getattr(d, k) for k in ("cause", "prompt_divergence", "answer_divergence", "common_prefix", "prev_text", "next_text", "detail")}
+                )
+            if call.usable:
+                seen.append(call)
+    return pl.DataFrame(rows, schema=DRIFT_SCHEMA) if rows else pl.DataFrame(schema=DRIFT_SCHEMA)
+
+
+def summarize(report: pl.DataFrame) -> pl.DataFrame:
+    """Counts per cause (every cause listed, zeros included), for the CLI table."""
+    counts = report.group_by("cause").len()
+    return (
+        pl.DataFrame({"cause": list(CAUSES)})
+        .join(counts, on="cause", how="left")
+        .with_columns(pl.col("len").fill_null(0).alias("calls"))
+        .select("cause", "calls")
+        .with_columns(share=pl.col("calls") / pl.col("calls").sum().clip(1))
+    )

@@ -1,0 +1,619 @@
+"""Captures as Polars frames, lazily.
+
+A capture directory holds ``sessions/<session>.jsonl`` files (one ``CallRecord`` per line, see
+``schema.py``). Parsing JSON is the expensive part, so every JSONL file is converted once into
+Parquet "parts" under a cache directory, validated line by line, and every frame is a
+``pl.scan_parquet`` over those parts: a large capture directory is never loaded into memory just
+to count its calls. Conversion is incremental: the files are append-only, so when a JSONL file grew
+only the new complete lines are parsed into an extra part (size, mtime and a fingerprint of the
+first bytes decide; a rewritten or truncated file is converted again from scratch).
+
+Lines that cannot be used are counted, never fatal: a torn last line (no ``\\n`` yet, or a crash
+mid-write) is left for the next scan; an invalid line is skipped and counted; when a crash left a
+torn line and the proxy appended after it, the record glued behind the torn bytes is recovered.
+
+Frames:
+- ``calls(dir)``: one row per model call; token ids as ``list[i32]``, logprobs ``list[f64]``,
+  nested dicts (native_request, normalized_request, output_tool_calls) as JSON strings, unknown
+  future fields in ``extra_json``; plus ``n_prompt_ids``, ``n_sampled_ids``, latencies and the
+  session's ``reward`` / ``rollout_status`` when rollout results exist.
+- ``sessions(calls)``: one row per session.
+- ``tokens(calls, which=...)``: one row per token (explode), only when asked.
+- ``flows_calls(path)``: the same columns from a saved mitmproxy flow file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import orjson
+import polars as pl
+import pyarrow as pa
+
+from polar_analysis.schema import CALL_FIELDS, JSON_COLUMNS, SESSIONS_SUBDIR, CallRecord
+
+#: Bump when the Parquet layout of the cache changes: older caches are converted again.
+CACHE_VERSION = 1
+CACHE_DIRNAME = ".polar-cache"
+
+_STR = pl.String
+#: Column types of the calls frame (CallRecord fields first, in schema order).
+CALL_SCHEMA: dict[str, pl.DataType] = {
+    "schema_version": pl.Int32,
+    "record_type": _STR,
+    "call_id": _STR,
+    "session_id": _STR,
+    "session_source": _STR,
+    "task_id": _STR,
+    "group_id": _STR,
+    "sample_index": pl.Int32,
+    "call_index": pl.Int32,
+    "provider": _STR,
+    "engine": _STR,
+    "harness": _STR,
+    "user_agent": _STR,
+    "requested_model": _STR,
+    "served_model": _STR,
+    "upstream": _STR,
+    "policy_version": pl.Int64,
+    "stream": pl.Boolean,
+    "stream_mode": _STR,
+    "status": _STR,
+    "http_status": pl.Int32,
+    "error_kind": _STR,
+    "error": _STR,
+    "finish_reason": _STR,
+    "native_request": _STR,
+    "native_path": _STR,
+    "normalized_request": _STR,
+    "translation_notes": pl.List(_STR),
+    "prompt_token_ids": pl.List(pl.Int32),
+    "sampled_token_ids": pl.List(pl.Int32),
+    "sampled_logprobs": pl.List(pl.Float64),
+    "output_text": _STR,
+    "output_reasoning": _STR,
+    "output_tool_calls": _STR,
+    "prompt_tokens": pl.Int64,
+    "completion_tokens": pl.Int64,
+    "t_request_in": pl.Float64,
+    "t_upstream_sent": pl.Float64,
+    "t_upstream_first_byte": pl.Float64,
+    "t_upstream_end": pl.Float64,
+    "t_response_out": pl.Float64,
+    "proxy_id": _STR,
+    # not CallRecord fields: provenance and forward compatibility
+    "extra_json": _STR,  # fields this version does not know, as one JSON object (or null)
+    "source_file": _STR,
+    "source_line": pl.Int64,  # 1-based line number in the JSONL file (0 for flow files)
+}
+assert tuple(CALL_SCHEMA)[: len(CALL_FIELDS)] == CALL_FIELDS, "CALL_SCHEMA must follow CallRecord"
+
+_TOKEN_LISTS = ("prompt_token_ids", "sampled_token_ids")
+_DEFAULTS = CallRecord().to_dict()
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation of one record
+# ------------------------------------------------------------------------------------------------
+class InvalidRecord(ValueError):
+    pass
+
+
+def _check_ints(name: str, value: Any) -> np.ndarray:
+    if value is None:
+        return np.zeros(0, dtype=np.int32)
+    if not isinstance(value, list):
+        raise InvalidRecord(f"{name} is not a list")
+    try:
+        arr = np.asarray(value, dtype=np.int64) if value else np.zeros(0, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidRecord(f"{name}: {exc}") from None
+    if arr.ndim != 1 or (arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max)):
+        raise InvalidRecord(f"{name} holds values that are not token ids")
+    if arr.size and any(isinstance(v, (bool, float)) for v in (value[0], value[-1])):
+        raise InvalidRecord(f"{name} holds non-integers")
+    return arr.astype(np.int32)
+
+
+def normalize_record(data: Any) -> dict[str, Any]:
+    """Validate one parsed line and return the row dict of the calls frame (without provenance).
+
+    Missing fields take the CallRecord defaults (older schema versions); unknown fields are kept
+    in ``extra_json``. Raises InvalidRecord when a field has the wrong type.
+    """
+    if not isinstance(data, dict):
+        raise InvalidRecord("line is not a JSON object")
+    row: dict[str, Any] = {}
+    for name in CALL_FIELDS:
+        value = data.get(name, _DEFAULTS[name])
+        dtype = CALL_SCHEMA[name]
+        if name in _TOKEN_LISTS:
+            row[name] = _check_ints(name, value)
+        elif name == "sampled_logprobs":
+            try:
+                row[name] = np.asarray(value or [], dtype=np.float64)
+            except (TypeError, ValueError):
+                raise InvalidRecord("sampled_logprobs holds non-numbers") from None
+            if row[name].ndim != 1:
+                raise InvalidRecord("sampled_logprobs is not a flat list")
+        elif name in JSON_COLUMNS:
+            row[name] = None if value is None else orjson.dumps(value).decode()
+        elif name == "translation_notes":
+            if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                raise InvalidRecord("translation_notes is not a list of strings")
+            row[name] = value
+        elif value is None:
+            row[name] = None
+        elif dtype == _STR:
+            if not isinstance(value, str):
+                raise InvalidRecord(f"{name} is not a string")
+            row[name] = value
+        elif dtype == pl.Boolean:
+            if not isinstance(value, bool):
+                raise InvalidRecord(f"{name} is not a boolean")
+            row[name] = value
+        elif dtype == pl.Float64:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidRecord(f"{name} is not a number")
+            row[name] = float(value)
+        else:  # integers
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidRecord(f"{name} is not an integer")
+            row[name] = value
+    if not row["session_id"]:
+        raise InvalidRecord("session_id is empty")
+    extra = {k: v for k, v in data.items() if k not in _DEFAULTS}
+    row["extra_json"] = orjson.dumps(extra).decode() if extra else None
+    return row
+
+
+def rows_to_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
+    """Build a calls DataFrame with the exact CALL_SCHEMA from validated row dicts.
+
+    Token lists go through numpy + Arrow offsets (no per-element Python objects in Polars).
+    """
+    columns: dict[str, Any] = {}
+    for name, dtype in CALL_SCHEMA.items():
+        if name in ("prompt_token_ids", "sampled_token_ids", "sampled_logprobs"):
+            arrays = [r[name] for r in rows]
+            np_dtype = np.float64 if name == "sampled_logprobs" else np.int32
+            lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+            offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            values = np.concatenate(arrays).astype(np_dtype, copy=False) if arrays else np.zeros(0, np_dtype)
+            columns[name] = pl.from_arrow(pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values)))
+            columns[name] = columns[name].cast(dtype)
+        else:
+            columns[name] = pl.Series(name, [r.get(name) for r in rows], dtype=dtype)
+    return pl.DataFrame(columns).select([pl.col(n).alias(n) for n in CALL_SCHEMA])
+
+
+def empty_calls() -> pl.DataFrame:
+    return pl.DataFrame(schema=CALL_SCHEMA)
+
+
+# ------------------------------------------------------------------------------------------------
+# JSONL -> Parquet cache
+# ------------------------------------------------------------------------------------------------
+_RECOVERY_MARKERS = (b'{"schema_version"', b'{"record_type"')
+
+
+@dataclass
+class FileStats:
+    """What the validator saw in one JSONL file (cumulative over incremental conversions)."""
+
+    path: str
+    records: int = 0
+    other_records: int = 0  # valid JSON objects whose record_type is not "call"
+    invalid: int = 0  # lines that are not a valid record (skipped)
+    recovered: int = 0  # records found behind torn bytes on the same line
+    torn_tail: int = 0  # an incomplete last line (no newline yet): left for the next scan
+    errors: list[str] = field(default_factory=list)  # first few reasons, for `polar inspect`
+
+
+@dataclass
+class ScanReport:
+    files: list[FileStats] = field(default_factory=list)
+    converted: int = 0  # files (re)converted during this scan
+    appended: int = 0  # files that only got an incremental part
+    cached: int = 0  # files served from the cache untouched
+
+    def totals(self) -> dict[str, int]:
+        keys = ("records", "other_records", "invalid", "recovered", "torn_tail")
+        return {k: sum(getattr(f, k) for f in self.files) for k in keys}
+
+
+def _parse_line(line: bytes, stats: FileStats) -> list[dict[str, Any]]:
+    """Rows parsed from one complete line; counts what had to be skipped."""
+    stripped = line.strip()
+    if not stripped:
+        return []
+    try:
+        data = orjson.loads(stripped)
+    except orjson.JSONDecodeError as exc:
+        # A torn write followed by a complete record on the same physical line.
+        for marker in _RECOVERY_MARKERS:
+            pos = stripped.find(marker, 1)
+            if pos > 0:
+                rows = _parse_line(stripped[pos:], stats)
+                if rows:
+                    stats.recovered += len(rows)
+                    stats.invalid += 1
+                    return rows
+        stats.invalid += 1
+        if len(stats.errors) < 5:
+            stats.errors.append(f"invalid JSON: {exc}")
+        return []
+    if isinstance(data, dict) and data.get("record_type", "call") != "call":
+        stats.other_records += 1
+        return []
+    try:
+        row = normalize_record(data)
+    except InvalidRecord as exc:
+        stats.invalid += 1
+        if len(stats.errors) < 5:
+            stats.errors.append(str(exc))
+        return []
+    stats.records += 1
+    return [row]
+
+
+def _convert_range(path: Path, start: int, stats: FileStats) -> tuple[pl.DataFrame, int]:
+    """Parse complete lines of ``path`` from byte ``start``; returns (frame, new consumed offset)."""
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        data = fh.read()
+    end = data.rfind(b"\n") + 1  # only complete lines; a torn tail waits for the next scan
+    stats.torn_tail = 1 if data[end:].strip() else 0
+    rows: list[dict[str, Any]] = []
+    line_no = _count_lines_before(path, start) if start else 0
+    pos = 0
+    while pos < end:
+        nl = data.index(b"\n", pos)
+        line_no += 1
+        for row in _parse_line(data[pos:nl], stats):
+            row["source_file"] = str(path)
+            row["source_line"] = line_no
+            rows.append(row)
+        pos = nl + 1
+    return rows_to_frame(rows), start + end
+
+
+def _count_lines_before(path: Path, offset: int) -> int:
+    n = 0
+    with open(path, "rb") as fh:
+        remaining = offset
+        while remaining > 0:
+            chunk = fh.read(min(remaining, 1 << 24))
+            if not chunk:
+                break
+            n += chunk.count(b"\n")
+            remaining -= len(chunk)
+    return n
+
+
+def _fingerprint(path: Path, consumed: int) -> str:
+    """Hash of the first bytes already converted, plus the newline that ended the last line."""
+    with open(path, "rb") as fh:
+        head = fh.read(min(consumed, 4096))
+        if consumed:
+            fh.seek(consumed - 1)
+            head += fh.read(1)
+    return hashlib.sha1(head).hexdigest()
+
+
+def _same_head(path: Path, consumed: int, expected: str) -> bool:
+    return _fingerprint(path, consumed) == expected
+
+
+def default_cache_dir(capture_dir: Path) -> Path:
+    """``<capture_dir>/.polar-cache`` when writable, else a per-directory cache under POLAR_HOME."""
+    local = capture_dir / CACHE_DIRNAME
+    try:
+        local.mkdir(parents=True, exist_ok=True)
+        probe = local / ".probe"
+        probe.touch()
+        probe.unlink()
+        return local
+    except OSError:
+        from polar_runtime.paths import polar_home
+
+        digest = hashlib.sha1(str(capture_dir.resolve()).encode()).hexdigest()[:16]
+        return polar_home() / "capture-cache" / digest
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def _write_part(df: pl.DataFrame, path: Path) -> None:
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    df.write_parquet(tmp, compression="zstd", compression_level=1, statistics=True)
+    os.replace(tmp, path)
+
+
+def sync_file(jsonl: Path, cache_dir: Path) -> tuple[list[Path], FileStats, str]:
+    """Bring the Parquet parts of one JSONL file up to date. Returns (parts, stats, action)."""
+    stem = jsonl.name[: -len(".jsonl")] if jsonl.name.endswith(".jsonl") else jsonl.name
+    meta_path = cache_dir / f"{stem}.meta.json"
+    st = jsonl.stat()
+    meta: dict[str, Any] | None = None
+    if meta_path.exists():
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError):
+            meta = None
+    if meta and meta.get("cache_version") == CACHE_VERSION and all((cache_dir / p).exists() for p in meta["parts"]):
+        stats = FileStats(path=str(jsonl), **meta["stats"])
+        if meta["size"] == st.st_size and meta["mtime_ns"] == st.st_mtime_ns:
+            return [cache_dir / p for p in meta["parts"]], stats, "cached"
+        if st.st_size >= meta["consumed"] and _same_head(jsonl, meta["consumed"], meta["head"]):
+            df, consumed = _convert_range(jsonl, meta["consumed"], stats)
+            parts = list(meta["parts"])
+            if df.height:
+                part = f"{stem}.{len(parts):04d}.parquet"
+                _write_part(df, cache_dir / part)
+                parts.append(part)
+            _save_meta(meta_path, jsonl, st, consumed, parts, stats)
+            return [cache_dir / p for p in parts], stats, "appended"
+    # (re)convert from scratch
+    if meta:
+        for p in meta.get("parts", []):
+            (cache_dir / p).unlink(missing_ok=True)
+    stats = FileStats(path=str(jsonl))
+    df, consumed = _convert_range(jsonl, 0, stats)
+    part = f"{stem}.0000.parquet"
+    _write_part(df, cache_dir / part)
+    _save_meta(meta_path, jsonl, st, consumed, [part], stats)
+    return [cache_dir / part], stats, "converted"
+
+
+def _save_meta(meta_path: Path, jsonl: Path, st: os.stat_result, consumed: int, parts: list[str], stats: FileStats) -> None:
+    meta = {
+        "cache_version": CACHE_VERSION,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "consumed": consumed,
+        "head": _fingerprint(jsonl, consumed),
+        "parts": parts,
+        "stats": {k: v for k, v in stats.__dict__.items() if k != "path"},
+    }
+    _atomic_write_bytes(meta_path, json.dumps(meta).encode())
+
+
+def session_files(capture_dir: str | Path) -> list[Path]:
+    d = Path(capture_dir)
+    sub = d / SESSIONS_SUBDIR
+    if sub.is_dir():
+        return sorted(sub.glob("*.jsonl"))
+    return sorted(d.glob("*.jsonl"))  # a bare directory of session files
+
+
+def sync_capture(
+    capture_dir: str | Path,
+    cache_dir: str | Path | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[Path], ScanReport]:
+    """Convert what changed in a capture directory; returns the Parquet parts and a report."""
+    capture_dir = Path(capture_dir)
+    if not capture_dir.is_dir():
+        raise FileNotFoundError(f"capture directory {capture_dir} does not exist")
+    cache = Path(cache_dir) if cache_dir else default_cache_dir(capture_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    files = session_files(capture_dir)
+    parts: list[Path] = []
+    report = ScanReport()
+    for i, f in enumerate(files):
+        p, stats, action = sync_file(f, cache)
+        parts.extend(p)
+        report.files.append(stats)
+        setattr(report, action, getattr(report, action) + 1)
+        if progress:
+            progress(i + 1, len(files))
+    return parts, report
+
+
+# ------------------------------------------------------------------------------------------------
+# Frames
+# ------------------------------------------------------------------------------------------------
+def _with_derived(lf: pl.LazyFrame) -> pl.LazyFrame:
+    return lf.with_columns(
+        n_prompt_ids=pl.col("prompt_token_ids").list.len().cast(pl.Int64),
+        n_sampled_ids=pl.col("sampled_token_ids").list.len().cast(pl.Int64),
+        latency_s=pl.col("t_response_out") - pl.col("t_request_in"),
+        ttfb_s=pl.col("t_upstream_first_byte") - pl.col("t_upstream_sent"),
+        upstream_s=pl.col("t_upstream_end") - pl.col("t_upstream_sent"),
+    )
+
+
+def scan_parts(parts: Iterable[str | Path]) -> pl.LazyFrame:
+    parts = [str(p) for p in parts]
+    if not parts:
+        return empty_calls().lazy()
+    return pl.scan_parquet(parts, schema=CALL_SCHEMA, missing_columns="insert", extra_columns="ignore")
+
+
+def calls(
+    capture_dir: str | Path,
+    *,
+    cache_dir: str | Path | None = None,
+    rewards: str | Path | pl.LazyFrame | None = "auto",
+    report: ScanReport | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> pl.LazyFrame:
+    """The calls frame of a capture directory (lazy), in file order (one file per session, each
+    in call order); sort explicitly when needed, so that sinking to Parquet can stream.
+
+    ``rewards="auto"`` joins ``<capture_dir>/rollouts.parquet`` when it exists (columns ``reward``
+    and ``rollout_status``); pass a path / LazyFrame to use another source, or None for none.
+    """
+    parts, rep = sync_capture(capture_dir, cache_dir, progress)
+    if report is not None:
+        report.files, report.converted, report.appended, report.cached = rep.files, rep.converted, rep.appended, rep.cached
+    lf = _with_derived(scan_parts(parts))
+    return attach_session_rewards(lf, capture_dir, rewards)
+
+
+def attach_session_rewards(lf: pl.LazyFrame, capture_dir: str | Path | None, rewards: Any) -> pl.LazyFrame:
+    from polar_analysis import rewards as rw
+
+    source = rewards
+    if isinstance(rewards, str) and rewards == "auto":
+        source = rw.default_rewards_path(capture_dir) if capture_dir else None
+    if source is None:
+        return lf.with_columns(reward=pl.lit(None, pl.Float64), rollout_status=pl.lit(None, pl.String))
+    table = source if isinstance(source, pl.LazyFrame) else rw.load_rewards(source)
+    table = table.select("session_id", "reward", pl.col("status").alias("rollout_status"))
+    return lf.join(table, on="session_id", how="left", maintain_order="left")
+
+
+def sessions(calls_lf: pl.LazyFrame) -> pl.LazyFrame:
+    """One row per session: ids, harness/provider, call and token counts, errors, time span, reward."""
+    agg = [
+        pl.col("task_id").drop_nulls().first().alias("task_id"),
+        pl.col("group_id").drop_nulls().first().alias("group_id"),
+        pl.col("sample_index").drop_nulls().first().alias("sample_index"),
+        pl.col("harness").filter(pl.col("harness") != "").first().alias("harness"),
+        pl.col("provider").unique().sort().str.join(",").alias("providers"),
+        pl.col("served_model").filter(pl.col("served_model") != "").first().alias("served_model"),
+        pl.len().alias("n_calls"),
+        (pl.col("status") == "ok").sum().alias("n_ok"),
+        (pl.col("status") != "ok").sum().alias("n_error"),
+        (pl.col("finish_reason") == "length").sum().alias("n_length"),
+        pl.col("n_prompt_ids").sum().alias("prompt_ids"),
+        pl.col("n_sampled_ids").sum().alias("sampled_ids"),
+        pl.col("n_prompt_ids").max().alias("max_prompt_ids"),
+        pl.col("t_request_in").min().alias("t_start"),
+        pl.col("t_response_out").max().alias("t_end"),
+        pl.col("policy_version").min().alias("min_policy_version"),
+        pl.col("policy_version").max().alias("max_policy_version"),
+    ]
+    names = calls_lf.collect_schema().names()
+    if "reward" in names:
+        agg += [pl.col("reward").first().alias("reward"), pl.col("rollout_status").first().alias("rollout_status")]
+    return (
+        calls_lf.group_by("session_id", maintain_order=True)
+        .agg(agg)
+        .with_columns(duration_s=pl.col("t_end") - pl.col("t_start"))
+    )
+
+
+def tokens(calls_lf: pl.LazyFrame, which: str = "sampled") -> pl.LazyFrame:
+    """One row per token of every call (``which`` = "sampled" with logprobs, or "prompt")."""
+    keys = ["session_id", "call_id", "call_index"]
+    if which == "sampled":
+        lf = calls_lf.select(*keys, token_id=pl.col("sampled_token_ids"), logprob=pl.col("sampled_logprobs"))
+        lf = lf.with_columns(
+            logprob=pl.when(pl.col("logprob").list.len() == pl.col("token_id").list.len())
+            .then(pl.col("logprob"))
+            .otherwise(pl.col("token_id").list.eval(pl.lit(None, pl.Float64)))
+        )
+        cols = ["token_id", "logprob"]
+    elif which == "prompt":
+        lf = calls_lf.select(*keys, token_id=pl.col("prompt_token_ids"))
+        cols = ["token_id"]
+    else:
+        raise ValueError("which must be 'sampled' or 'prompt'")
+    lf = lf.with_columns(position=pl.int_ranges(0, pl.col("token_id").list.len(), dtype=pl.Int32))
+    return lf.explode([*cols, "position"]).drop_nulls("token_id")
+
+
+# ------------------------------------------------------------------------------------------------
+# mitmproxy flow files
+# ------------------------------------------------------------------------------------------------
+def _json_body(message: Any) -> Any:
+    if message is None or not message.raw_content:
+        return None
+    try:
+        return json.loads(message.get_text(strict=False) or "")
+    except (ValueError, TypeError):
+        return None
+
+
+def flow_to_record(flow: Any) -> dict[str, Any] | None:
+    """A CallRecord-like dict from one saved HTTP flow, or None when Polar did not annotate it.
+
+    The proxy stores its annotations in ``flow.metadata["polar"]``: either a full record under
+    ``"record"``, or CallRecord fields directly (token ids, normalized request, ids...). Whatever
+    is missing is rebuilt from the flow itself: the request body is the native request, path and
+    timestamps come from the request/response, the HTTP status from the response.
+    """
+    meta = getattr(flow, "metadata", None) or {}
+    polar = meta.get("polar")
+    if not isinstance(polar, dict):
+        return None
+    data: dict[str, Any] = dict(polar.get("record") or {})
+    for k, v in polar.items():
+        if k in _DEFAULTS and k not in data:
+            data[k] = v
+    req, resp = flow.request, getattr(flow, "response", None)
+    data.setdefault("native_request", _json_body(req))
+    data.setdefault("native_path", req.path)
+    data.setdefault("user_agent", req.headers.get("user-agent", ""))
+    data.setdefault("t_request_in", req.timestamp_end or req.timestamp_start)
+    data.setdefault("call_id", flow.id.replace("-", ""))
+    if resp is not None:
+        data.setdefault("http_status", resp.status_code)
+        data.setdefault("t_response_out", resp.timestamp_end)
+        data.setdefault("t_upstream_first_byte", resp.timestamp_start)
+    if getattr(flow, "error", None) is not None and "status" not in data:
+        data["status"] = "error"
+        data.setdefault("error", flow.error.msg)
+    elif resp is not None and resp.status_code >= 400 and "status" not in data:
+        data["status"] = "error"
+    return data
+
+
+def flows_calls(path: str | Path, *, stats: FileStats | None = None) -> pl.DataFrame:
+    """The calls frame rows of a saved mitmproxy flow file (``mitmdump -w FILE``)."""
+    from mitmproxy import http, io
+
+    stats = stats or FileStats(path=str(path))
+    rows = []
+    with open(path, "rb") as fh:
+        for i, flow in enumerate(io.FlowReader(fh).stream()):
+            if not isinstance(flow, http.HTTPFlow):
+                continue
+            data = flow_to_record(flow)
+            if data is None:
+                stats.other_records += 1
+                continue
+            try:
+                row = normalize_record(data)
+            except InvalidRecord as exc:
+                stats.invalid += 1
+                if len(stats.errors) < 5:
+                    stats.errors.append(str(exc))
+                continue
+            row["source_file"], row["source_line"] = str(path), i + 1
+            stats.records += 1
+            rows.append(row)
+    return rows_to_frame(rows)
+
+
+def load(source: str | Path, **kwargs: Any) -> pl.LazyFrame:
+    """Calls frame of a capture directory, a flow file, a calls Parquet file or a JSONL file."""
+    p = Path(source)
+    if p.is_dir():
+        return calls(p, **kwargs)
+    if p.suffix == ".parquet":
+        return pl.scan_parquet(p)
+    if p.suffix == ".jsonl":
+        df, _ = _convert_range(p, 0, FileStats(path=str(p)))
+        return _with_derived(df.lazy())
+    return _with_derived(flows_calls(p).lazy())
+
+
+def decode_json(value: str | None) -> Any:
+    """A JSON column value back to Python (None stays None)."""
+    return None if value is None else orjson.loads(value)

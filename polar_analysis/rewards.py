@@ -1,0 +1,79 @@
+"""Rewards and run outcomes per session, from rollout results or a rewards file.
+
+Sources (all keyed by ``session_id``):
+
+- ``<capture_dir>/rollouts.parquet``, written by ``polar rollout``: columns ``task_id``,
+  ``sample_index``, ``session_id``, ``group_id``, ``status``, ``reward`` (others ignored). Used
+  automatically when present.
+- a rewards file given with ``--rewards FILE``: Parquet, JSON Lines (one object per line) or CSV,
+  with at least ``session_id`` and ``reward``; optional ``status``, ``task_id``, ``group_id``.
+
+``status`` is normalised to what the trainer understands: ``ok``, ``timeout`` or ``failed``
+(``ok``/``success``/``passed``/``completed``/``done`` -> ok; ``timeout``/``timed_out`` -> timeout;
+anything else, e.g. ``error`` or ``crashed`` -> failed). A missing status means ``ok``. A session
+listed twice keeps its last row. A reward that is missing stays null: the trainer decides.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+ROLLOUTS_FILE = "rollouts.parquet"
+_OK = ("ok", "success", "succeeded", "passed", "pass", "completed", "complete", "done", "resolved")
+_TIMEOUT = ("timeout", "timed_out", "time_out", "timedout")
+
+
+def default_rewards_path(capture_dir: str | Path | None) -> Path | None:
+    if capture_dir is None:
+        return None
+    p = Path(capture_dir) / ROLLOUTS_FILE
+    return p if p.is_file() else None
+
+
+def normalize_status(expr: pl.Expr) -> pl.Expr:
+    s = expr.cast(pl.String).str.to_lowercase().str.strip_chars()
+    return (
+        pl.when(s.is_null() | s.is_in(_OK))
+        .then(pl.lit("ok"))
+        .when(s.is_in(_TIMEOUT))
+        .then(pl.lit("timeout"))
+        .otherwise(pl.lit("failed"))
+    )
+
+
+def load_rewards(path: str | Path) -> pl.LazyFrame:
+    """session_id, reward (f64), status (ok|timeout|failed), task_id, group_id: one row per session."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"rewards file {p} does not exist")
+    suffix = p.suffix.lower()
+    if suffix == ".parquet":
+        lf = pl.scan_parquet(p)
+    elif suffix in (".jsonl", ".ndjson", ".json"):
+        lf = pl.scan_ndjson(p, infer_schema_length=None)
+    elif suffix in (".csv", ".tsv"):
+        lf = pl.scan_csv(p, separator="\t" if suffix == ".tsv" else ",", infer_schema_length=None)
+    else:
+        raise ValueError(f"rewards file {p}: expected .parquet, .jsonl or .csv")
+    names = lf.collect_schema().names()
+    for needed in ("session_id", "reward"):
+        if needed not in names:
+            raise ValueError(f"rewards file {p} has no {needed!r} column (columns: {names})")
+    cols = [
+        pl.col("session_id").cast(pl.String),
+        pl.col("reward").cast(pl.Float64, strict=False),
+        normalize_status(pl.col("status") if "status" in names else pl.lit(None, pl.String)).alias("status"),
+        (pl.col("task_id").cast(pl.String) if "task_id" in names else pl.lit(None, pl.String)).alias("task_id"),
+        (pl.col("group_id").cast(pl.String) if "group_id" in names else pl.lit(None, pl.String)).alias("group_id"),
+    ]
+    return lf.select(cols).drop_nulls("session_id").unique("session_id", keep="last", maintain_order=True)
+
+
+def resolve(capture_dir: str | Path | None, rewards: str | Path | None) -> pl.LazyFrame | None:
+    """The rewards table to use: an explicit file, else the capture's rollouts.parquet, else None."""
+    if rewards:
+        return load_rewards(rewards)
+    default = default_rewards_path(capture_dir)
+    return load_rewards(default) if default else None

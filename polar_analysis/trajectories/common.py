@@ -1,0 +1,395 @@
+"""Shared pieces of the trajectory builders: calls as numpy arrays, template facts, output frame.
+
+Token ids are taken from the calls frame as they were captured and sliced with numpy views; a
+builder only concatenates them. Every sampled token of every usable call must end up with loss
+mask 1 in exactly one sequence (``coverage``); calls that cannot contribute (status error, no
+sampled ids) are counted, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import orjson
+import polars as pl
+import pyarrow as pa
+
+from polar_analysis.schema import TRAJECTORY_COLUMNS
+
+#: Polars types of the trajectory Parquet (names and order from schema.TRAJECTORY_COLUMNS).
+TRAJECTORY_SCHEMA: dict[str, pl.DataType] = {
+    "trajectory_id": pl.String,
+    "session_id": pl.String,
+    "task_id": pl.String,
+    "group_id": pl.String,
+    "segment_index": pl.Int32,
+    "chain_index": pl.Int32,
+    "input_ids": pl.List(pl.Int32),
+    "loss_mask": pl.List(pl.Int8),
+    "logprobs": pl.List(pl.Float64),
+    "reward": pl.Float64,
+    "status": pl.String,
+    "n_calls": pl.Int32,
+    "call_ids": pl.List(pl.String),
+    "span_call_index": pl.List(pl.Int32),
+    "span_start": pl.List(pl.Int64),
+    "span_end": pl.List(pl.Int64),
+    "span_kind": pl.List(pl.String),
+    "merge_exact": pl.List(pl.Boolean),
+    "merge_kind": pl.List(pl.String),
+    "policy_version": pl.Int64,
+}
+assert set(TRAJECTORY_COLUMNS) <= set(TRAJECTORY_SCHEMA), "every schema column must have a type"
+
+#: What the next call's prompt did with the previous answer (``merge_kind``), mildest first.
+MERGE_KINDS = (
+    "exact",  # previous prompt + sampled ids are a prefix of the next prompt
+    "retokenized",  # same text / same tool call, different ids (JSON re-serialized, [fish,ing] vs [fishing])
+    "prompt_changed",  # answer found, but the previous generation prompt was rendered differently (Qwen3 empty think)
+    "content_changed",  # the answer was re-rendered with different content (reasoning stripped, truncated turn emptied)
+)
+
+#: Columns a builder reads from the calls frame.
+CALL_COLUMNS = (
+    "call_id", "session_id", "task_id", "group_id", "call_index", "status", "finish_reason",
+    "policy_version", "prompt_token_ids", "sampled_token_ids", "sampled_logprobs",
+    "normalized_request", "output_text", "output_reasoning", "output_tool_calls", "t_request_in",
+)
+
+
+@dataclass(eq=False)
+class Call:
+    """One captured call; token arrays are views into the collected columns (never re-derived)."""
+
+    call_id: str
+    session_id: str
+    task_id: str | None
+    group_id: str | None
+    call_index: int
+    status: str
+    finish_reason: str | None
+    policy_version: int | None
+    prompt: np.ndarray
+    sampled: np.ndarray
+    logprobs: np.ndarray
+    request_json: str | None = None
+    output_text: str = ""
+    output_reasoning: str = ""
+    output_tool_calls_json: str | None = None
+    _request: Any = field(default=None, repr=False)
+
+    @property
+    def usable(self) -> bool:
+        return self.status == "ok" and self.sampled.size > 0
+
+    @property
+    def request(self) -> dict[str, Any] | None:
+        if self._request is None and self.request_json:
+            self._request = orjson.loads(self.request_json)
+        return self._request
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return orjson.loads(self.output_tool_calls_json) if self.output_tool_calls_json else []
+
+
+def _list_arrays(series: pl.Series, dtype: Any) -> list[np.ndarray]:
+    lengths = series.list.len().fill_null(0).to_numpy().astype(np.int64)
+    flat = series.explode().drop_nulls().to_numpy().astype(dtype, copy=False)
+    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return [flat[offsets[i] : offsets[i + 1]] for i in range(lengths.size)]
+
+
+def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
+    """Materialize the columns the builders need, ordered by session, call index, arrival time."""
+    names = calls_lf.collect_schema().names()
+    cols = [c for c in CALL_COLUMNS if c in names]
+    df = calls_lf.select(cols).sort("session_id", "call_index", "t_request_in", nulls_last=True, maintain_order=True).collect()
+    prompts = _list_arrays(df["prompt_token_ids"], np.int32)
+    sampled = _list_arrays(df["sampled_token_ids"], np.int32)
+    logprobs = _list_arrays(df["sampled_logprobs"], np.float64)
+    out = []
+    get = {c: (df[c].to_list() if c in df.columns else [None] * df.height) for c in CALL_COLUMNS}
+    for i in range(df.height):
+        lp = logprobs[i]
+        if lp.size != sampled[i].size:  # no logprobs captured: zeros, flagged by the alignment report
+            lp = np.zeros(sampled[i].size, dtype=np.float64)
+        out.append(
+            Call(
+                call_id=get["call_id"][i],
+                session_id=get["session_id"][i],
+                task_id=get["task_id"][i],
+                group_id=get["group_id"][i],
+                call_index=get["call_index"][i] or 0,
+                status=get["status"][i] or "ok",
+                finish_reason=get["finish_reason"][i],
+                policy_version=get["policy_version"][i],
+                prompt=prompts[i],
+                sampled=sampled[i],
+                logprobs=lp,
+                request_json=get["normalized_request"][i],
+                output_text=get["output_text"][i] or "",
+                output_reasoning=get["output_reasoning"][i] or "",
+                output_tool_calls_json=get["output_tool_calls"][i],
+            )
+        )
+    return out
+
+
+def by_session(calls: list[Call]) -> Iterator[tuple[str, list[Call]]]:
+    start = 0
+    for i in range(1, len(calls) + 1):
+        if i == len(calls) or calls[i].session_id != calls[start].session_id:
+            yield calls[start].session_id, calls[start:i]
+            start = i
+
+
+# ------------------------------------------------------------------------------------------------
+# Template facts
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class TemplateInfo:
+    """What a builder must know about the chat template, as token ids.
+
+    ``eot_ids``: tokens that end a turn (``<|im_end|>``); ``generation_prompt``: what
+    ``add_generation_prompt=True`` appends (``<|im_start|>assistant\\n`` — with Qwen3 and
+    ``enable_thinking=false`` also ``<think>\\n\\n</think>\\n\\n``); ``assistant_header``: how an
+    assistant turn of the history starts. ``decode`` turns ids into text (None: not available).
+    Without a tokenizer, ``infer_template_info`` guesses ``eot_ids`` from the captures and leaves
+    the rest unknown, which only disables merging across a changed generation prompt.
+    """
+
+    eot_ids: frozenset[int]
+    generation_prompt: tuple[int, ...] = ()
+    assistant_header: tuple[int, ...] = ()
+    decode: Callable[[list[int]], str] | None = None
+    source: str = "inferred"
+
+
+def infer_template_info(calls: list[Call]) -> TemplateInfo:
+    """End-of-turn id = the most common last sampled id of calls that stopped on their own."""
+    last = Counter(int(c.sampled[-1]) for c in calls if c.sampled.size and c.finish_reason in ("stop", "tool_calls"))
+    eot = frozenset([last.most_common(1)[0][0]]) if last else frozenset()
+    return TemplateInfo(eot_ids=eot, source="inferred")
+
+
+def lcp(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two id arrays, cheap when they differ early."""
+    n = min(a.size, b.size)
+    start, block = 0, 64
+    while start < n:
+        end = min(n, start + block)
+        diff = np.flatnonzero(a[start:end] != b[start:end])
+        if diff.size:
+            return start + int(diff[0])
+        start, block = end, block * 4
+    return n
+
+
+def is_prefix(a: np.ndarray, b: np.ndarray) -> bool:
+    """True when ``a`` is a prefix of ``b``; rejects most non-prefixes in O(1) before comparing."""
+    n = a.size
+    if n > b.size:
+        return False
+    if n == 0:
+        return True
+    if a[n - 1] != b[n - 1] or a[n // 2] != b[n // 2] or a[0] != b[0]:
+        return False
+    return bool(np.array_equal(a, b[:n]))
+
+
+# ------------------------------------------------------------------------------------------------
+# Sequences and the output frame
+# ------------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Sequence:
+    """One training sequence under construction: spans of prompt (mask 0) and sampled (mask 1) ids."""
+
+    session_id: str
+    chain_index: int
+    segment_index: int
+    calls: list[Call] = field(default_factory=list)
+    pieces: list[np.ndarray] = field(default_factory=list)
+    span_kind: list[str] = field(default_factory=list)
+    span_call: list[int] = field(default_factory=list)  # call_index of the call each span came from
+    span_pos: list[int] = field(default_factory=list)  # position of that call in ``calls``
+    merge_kinds: list[str] = field(default_factory=list)
+    length: int = 0
+
+    def add(self, ids: np.ndarray, kind: str) -> None:
+        if ids.size == 0:
+            return
+        self.pieces.append(ids)
+        self.span_kind.append(kind)
+        self.span_call.append(self.calls[-1].call_index)
+        self.span_pos.append(len(self.calls) - 1)
+        self.length += int(ids.size)
+
+    def start(self, call: Call) -> None:
+        self.calls.append(call)
+        self.add(call.prompt, "prompt")
+        self.add(call.sampled, "sampled")
+
+    def extend(self, call: Call, tail: np.ndarray, kind: str) -> None:
+        self.calls.append(call)
+        self.merge_kinds.append(kind)
+        self.add(tail, "prompt")
+        self.add(call.sampled, "sampled")
+
+
+@dataclass
+class BuildStats:
+    """Counts a builder reports (and `polar trajectories` / `polar inspect` print)."""
+
+    mode: str = ""
+    calls: int = 0
+    sessions: int = 0
+    skipped_error: int = 0
+    skipped_empty: int = 0  # status ok but no sampled ids
+    skipped_error_sampled_tokens: int = 0  # sampled ids of error calls (not trained on, counted)
+    sequences: int = 0
+    chains: int = 0
+    merges: int = 0
+    breaks: int = 0  # a call continued an existing chain's conversation but started a new segment
+    break_reasons: Counter = field(default_factory=Counter)
+    merge_kinds: Counter = field(default_factory=Counter)
+    sampled_tokens: int = 0  # sampled ids of usable calls
+    covered_tokens: int = 0  # of those, present with loss mask 1 (verified id by id)
+    sequence_tokens: int = 0
+    template: str = ""
+
+    @property
+    def usable_calls(self) -> int:
+        return self.calls - self.skipped_error - self.skipped_empty
+
+    @property
+    def coverage(self) -> float:
+        return self.covered_tokens / self.sampled_tokens if self.sampled_tokens else 1.0
+
+    @property
+    def merge_rate(self) -> float:
+        """Of the calls that continued a conversation already seen, the share merged into it."""
+        return self.merges / (self.merges + self.breaks) if self.merges + self.breaks else 0.0
+
+    @property
+    def exact_merge_rate(self) -> float:
+        return self.merge_kinds.get("exact", 0) / self.merges if self.merges else 0.0
+
+    @property
+    def calls_per_sequence(self) -> float:
+        return self.usable_calls / self.sequences if self.sequences else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if not isinstance(v, Counter)}
+        d.update(
+            break_reasons=dict(self.break_reasons),
+            merge_kinds=dict(self.merge_kinds),
+            coverage=self.coverage,
+            merge_rate=self.merge_rate,
+            exact_merge_rate=self.exact_merge_rate,
+            calls_per_sequence=self.calls_per_sequence,
+            usable_calls=self.usable_calls,
+        )
+        return d
+
+
+def count_skipped(call: Call, stats: BuildStats) -> bool:
+    """Count a call that cannot contribute; True when it was skipped."""
+    if call.status != "ok":
+        stats.skipped_error += 1
+        stats.skipped_error_sampled_tokens += int(call.sampled.size)
+        return True
+    if call.sampled.size == 0:
+        stats.skipped_empty += 1
+        return True
+    stats.sampled_tokens += int(call.sampled.size)
+    return False
+
+
+def _large_list(arrays: list[np.ndarray], dtype: Any, pl_dtype: pl.DataType) -> pl.Series:
+    lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+    return pl.from_arrow(pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))).cast(pl_dtype)
+
+
+def sequences_frame(seqs: list[Sequence], stats: BuildStats) -> pl.DataFrame:
+    """The trajectory frame (TRAJECTORY_SCHEMA) of finished sequences; verifies coverage."""
+    ids, masks, lps = [], [], []
+    rows: dict[str, list[Any]] = {k: [] for k in TRAJECTORY_SCHEMA if k not in ("input_ids", "loss_mask", "logprobs")}
+    for seq in seqs:
+        input_ids = np.concatenate(seq.pieces).astype(np.int32, copy=False)
+        mask = np.zeros(input_ids.size, dtype=np.int8)
+        logprobs = np.zeros(input_ids.size, dtype=np.float64)
+        starts, ends = [], []
+        pos = 0
+        for piece, kind, cp in zip(seq.pieces, seq.span_kind, seq.span_pos):
+            starts.append(pos)
+            ends.append(pos + piece.size)
+            if kind == "sampled":
+                call = seq.calls[cp]
+                mask[pos : pos + piece.size] = 1
+                logprobs[pos : pos + piece.size] = call.logprobs
+                if np.array_equal(input_ids[pos : pos + piece.size], call.sampled):
+                    stats.covered_tokens += int(piece.size)
+            pos += piece.size
+        ids.append(input_ids)
+        masks.append(mask)
+        lps.append(logprobs)
+        first = seq.calls[0]
+        versions = [c.policy_version for c in seq.calls if c.policy_version is not None]
+        rows["trajectory_id"].append(f"{seq.session_id}/{seq.chain_index}.{seq.segment_index}")
+        rows["session_id"].append(seq.session_id)
+        rows["task_id"].append(next((c.task_id for c in seq.calls if c.task_id), None))
+        rows["group_id"].append(next((c.group_id for c in seq.calls if c.group_id), None))
+        rows["segment_index"].append(seq.segment_index)
+        rows["chain_index"].append(seq.chain_index)
+        rows["reward"].append(None)
+        rows["status"].append("ok")
+        rows["n_calls"].append(len(seq.calls))
+        rows["call_ids"].append([c.call_id for c in seq.calls])
+        rows["span_call_index"].append(seq.span_call)
+        rows["span_start"].append(starts)
+        rows["span_end"].append(ends)
+        rows["span_kind"].append(seq.span_kind)
+        rows["merge_exact"].append([k == "exact" for k in seq.merge_kinds])
+        rows["merge_kind"].append(list(seq.merge_kinds))
+        rows["policy_version"].append(min(versions) if versions else first.policy_version)
+        stats.sequence_tokens += int(input_ids.size)
+    stats.sequences = len(seqs)
+    cols: dict[str, pl.Series] = {}
+    for name, dtype in TRAJECTORY_SCHEMA.items():
+        if name == "input_ids":
+            cols[name] = _large_list(ids, np.int32, dtype)
+        elif name == "loss_mask":
+            cols[name] = _large_list(masks, np.int8, dtype)
+        elif name == "logprobs":
+            cols[name] = _large_list(lps, np.float64, dtype)
+        else:
+            cols[name] = pl.Series(name, rows[name], dtype=dtype)
+    return pl.DataFrame({n: s.alias(n) for n, s in cols.items()})
+
+
+def attach_rewards(traj: pl.DataFrame, rewards: pl.LazyFrame | None) -> pl.DataFrame:
+    """Fill reward/status (and missing task/group ids) from a rewards table keyed by session_id."""
+    if rewards is None:
+        return traj
+    table = rewards.select(
+        "session_id",
+        pl.col("reward").alias("_reward"),
+        pl.col("status").alias("_status"),
+        pl.col("task_id").alias("_task_id"),
+        pl.col("group_id").alias("_group_id"),
+    ).collect()
+    out = traj.join(table, on="session_id", how="left", maintain_order="left")
+    return out.with_columns(
+        reward=pl.col("_reward"),
+        status=pl.col("_status").fill_null(pl.col("status")),
+        task_id=pl.col("task_id").fill_null(pl.col("_task_id")),
+        group_id=pl.col("group_id").fill_null(pl.col("_group_id")),
+    ).select(list(TRAJECTORY_SCHEMA))
