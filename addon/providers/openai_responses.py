@@ -9,7 +9,8 @@ into their function tools); hosted tool kinds are dropped and counted.
 
 Answers: a ``response`` object with reasoning (summary_text), message (output_text) and
 function_call items; streams are the Responses event sequence with ``sequence_number`` on every
-event, ending in ``response.completed`` (or ``response.incomplete``) with the full response.
+event, ending in ``response.completed`` with the full response (also when the answer hit
+max_output_tokens: then its status is ``incomplete``, see ``ResponsesStream.finish``).
 """
 
 from __future__ import annotations
@@ -577,7 +578,10 @@ class ResponsesStream(StreamTranslator):
         out += self._close()
         status = "incomplete" if self.reader.finish_reason == "length" else "completed"
         usage = _usage(self.reader.prompt_tokens, self.reader.completion_tokens, self.reader.usage)
-        return out + self._emit(f"response.{status}", {"response": self._snapshot(status, usage)})
+        # Always ``response.completed`` (an incomplete answer says so in its status and
+        # incomplete_details): Codex treats a ``response.incomplete`` event as a failed stream and
+        # retries the same prompt, and the openai SDK's stream helper requires the completed event.
+        return out + self._emit("response.completed", {"response": self._snapshot(status, usage)})
 
     def fail(self, kind: str, message: str) -> bytes:
         out = self._start()

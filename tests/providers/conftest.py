@@ -175,7 +175,7 @@ def fixture_dir() -> Path:
     return FIXTURES
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def h() -> SimpleNamespace:
     return SimpleNamespace(
         load_request=load_request, scenario=scenario, completion=completion, chunks=chunks,
