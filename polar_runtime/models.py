@@ -33,8 +33,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, Te
 
 from polar_runtime import paths
 
-#: Bump when a builder changes in a way that invalidates earlier builds.
-BUILD_VERSION = 2
+#: Bump a target's number when its builder changes in a way that invalidates earlier builds.
+BUILD_VERSIONS = {"tiny-qwen": 3}
+DEFAULT_BUILD_VERSION = 2
 STAMP_NAME = ".polar-build.json"
 
 QWEN05 = "qwen2.5-coder-0.5b-instruct"
@@ -129,8 +130,8 @@ def status(name: str) -> str:
     target = target_path(name)
     if stamp is None:
         return "missing" if not target.exists() else "invalid: no verification stamp"
-    if stamp.get("build_version") != BUILD_VERSION:
-        return f"invalid: built by builder v{stamp.get('build_version')}, current v{BUILD_VERSION}"
+    if stamp.get("build_version") != build_version(name):
+        return f"invalid: built by builder v{stamp.get('build_version')}, current v{build_version(name)}"
     if not stamp.get("ok"):
         return "invalid: verification failed"
     if not target.exists():
@@ -173,6 +174,10 @@ def dir_size(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def build_version(name: str) -> int:
+    return BUILD_VERSIONS.get(name, DEFAULT_BUILD_VERSION)
 
 
 def _spec(name: str) -> ModelSpec:
@@ -322,7 +327,11 @@ TINY_QWEN_SEED = 0
 
 
 def tiny_qwen_config(vocab_size: int = 151936):
-    """2 layers, hidden 128, head_dim 64 (a size vLLM's CPU attention supports), real vocab."""
+    """2 layers, hidden 128, head_dim 64 (a size vLLM's CPU attention supports), real vocab.
+
+    Embeddings are untied, like the converted 0.5B: vLLM's in-place `reload_weights` skips a tied
+    LM head ("ParallelLMHead: Failed to load weights"), so a tied model would keep a stale head.
+    """
     from transformers import Qwen2Config
 
     return Qwen2Config(
@@ -335,7 +344,7 @@ def tiny_qwen_config(vocab_size: int = 151936):
         max_position_embeddings=32768,
         rope_theta=1000000.0,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
         bos_token_id=151643,
         eos_token_id=151645,
         pad_token_id=151643,
@@ -569,7 +578,7 @@ def build(name: str, *, force: bool = False, quiet: bool = False) -> dict[str, A
         stamp = {
             "name": name,
             "ok": True,
-            "build_version": BUILD_VERSION,
+            "build_version": build_version(name),
             "packages": list(spec.packages),
             "checks": checks,
             "seconds": round(time.monotonic() - t0, 1),

@@ -137,6 +137,17 @@ class VLLMServer:
         self.log_path = log_path or paths.vllm_cache_dir() / "logs" / f"{self.served_model_name}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_seconds: float | None = None
+        self.attached = False
+
+    @classmethod
+    def attach(cls, base_url: str, model: str | os.PathLike[str], served_model_name: str | None = None) -> VLLMServer:
+        """Wrap a server someone else started (e.g. the shared dev servers): stop() leaves it alone."""
+        host, _, port = base_url.removeprefix("http://").rstrip("/").removesuffix("/v1").partition(":")
+        server = cls(model, host=host, port=int(port or 80), served_model_name=served_model_name)
+        server.attached = True
+        if not server.is_ready():
+            raise ServeError(f"no vLLM serving {server.served_model_name!r} at {server.base_url}")
+        return server
 
     # -- addresses -------------------------------------------------------------------------------
     @property
@@ -195,6 +206,8 @@ class VLLMServer:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self, wait: bool = True, timeout: float = START_TIMEOUT_S) -> VLLMServer:
+        if self.attached:
+            raise ServeError(f"{self.base_url} was attached, not started here")
         if self.proc is not None and self.proc.poll() is None:
             raise ServeError(f"server already running at {self.base_url}")
         python = paths.vllm_python()
@@ -207,7 +220,7 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         paths.vllm_cache_dir().mkdir(parents=True, exist_ok=True)
         self._t0 = time.monotonic()
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "ab") as log:  # append: a restart keeps the earlier history
             log.write(("$ " + " ".join(self.command()) + "\n").encode())
             log.flush()
             self.proc = subprocess.Popen(
@@ -285,6 +298,8 @@ class VLLMServer:
 
     @property
     def running(self) -> bool:
+        if self.attached:
+            return self.is_ready()
         return self.proc is not None and self.proc.poll() is None
 
     # -- weights ---------------------------------------------------------------------------------
