@@ -160,9 +160,10 @@ class Endpoint:
         self.base_url = self.base_url.rstrip("/")
 
     def proxy_url_with_session(self, session_id: str) -> str:
-        """``http://<session>@host:port``: the proxy-auth user names the session."""
+        """``http://<session>:polar@host:port``: the proxy-auth user names the session. The dummy
+        password matters: Bun (OpenCode) cannot connect through a proxy URL with a bare user name."""
         scheme, _, rest = self.proxy_url.partition("://")
-        return f"{scheme}://{session_id}@{rest}"
+        return f"{scheme}://{session_id}:polar@{rest}"
 
 
 @dataclass
@@ -456,7 +457,9 @@ class OpenCode(Preset):
                 "polar": {
                     "npm": "@ai-sdk/openai-compatible",
                     "name": "polar",
-                    "options": {"baseURL": base, "apiKey": s.api_key},
+                    # OpenCode sends its own x-session-id header, which a proxy reads before the API
+                    # key; x-polar-session outranks it, so the capture lands under our session id.
+                    "options": {"baseURL": base, "apiKey": s.api_key, "headers": {"x-polar-session": s.session_id}},
                     "models": {s.model: {"name": s.model}},
                 }
             },

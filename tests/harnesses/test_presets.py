@@ -62,7 +62,7 @@ def test_env_is_isolated_and_carries_the_session(name, mode, tmp_path):
     assert env.get("ANTHROPIC_BASE_URL") in (None, "http://127.0.0.1:4100")
     assert "polar-" + SID in json.dumps(env) + " ".join(inv.argv) + _configs(tmp_path) or name.startswith("pi-")
     if mode == "proxy":
-        assert env["HTTPS_PROXY"] == f"http://{SID}@127.0.0.1:4200" == env["https_proxy"]
+        assert env["HTTPS_PROXY"] == f"http://{SID}:polar@127.0.0.1:4200" == env["https_proxy"]
         assert env["NODE_EXTRA_CA_CERTS"] == str(tmp_path / "ca.pem") == env["SSL_CERT_FILE"]
         assert env["NO_PROXY"] == ""
         # unmodified: nothing points at the proxy's reverse-mode address
@@ -128,7 +128,8 @@ def test_claude_gemini_qwen_opencode_point_at_the_proxy(tmp_path):
     assert qwen.env["OPENAI_BASE_URL"] == "http://127.0.0.1:4100/v1" and qwen.env["OPENAI_MODEL"] == "qwen-local"
     oc = h.get_preset("opencode").prepare(s)
     cfg = json.loads(Path(oc.env["OPENCODE_CONFIG"]).read_text())
-    assert cfg["provider"]["polar"]["options"] == {"baseURL": "http://127.0.0.1:4100/v1", "apiKey": "polar-" + SID}
+    assert cfg["provider"]["polar"]["options"] == {"baseURL": "http://127.0.0.1:4100/v1", "apiKey": "polar-" + SID,
+                                                   "headers": {"x-polar-session": SID}}
     assert cfg["model"] == cfg["small_model"] == "polar/qwen-local"
     assert not list((tmp_path / "w").iterdir())  # the work dir stays the task's
 
