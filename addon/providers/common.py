@@ -237,6 +237,8 @@ class ChunkReader:
             self.created = chunk["created"]
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
+        # only a count, for usage shown before the engine's usage chunk arrives (Anthropic's
+        # message_start); the ids themselves are the engine adapter's business
         if self.prompt_token_count is None and isinstance(chunk.get("prompt_token_ids"), list):
             self.prompt_token_count = len(chunk["prompt_token_ids"])
         for choice in chunk.get("choices") or []:

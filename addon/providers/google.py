@@ -15,10 +15,11 @@ import json
 import re
 from typing import Any
 
+import orjson
+
 from .base import NormalizedCall, Provider, ProviderError, StreamTranslator
 from .common import (
     PART_SEPARATOR,
-    SYSTEM_SEPARATOR,
     ChunkReader,
     Notes,
     base_id,
@@ -387,7 +388,7 @@ class GoogleProvider(Provider):
 
 
 def _frame(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\r\n\r\n"
+    return b"data: " + orjson.dumps(obj) + b"\r\n\r\n"  # Google's SSE frames end in CRLF CRLF
 
 
 class GoogleStream(StreamTranslator):

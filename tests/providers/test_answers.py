@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from polar_proxy.providers import PROVIDERS, NormalizedCall
 
@@ -318,3 +320,53 @@ def test_google_errors(h):
     assert p.error_response(404, "not_found", "x")[0] == 404
     (frame,) = h.parse_sse(p.new_stream("m").fail("timeout", "slow"))
     assert frame[1]["error"] == {"code": 504, "message": "slow", "status": "DEADLINE_EXCEEDED"}
+
+
+# --- Any split of the engine's stream reconstructs the same answer ----------------------------
+
+
+_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
+_args = st.dictionaries(st.text(max_size=6), st.one_of(_text, st.integers(), st.booleans()),
+                        max_size=4)
+
+
+def _cut(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})
+    return [text[a:b] for a, b in zip(points, points[1:]) if b > a]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reasoning=_text, content=_text, args=st.lists(_args, max_size=2),
+       cuts=st.lists(st.integers(0, 200), max_size=8))
+def test_any_chunk_split_reconstructs(h, reasoning, content, args, cuts):
+    calls = [(f"call_{i}", f"tool{i}", json.dumps(a, ensure_ascii=False)) for i, a in enumerate(args)]
+    head = {"id": "chatcmpl-x1", "object": "chat.completion.chunk", "created": 1, "model": "s"}
+    stream = [dict(head, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}}])]
+    stream += [dict(head, choices=[{"index": 0, "delta": {"reasoning": p}}])
+               for p in _cut(reasoning, cuts)]
+    stream += [dict(head, choices=[{"index": 0, "delta": {"content": p}}]) for p in _cut(content, cuts)]
+    for i, (cid, name, raw) in enumerate(calls):
+        stream.append(dict(head, choices=[{"index": 0, "delta": {"tool_calls": [
+            {"index": i, "id": cid, "type": "function", "function": {"name": name, "arguments": ""}}]}}]))
+        stream += [dict(head, choices=[{"index": 0, "delta": {"tool_calls": [
+            {"index": i, "function": {"arguments": p}}]}}]) for p in _cut(raw, cuts)]
+    finish = "tool_calls" if calls else "stop"
+    stream.append(dict(head, choices=[{"index": 0, "delta": {}, "finish_reason": finish}]))
+    want = {"reasoning": reasoning, "text": content,
+            "tools": [(cid, name, json.loads(raw)) for cid, name, raw in calls]}
+
+    got, _, _ = anthropic_stream_read(h.parse_sse(h.run_stream(
+        PROVIDERS["anthropic"].new_stream("asked-model"), stream)))
+    assert got == want
+    got, _, _ = responses_stream_read(h.parse_sse(h.run_stream(
+        PROVIDERS["openai_responses"].new_stream("asked-model"), stream)))
+    assert got == want
+    got, _, _ = chat_stream_read(h.parse_sse(h.run_stream(
+        PROVIDERS["openai_chat"].new_stream("asked-model"), stream)))
+    assert got == want
+    merged = {"reasoning": "", "text": "", "tools": []}
+    for _, frame in h.parse_sse(h.run_stream(PROVIDERS["google"].new_stream("asked-model"), stream)):
+        part = google_read(frame)
+        for k in merged:
+            merged[k] += part[k]
+    assert merged == want
