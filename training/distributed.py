@@ -1,0 +1,192 @@
+"""Multi-process training with PyTorch FSDP2 (``fully_shard``), and a parity self-check.
+
+``polar train`` run under ``torchrun --nproc-per-node N`` initializes a process group (NCCL on
+GPUs, gloo on CPU), shards every decoder layer and then the root module, and every rank trains on
+its share of the packed micro-batches (see :mod:`polar_training.trainer`). Everything here is a
+no-op in a plain single process.
+
+Self-check (what the multi-process test runs, and what a multi-GPU user can run on their setup)::
+
+    torchrun --nproc-per-node 2 -m polar_training.distributed parity \\
+        --model DIR --trajectories T.parquet --out grads.pt
+
+computes one mini-batch's loss and full (unsharded) gradients without stepping the optimizer.
+Run it with one process and with N and compare the files: they must agree to float tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .packing import MicroBatch, padding_microbatch
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_main() -> bool:
+    return rank_and_world()[0] == 0
+
+
+def init_from_env() -> bool:
+    """Join the process group torchrun describes in the environment; False when not under torchrun."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    return True
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2: shard each transformer block, then the root (embeddings, final norm, tied lm_head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device().type, (dist.get_world_size(),))
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    for layer in decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def shard_microbatches(microbatches: list[MicroBatch], rank: int, world: int) -> list[MicroBatch]:
+    """This rank's micro-batches: longest-first to the least-loaded rank, then padded to equal count."""
+    if world <= 1:
+        return microbatches
+    load = [0] * world
+    owned: list[list[MicroBatch]] = [[] for _ in range(world)]
+    for mb in sorted(microbatches, key=lambda m: -m.n_tokens):
+        r = min(range(world), key=lambda i: (load[i], i))
+        owned[r].append(mb)
+        load[r] += mb.n_tokens
+    most = max(len(o) for o in owned)
+    mine = owned[rank]
+    return mine + [padding_microbatch() for _ in range(most - len(mine))]
+
+
+def all_reduce_dict(values: dict[str, float], op: str = "sum") -> dict[str, float]:
+    if not is_distributed() or not values:
+        return values
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return dict(zip(keys, t.cpu().tolist()))
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Global grad norm (over all shards) before clipping; clips in place when finite ``max_norm``."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if math.isfinite(max_norm) else float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The unsharded weights on rank 0 (``None`` elsewhere); the plain state dict without FSDP."""
+    if not is_distributed():
+        return {k: v.detach() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return sd if is_main() else None
+
+
+def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    if not is_distributed():
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+
+
+def load_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    if not is_distributed():
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded gradients by parameter name (a collective under FSDP: call on every rank)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad
+        if hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        out[name] = g.detach().cpu().clone()
+    return out
+
+
+def parity(model_dir: str, trajectories: str, out: str, token_budget: int = 256, seed: int = 0) -> dict[str, Any]:
+    """One mini-batch's loss and full gradients, single- or multi-process (see the module doc)."""
+    import polars as pl
+
+    from .trainer import GRPOTrainer, TrainConfig, load_models
+
+    init_from_env()
+    torch.manual_seed(seed)
+    cfg = TrainConfig(token_budget=token_budget, seed=seed)
+    model, ref = load_models(model_dir, cfg)
+    trainer = GRPOTrainer(model, cfg, ref_model=ref)
+    prep = trainer.prepare(pl.read_parquet(trajectories))
+    acc = trainer.accumulate(prep.minibatches[0])
+    grads = full_gradients(trainer.model)
+    result = {"loss": acc.loss, "n_tokens": acc.sums.get("n_tokens", 0.0), "world": rank_and_world()[1], "grads": grads}
+    if is_main():
+        torch.save(result, out)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+def _main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m polar_training.distributed")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("parity", help="one mini-batch's loss and full gradients (compare 1 vs N processes)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--trajectories", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--token-budget", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    r = parity(a.model, a.trajectories, a.out, a.token_budget, a.seed)
+    if is_main():
+        print(f"world={r['world']} loss={r['loss']:.8f} sampled_tokens={int(r['n_tokens'])} grads={len(r['grads'])}")
+
+
+if __name__ == "__main__":
+    _main()

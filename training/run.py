@@ -1,0 +1,162 @@
+"""One ``polar train`` invocation: trajectories Parquet -> GRPO updates -> checkpoint (-> served).
+
+Writes into the run directory::
+
+    metrics.jsonl      one JSON object per optimizer step (appended across invocations)
+    metrics.png        the curves so far
+    step-000012/       the checkpoint after this invocation (see checkpoint.py); ``latest`` names it
+
+Works the same under ``torchrun`` (FSDP2; rank 0 writes files and draws the progress bar).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from polar_analysis.schema import TRAJECTORY_COLUMNS
+
+from . import checkpoint as ckpt
+from . import distributed as pdist
+
+#: Columns the trainer reads (the rest of the trajectory schema is carried for provenance only).
+NEEDED_COLUMNS = ("trajectory_id", "session_id", "group_id", "input_ids", "loss_mask", "logprobs", "reward", "status")
+assert set(NEEDED_COLUMNS) <= set(TRAJECTORY_COLUMNS)
+
+#: Length of the probe sequence stored with a checkpoint to verify what the server serves.
+PROBE_TOKENS = 48
+
+
+@dataclass
+class TrainJob:
+    model: str
+    trajectories: list[str]
+    out: str
+    config: Any  # TrainConfig
+    resume: str | None = None  # checkpoint dir, run dir, or "auto" (latest in ``out``)
+    ref_model: str | None = None  # default: the base model the policy descends from
+    dtype: str = "float32"
+    push_to: str | None = None  # base URL of a running vLLM to reload
+    proxy_control: str | None = None  # base URL of the proxy's /_polar control API
+    show_progress: bool = True
+    extra_meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunResult:
+    checkpoint: Path
+    step: int
+    history: list[dict[str, float]]
+    pack_summary: str
+    push: Any = None
+
+
+def load_trajectories(paths: list[str]) -> pl.DataFrame:
+    """Lazily scan one or more trajectory Parquet files (globs allowed) and keep what training needs."""
+    lf = pl.scan_parquet(paths)
+    names = lf.collect_schema().names()
+    missing = [c for c in NEEDED_COLUMNS if c not in names]
+    if missing:
+        raise ValueError(f"trajectory Parquet lacks columns {missing} (see polar_analysis.schema.TRAJECTORY_COLUMNS)")
+    keep = [c for c in names if c in TRAJECTORY_COLUMNS]
+    return lf.select(keep).collect()
+
+
+def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+def run_training(job: TrainJob, console=None) -> RunResult:
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .plots import plot_metrics
+    from .trainer import GRPOTrainer, load_models
+
+    pdist.init_from_env()
+    main = pdist.is_main()
+    out = Path(job.out)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    resume_dir: Path | None = None
+    if job.resume:
+        resume_dir = ckpt.resolve_resume(out if job.resume == "auto" else job.resume)
+    model_dir = str(resume_dir) if resume_dir else job.model
+    base_model = ckpt.base_model_of(model_dir) if resume_dir else ckpt.base_model_of(job.model)
+    cfg = job.config
+    torch.manual_seed(cfg.seed)
+    model, ref = load_models(model_dir, cfg, ref_dir=job.ref_model or base_model, dtype=job.dtype)
+    trainer = GRPOTrainer(model, cfg, ref_model=ref)
+    if resume_dir:
+        trainer.load_state_dict(ckpt.load_trainer_state(resume_dir))
+
+    frame = load_trajectories(job.trajectories)
+    prep = trainer.prepare(frame)
+    summary = "; ".join(st.describe() for st in prep.stats)
+    if main and console is not None:
+        console.print(f"[bold]polar train[/] {model_dir} <- {frame.height} sequences; {summary}")
+    metrics_path = out / "metrics.jsonl"
+    total_micro = sum(len(m) for m in prep.minibatches) * cfg.ppo_epochs
+
+    progress = Progress(
+        TextColumn("[bold blue]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not (main and job.show_progress),
+        transient=False,
+    )
+
+    with progress:
+        task = progress.add_task("train", total=total_micro, info="")
+
+        def on_micro(_n: int) -> None:
+            progress.advance(task)
+
+        def on_step(m: dict[str, float]) -> None:
+            progress.update(
+                task,
+                info=f"step {m['step']} loss {m['loss']:+.4f} reward {m.get('reward_mean', float('nan')):.3f} "
+                f"kl {m['kl']:.4f} {m['tokens_per_s']:.0f} tok/s",
+            )
+            if main:
+                _append_jsonl(metrics_path, m)
+
+        history = trainer.fit(prep, on_micro=on_micro, on_step=on_step)
+
+    ckpt_dir = out / ckpt.checkpoint_name(trainer.step)
+    meta = {
+        "step": trainer.step,
+        "policy_version": trainer.step,
+        "base_model": base_model,
+        "parent": model_dir,
+        "trajectories": [os.path.abspath(p) for p in job.trajectories],
+        "last_metrics": history[-1] if history else {},
+        "pack_summary": summary,
+    }
+    meta.update(job.extra_meta)
+    state = trainer.state_dict()  # collective under FSDP
+    probe_ids = list(frame["input_ids"][0][:PROBE_TOKENS]) if frame.height else None
+    ckpt.save_checkpoint(
+        ckpt_dir, trainer.model, model_dir, trainer_state=state if main else None, meta=meta, probe_ids=probe_ids
+    )
+    result = RunResult(checkpoint=ckpt_dir, step=trainer.step, history=history, pack_summary=summary)
+    if main:
+        plot_metrics(metrics_path, out / "metrics.png")
+        if job.push_to:
+            from .weights_push import push_weights
+
+            result.push = push_weights(ckpt_dir, job.push_to, job.proxy_control, trainer.step)
+    if pdist.is_distributed():
+        import torch.distributed as dist
+
+        dist.barrier()
+    return result

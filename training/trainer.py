@@ -1,0 +1,370 @@
+"""The GRPO training loop: trajectory frame -> advantages -> packed micro-batches -> AdamW updates.
+
+One call of :meth:`GRPOTrainer.fit` consumes one rollout batch. It splits the samples into
+``num_minibatches`` optimizer steps (per ``ppo_epochs``); each optimizer step accumulates gradients
+over its packed micro-batches, clips the global grad norm and steps AdamW and the warm-up
+schedule. The global optimizer step count doubles as the policy version of the weights it makes
+(the base model is version 0).
+
+The same loop runs under ``torchrun`` with FSDP2 (see :mod:`polar_training.distributed`): every rank
+packs the same mini-batch deterministically, takes its share of the bins (padded with zero-weight
+micro-batches so that all ranks run the same number of forward/backward passes), and scales its
+loss by the world size because FSDP averages gradients across ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import polars as pl
+import torch
+
+from . import distributed as pdist
+from .advantages import AdvantageConfig, advantage_stats, compute_advantages, compute_sample_advantages
+from .loss import LossConfig, entropy_from_logits, grpo_token_loss, token_logprobs_from_logits
+from .packing import MicroBatch, PackStats, PackedSequence, build_microbatches, sequences_from_frame
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    total_steps: int | None = None  # length of the decay for linear/cosine
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+    token_budget: int = 4096
+    num_minibatches: int = 1
+    ppo_epochs: int = 1
+    attention: Literal["position_ids", "block_mask"] = "position_ids"
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    adv: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        d = dict(d)
+        adv = AdvantageConfig(**d.pop("adv", {}))
+        loss = LossConfig(**d.pop("loss", {}))
+        if "adam_betas" in d:
+            d["adam_betas"] = tuple(d["adam_betas"])
+        return cls(adv=adv, loss=loss, **d)
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    """Multiplier of the base lr at scheduler step ``s``: linear warm-up, then constant/linear/cosine."""
+
+    def f(s: int) -> float:
+        if cfg.warmup_steps > 0 and s < cfg.warmup_steps:
+            return (s + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant" or not cfg.total_steps:
+            return 1.0
+        span = max(cfg.total_steps - cfg.warmup_steps, 1)
+        progress = min(max(s - cfg.warmup_steps, 0) / span, 1.0)
+        if cfg.lr_schedule == "linear":
+            decay = 1.0 - progress
+        else:
+            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+    return f
+
+
+def policy_logprobs(
+    model: torch.nn.Module, mb: MicroBatch, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities of the sampled tokens of one packed micro-batch (and their entropies).
+
+    ``use_cache=False`` is essential: with a cache transformers skips packed-sequence detection.
+    """
+    device = next(model.parameters()).device
+    kwargs: dict[str, Any] = {}
+    if mb.attention_mask is not None:
+        kwargs["attention_mask"] = mb.attention_mask.to(device=device, dtype=next(model.parameters()).dtype)
+    out = model(
+        input_ids=mb.input_ids.to(device),
+        position_ids=mb.position_ids.to(device),
+        use_cache=False,
+        logits_to_keep=mb.logit_positions.to(device),
+        **kwargs,
+    )
+    logits = out.logits[0]
+    logp = token_logprobs_from_logits(logits, mb.target_ids.to(device))
+    ent = entropy_from_logits(logits.detach()) if with_entropy else None
+    return logp, ent
+
+
+@dataclass
+class Prepared:
+    """A rollout batch made ready for training."""
+
+    frame: pl.DataFrame  # trajectory rows with advantages (dropped groups removed)
+    per_sample: pl.DataFrame
+    minibatches: list[list[MicroBatch]]  # this rank's micro-batches per optimizer step
+    stats: list[PackStats]
+
+
+@dataclass
+class Accumulated:
+    """Loss statistics of one optimizer step, summed over micro-batches (and ranks after reduce)."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    maxes: dict[str, float] = field(default_factory=dict)
+    loss: float = 0.0
+    entropy_sum: float = 0.0
+    n_input_tokens: float = 0.0
+
+    def add(self, out: Any, entropy: torch.Tensor | None, n_input_tokens: int) -> None:
+        self.loss += float(out.loss.detach())
+        self.entropy_sum += float(entropy.sum()) if entropy is not None else 0.0
+        self.n_input_tokens += n_input_tokens
+        for k, v in out.sums.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        for k, v in out.maxes.items():
+            self.maxes[k] = max(self.maxes.get(k, -math.inf), v)
+
+    def reduce(self) -> None:
+        merged = dict(self.sums, _loss=self.loss, _entropy=self.entropy_sum, _tokens=self.n_input_tokens)
+        merged = pdist.all_reduce_dict(merged, "sum")
+        self.loss = merged.pop("_loss")
+        self.entropy_sum = merged.pop("_entropy")
+        self.n_input_tokens = merged.pop("_tokens")
+        self.sums = merged
+        self.maxes = pdist.all_reduce_dict(self.maxes, "max")
+
+    def metrics(self) -> dict[str, float]:
+        s = self.sums
+        n = max(s.get("n_tokens", 0.0), 1.0)
+        return {
+            "loss": self.loss,
+            "pg_loss": s.get("pg_loss", 0.0),
+            "kl": s.get("kl_sum", 0.0) / n,
+            "entropy": self.entropy_sum / n,
+            "clip_frac_low": s.get("clip_low_count", 0.0) / n,
+            "clip_frac_high": s.get("clip_high_count", 0.0) / n,
+            "ratio_mean": s.get("ratio_sum", 0.0) / n,
+            "ratio_max": self.maxes.get("ratio_max", 0.0),
+            "tis_weight_mean": s.get("tis_weight_sum", 0.0) / n,
+            "tis_truncated_frac": s.get("tis_truncated_count", 0.0) / n,
+            "mismatch_kl": s.get("mismatch_kl_sum", 0.0) / n,
+            "n_sampled_tokens": s.get("n_tokens", 0.0),
+            "n_input_tokens": self.n_input_tokens,
+        }
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(model_dir: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """A causal LM from a Hugging Face directory (offline), on this process's device."""
+    from transformers import AutoModelForCausalLM
+
+    from .checkpoint import retie_if_trained_tied
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=DTYPES[dtype], attn_implementation=attn_implementation, local_files_only=True
+    )
+    return retie_if_trained_tied(model, model_dir).to(pdist.device())
+
+
+def load_models(
+    model_dir: str, cfg: "TrainConfig", ref_dir: str | None = None, dtype: str = "float32"
+) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """Policy and (when the KL term is on) frozen reference; both FSDP2-sharded under torchrun."""
+    model = load_model(model_dir, dtype)
+    ref = load_model(ref_dir or model_dir, dtype) if cfg.loss.use_kl else None
+    if pdist.is_distributed():
+        pdist.shard_model(model)
+        if ref is not None:
+            pdist.shard_model(ref)
+    return model, ref
+
+
+class GRPOTrainer:
+    """Owns the policy, the frozen reference, AdamW and the lr schedule."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, ref_model: torch.nn.Module | None = None):
+        self.model = model
+        self.cfg = cfg
+        self.ref_model = ref_model
+        if cfg.loss.use_kl and ref_model is None:
+            raise ValueError("kl_coef > 0 needs a reference model (or set kl_coef=0)")
+        if ref_model is not None:
+            ref_model.eval()
+            for p in ref_model.parameters():
+                p.requires_grad_(False)
+        if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.step = 0
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.rank, self.world = pdist.rank_and_world()
+
+    # ---- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything besides the weights that a resumed run needs to continue identically."""
+        return {
+            "step": self.step,
+            "optimizer": pdist.optimizer_state_dict(self.model, self.optimizer),
+            "scheduler": self.scheduler.state_dict(),
+            "generator": self.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "config": self.cfg.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        pdist.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+
+    # ---- data --------------------------------------------------------------------------------
+    def prepare(self, trajectories: pl.DataFrame | pl.LazyFrame) -> Prepared:
+        """Advantages, the mini-batch split (seeded) and packing for this rank."""
+        frame = trajectories.collect() if isinstance(trajectories, pl.LazyFrame) else trajectories
+        per_sample = compute_sample_advantages(frame, self.cfg.adv)
+        with_adv = compute_advantages(frame, self.cfg.adv)
+        sequences = sequences_from_frame(with_adv)
+        sample_keys = list(zip(with_adv["group_id"].to_list(), with_adv["session_id"].to_list()))
+        uniq = list(dict.fromkeys(sample_keys))
+        k = max(1, min(self.cfg.num_minibatches, len(uniq)))
+        order = torch.randperm(len(uniq), generator=self.generator).tolist() if k > 1 else list(range(len(uniq)))
+        part_of = {uniq[j]: n % k for n, j in enumerate(order)}
+        minibatches, stats = [], []
+        for part in range(k):
+            seqs = [s for s, key in zip(sequences, sample_keys) if part_of[key] == part]
+            mbs, st = build_microbatches(seqs, self.cfg.token_budget, self.cfg.loss.aggregation, self.cfg.attention)
+            minibatches.append(pdist.shard_microbatches(mbs, self.rank, self.world))
+            stats.append(st)
+        return Prepared(frame=with_adv, per_sample=per_sample, minibatches=minibatches, stats=stats)
+
+    # ---- one optimizer step ------------------------------------------------------------------
+    @torch.no_grad()
+    def fill_old_logprobs(self, microbatches: list[MicroBatch]) -> None:
+        """The trainer's logprobs before any update on this rollout batch (TIS numerator)."""
+        was_training = self.model.training
+        self.model.eval()
+        for mb in microbatches:
+            mb.old_logp = policy_logprobs(self.model, mb)[0].float().cpu()
+        self.model.train(was_training)
+
+    @torch.no_grad()
+    def _ref_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        return policy_logprobs(self.ref_model, mb)[0]
+
+    def accumulate(
+        self, microbatches: list[MicroBatch], on_micro: Callable[[int], None] | None = None
+    ) -> "Accumulated":
+        """Forward and backward over ``microbatches`` (gradients add up; no optimizer step)."""
+        cfg = self.cfg
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        acc = Accumulated()
+        for mb in microbatches:
+            logp, ent = policy_logprobs(self.model, mb, with_entropy=True)
+            dev = logp.device
+            old = None
+            if cfg.loss.use_tis:
+                old = mb.old_logp.to(dev) if mb.old_logp is not None else logp.detach()
+            ref = self._ref_logprobs(mb).to(dev) if cfg.loss.use_kl else None
+            out = grpo_token_loss(
+                logp,
+                mb.behaviour_logp.to(dev),
+                mb.advantages.to(dev),
+                mb.weights.to(dev),
+                cfg.loss,
+                old_logp=old,
+                ref_logp=ref,
+            )
+            # FSDP averages gradients over ranks; the weights already normalize over the whole batch.
+            (out.loss * self.world).backward()
+            if not mb.is_padding:
+                acc.add(out, ent, mb.n_tokens)
+            if on_micro:
+                on_micro(0 if mb.is_padding else mb.n_tokens)
+        acc.reduce()
+        return acc
+
+    def train_step(
+        self, microbatches: list[MicroBatch], on_micro: Callable[[int], None] | None = None
+    ) -> dict[str, float]:
+        """Accumulate gradients over ``microbatches``, clip, and step optimizer and schedule."""
+        t0 = time.perf_counter()
+        acc = self.accumulate(microbatches, on_micro)
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm and self.cfg.max_grad_norm > 0 else math.inf
+        grad_norm = pdist.clip_grad_norm(self.model, max_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        elapsed = pdist.all_reduce_dict({"t": time.perf_counter() - t0}, "max")["t"]
+        metrics = {"step": self.step, "policy_version": self.step, "lr": lr}
+        metrics.update(acc.metrics())
+        metrics.update(
+            grad_norm=grad_norm,
+            step_time_s=elapsed,
+            tokens_per_s=acc.n_input_tokens / elapsed if elapsed > 0 else 0.0,
+        )
+        return metrics
+
+    # ---- a whole rollout batch ---------------------------------------------------------------
+    def fit(
+        self,
+        trajectories: pl.DataFrame | pl.LazyFrame | Prepared,
+        on_micro: Callable[[int], None] | None = None,
+        on_step: Callable[[dict[str, float]], None] | None = None,
+    ) -> list[dict[str, float]]:
+        """Train on one rollout batch: ``ppo_epochs`` x ``num_minibatches`` optimizer steps."""
+        prep = trajectories if isinstance(trajectories, Prepared) else self.prepare(trajectories)
+        updates = len(prep.minibatches) * self.cfg.ppo_epochs
+        if self.cfg.loss.use_tis and updates > 1:
+            for mbs in prep.minibatches:
+                self.fill_old_logprobs(mbs)
+        batch_stats = advantage_stats(prep.per_sample)
+        if "policy_version" in prep.frame.columns and prep.frame.height:
+            batch_stats["data_policy_version"] = float(prep.frame["policy_version"].min() or 0)
+        history = []
+        for _epoch in range(self.cfg.ppo_epochs):
+            for mbs, st in zip(prep.minibatches, prep.stats):
+                metrics = self.train_step(mbs, on_micro=on_micro)
+                metrics.update(batch_stats)
+                metrics.update(
+                    n_sequences=st.n_sequences, n_bins=st.n_bins, padding_waste=st.padding_waste, n_oversize=st.n_oversize
+                )
+                history.append(metrics)
+                if on_step:
+                    on_step(metrics)
+        return history
+
+
+__all__ = [
+    "Accumulated",
+    "GRPOTrainer",
+    "PackStats",
+    "PackedSequence",
+    "Prepared",
+    "TrainConfig",
+    "load_model",
+    "load_models",
+    "lr_lambda",
+    "policy_logprobs",
+]
