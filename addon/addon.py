@@ -201,18 +201,19 @@ class SSEStream:
         self.call = call
         self.buf = bytearray()
 
-    def __call__(self, data: bytes) -> bytes:
+    def __call__(self, data: bytes) -> list[bytes]:
+        # A list, never b"": mitmproxy would send an empty bytes chunk to an HTTP/1 client as
+        # "0\r\n\r\n", the end of a chunked body, and the harness would stop reading.
         call = self.call
-        if call.record.t_upstream_first_byte is None and data:
-            call.record.t_upstream_first_byte = time.time()
         if data:
             self.buf += data
-            return self._drain()
-        out = self._drain(final=True)
-        if not call.stream_done:
-            call.stream_done = True
-            out += self.addon._stream_failed(call, "upstream_error", "upstream stream ended before [DONE]")
-        return out
+            out = self._drain()
+        else:
+            out = self._drain(final=True)
+            if not call.stream_done:
+                call.stream_done = True
+                out += self.addon._stream_failed(call, "upstream_error", "upstream stream ended before [DONE]")
+        return [out] if out else []
 
     def _drain(self, final: bool = False) -> bytes:
         out = bytearray()
@@ -753,7 +754,8 @@ class Polar:
                 continue
             except (aiohttp.ClientError, OSError, ValueError) as exc:
                 self.pool.mark_failed(up, str(exc))
-                last_error = f"upstream {up.url} unreachable: {exc}"
+                how = "refused the connection" if isinstance(exc, aiohttp.ClientConnectorError) else "failed"
+                last_error = f"upstream {up.url} {how}: {exc}"
                 continue
             chat = self._prepare(call, normalized, up, stream_upstream)
             rec.normalized_request = chat
@@ -911,9 +913,15 @@ class Polar:
                 except (aiohttp.ClientError, OSError) as exc:
                     if call.cancelled:
                         return False
+                    rest = _salvage(resp.content)
+                    if rest:  # bytes that arrived together with the break: never drop sampled tokens
+                        try:
+                            await write(rest)
+                        except (ConnectionError, RuntimeError):
+                            return False
                     if self.pool and call.upstream:
                         self.pool.mark_failed(call.upstream, f"stream broken: {exc}")
-                    error = relay_error_event("upstream_error", f"upstream stream broken: {exc!r}")
+                    error = relay_error_event("upstream_error", f"upstream stream broken: {exc}")
                     break
                 if not data:
                     break
@@ -1258,6 +1266,17 @@ class Polar:
             return True
         except asyncio.TimeoutError:
             return False
+
+
+def _salvage(reader: aiohttp.StreamReader) -> bytes:
+    """Bytes aiohttp had received when the connection broke: its ``readany`` raises the stored
+    exception before returning buffered data, so read the buffer directly (private API, guarded)."""
+    try:
+        if getattr(reader, "_buffer", None):
+            return reader._read_nowait(-1)
+    except Exception:  # noqa: BLE001 - best effort on an aiohttp internal
+        pass
+    return b""
 
 
 def _estimate_tokens(body: Any) -> int:

@@ -179,33 +179,33 @@ class ProxyProcess:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def command(self) -> list[str]:
-        listen_port = str(self.port)
         dump = Path(mitmdump_path())
         cmd = [str(dump.with_name("mitmweb")), "--no-web-open-browser"] if self.web else [str(dump)]
-        cmd += ["--set", "flow_detail=0", "--set", "termlog_verbosity=warn",
-               "-s", str(ENTRY_SCRIPT),
-               "--listen-host", self.host, "--listen-port", listen_port,
-               "--set", f"confdir={self.confdir}",
-               "--set", "connection_strategy=lazy",
-               "--set", f"polar_capture_dir={self.capture_dir}",
-               "--set", f"polar_upstream={','.join(self.upstreams)}",
-               "--set", f"polar_engine={self.engine}",
-               "--set", f"polar_stream_mode={self.stream_mode}",
-               "--set", f"polar_passthrough={'true' if self.passthrough else 'false'}"]
+        cmd += ["-s", str(ENTRY_SCRIPT), "--listen-host", self.host, "--listen-port", str(self.port)]
         if self.mode == "reverse":
             cmd += ["--mode", f"reverse:{self.upstreams[0]}"]
+        opts: dict[str, Any] = {
+            "flow_detail": 0,
+            "termlog_verbosity": "warn",
+            "confdir": self.confdir,
+            "connection_strategy": "lazy",
+            "polar_capture_dir": self.capture_dir,
+            "polar_upstream": ",".join(self.upstreams),
+            "polar_engine": self.engine,
+            "polar_stream_mode": self.stream_mode,
+            "polar_passthrough": self.passthrough,
+        }
         if self.served_model:
-            cmd += ["--set", f"polar_served_model={self.served_model}"]
+            opts["polar_served_model"] = self.served_model
         if self.upstream_timeout is not None:
-            cmd += ["--set", f"polar_upstream_timeout={self.upstream_timeout:g}"]
+            opts["polar_upstream_timeout"] = f"{self.upstream_timeout:g}"
         if self.intercept_hosts is not None:
-            for h in self.intercept_hosts:
-                cmd += ["--set", f"polar_intercept_hosts={h}"]
-        for key, value in self.options.items():
+            opts["polar_intercept_hosts"] = list(self.intercept_hosts)
+        opts.update(self.options)  # the caller's options win
+        for key, value in opts.items():
             if isinstance(value, bool):
                 value = "true" if value else "false"
-            values = value if isinstance(value, (list, tuple)) else [value]
-            for v in values:
+            for v in value if isinstance(value, (list, tuple)) else [value]:
                 cmd += ["--set", f"{key}={v}"]
         return cmd
 

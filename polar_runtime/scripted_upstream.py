@@ -540,7 +540,9 @@ class ServerThread:
     def _run(self) -> None:
         loop = self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
-        runner = self._runner = web.AppRunner(self.upstream.app(), access_log=None, handle_signals=False)
+        # handler_cancellation: a hanging handler ends when the proxy gives up on it.
+        runner = self._runner = web.AppRunner(self.upstream.app(), access_log=None, handle_signals=False,
+                                              handler_cancellation=True, shutdown_timeout=0.5)
         loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
         loop.run_until_complete(site.start())
@@ -568,7 +570,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     up = ScriptedUpstream(served_model=args.served_model_name, max_model_len=args.max_model_len,
                           tokenizer=args.tokenizer, script=Script.load(args.script))
-    web.run_app(up.app(), host=args.host, port=args.port, access_log=None, print=None)
+    web.run_app(up.app(), host=args.host, port=args.port, access_log=None, print=None,
+                handler_cancellation=True, shutdown_timeout=0.5)
 
 
 if __name__ == "__main__":

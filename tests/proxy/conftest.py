@@ -165,9 +165,12 @@ def parse_chat(body: bytes, stream: bool) -> Parsed:
         out.finish, out.model, out.usage = d["choices"][0]["finish_reason"], d["model"], d.get("usage")
         return out
     events = sse_events(body)
-    assert events[-1][1] == "[DONE]", "chat stream must end with [DONE]"
+    last = events[-1][1]
+    assert last == "[DONE]" or "error" in last, "chat stream must end with [DONE] or an error"
     tools: dict[int, dict[str, Any]] = {}
-    for name, ev in events[:-1]:
+    for name, ev in events:
+        if ev == "[DONE]":
+            continue
         if "error" in ev:
             out.error = ev["error"]
             continue
