@@ -370,3 +370,50 @@ def test_any_chunk_split_reconstructs(h, reasoning, content, args, cuts):
         for k in merged:
             merged[k] += part[k]
     assert merged == want
+
+
+# --- An answer sent back as history normalizes to the message the engine produced ------------
+
+def _next_turn(provider: str, native: dict, tool_ids: list[str]) -> tuple[dict, str]:
+    """The harness's next request: user, our answer as history, one result per tool call."""
+    if provider == "anthropic":
+        results = [{"type": "tool_result", "tool_use_id": i, "content": "ok"} for i in tool_ids]
+        return {"model": "asked-model", "max_tokens": 9, "messages": [
+            {"role": "user", "content": "go"}, {"role": "assistant", "content": native["content"]},
+            {"role": "user", "content": results or "next"}]}, "/v1/messages"
+    if provider == "openai_responses":
+        results = [{"type": "function_call_output", "call_id": i, "output": "ok"} for i in tool_ids]
+        return {"model": "asked-model", "input": [{"role": "user", "content": "go"},
+                                                  *native["output"], *results]}, "/v1/responses"
+    if provider == "google":
+        by_id = {p["functionCall"]["id"]: p["functionCall"]["name"]
+                 for p in native["candidates"][0]["content"]["parts"] if "functionCall" in p}
+        results = [{"functionResponse": {"id": i, "name": by_id[i], "response": {"output": "ok"}}}
+                   for i in tool_ids]
+        return {"contents": [{"role": "user", "parts": [{"text": "go"}]},
+                             native["candidates"][0]["content"],
+                             {"role": "user", "parts": results or [{"text": "next"}]}]}, \
+            "/v1beta/models/asked-model:generateContent"
+    results = [{"role": "tool", "tool_call_id": i, "content": "ok"} for i in tool_ids]
+    return {"model": "asked-model", "messages": [
+        {"role": "user", "content": "go"}, native["choices"][0]["message"],
+        *(results or [{"role": "user", "content": "next"}])]}, "/v1/chat/completions"
+
+
+@pytest.mark.parametrize("provider", list(PROVIDERS))
+@pytest.mark.parametrize("name", ["reasoning", "one_tool", "two_tools"])
+def test_answer_round_trips_into_the_same_history(h, provider, name):
+    """Prefix merging needs call N+1's prompt to contain call N's answer as generated: the
+    translated answer, echoed back by the harness, must normalize to the engine's message
+    (same text, reasoning, tool-call ids and argument strings byte for byte)."""
+    p = PROVIDERS[provider]
+    s = h.scenario(name)
+    native = p.from_chat(h.completion(s), "asked-model", call_for(provider))
+    body, path = _next_turn(provider, json.loads(json.dumps(native)), [t[0] for t in s["tools"]])
+    msgs = p.to_chat(body, path, {}).chat_request["messages"]
+    (assistant,) = [m for m in msgs if m["role"] == "assistant"]
+    assert (assistant.get("content") or "") == s["content"]
+    assert (assistant.get("reasoning") or "") == s["reasoning"]
+    assert [(t["id"], t["function"]["name"], t["function"]["arguments"])
+            for t in assistant.get("tool_calls") or []] == list(s["tools"])
+    assert [m["tool_call_id"] for m in msgs if m["role"] == "tool"] == [t[0] for t in s["tools"]]
