@@ -656,6 +656,7 @@ class Polar:
         if not await self._wait_open():
             self._fail(call, 503, "overloaded", "proxy paused (weights update) longer than polar_pause_timeout")
             return
+        rec.policy_version = self.policy_version  # the weights that will serve it (after the gate)
         self.calls[flow.id] = call
         self._drained.clear()
         try:
