@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import orjson
 import polars as pl
@@ -349,27 +349,102 @@ class ResultStore:
 
 
 # ---------------------------------------------------------------------------------------------
-# the proxy's control API (task/group ids of a session)
+# the proxy (and the model server behind it)
 
 
 class SessionRegistry:
-    """Tells the proxy which task/group/sample a session id belongs to, and when it ended.
-
-    ``register``/``finish`` are no-ops without a control URL (the ids are still in rollouts.parquet
-    and can be joined on session_id)."""
+    """Tells the proxy which task/group/sample a session id belongs to, before the harness starts,
+    so every capture record carries them. A no-op without a control client (the ids are still in
+    rollouts.parquet and join on session_id)."""
 
     def __init__(self, control: Any | None = None):
-        self.control = control  # an object with register_session(...) / end_session(...), or None
+        self.control = control  # polar_proxy.process.ProxyControl or None
 
-    def register(self, session_id: str, task_id: str, group_id: str, sample_index: int, step: int) -> None:
-        if self.control is not None:
-            self.control.register_session(session_id, task_id=task_id, group_id=group_id,
-                                          sample_index=sample_index, step=step)
+    def register(self, session_id: str, task_id: str, group_id: str, sample_index: int) -> None:
+        if self.control is None:
+            return
+        answer = self.control.register_sessions(
+            [{"session_id": session_id, "task_id": task_id, "group_id": group_id, "sample_index": sample_index}])
+        if answer.get("http_status", 200) >= 400:
+            raise RuntimeError(f"proxy refused session {session_id}: {answer}")
 
-    def finish(self, session_id: str, status: str, reward: float | None) -> None:
-        if self.control is not None and hasattr(self.control, "end_session"):
-            with contextlib.suppress(Exception):  # marking is best effort; the row is authoritative
-                self.control.end_session(session_id, status=status, reward=reward)
+
+@dataclass
+class Stack:
+    """What a rollout talks to: the proxy's endpoint, its capture dir and control client."""
+
+    endpoint: Endpoint
+    capture_dir: Path
+    served_model: str
+    upstream: str
+    control: Any | None = None
+
+
+def served_model_of(upstream: str, timeout: float = 10.0) -> str:
+    """The first model an OpenAI-compatible server lists (``GET /v1/models``)."""
+    from polar_runtime.serve import http_json
+
+    data = http_json(upstream.rstrip("/").removesuffix("/v1") + "/v1/models", timeout=timeout)
+    return data["data"][0]["id"]
+
+
+@contextlib.contextmanager
+def open_stack(
+    *,
+    mode: str,
+    capture_dir: Path | None = None,
+    proxy: str | None = None,
+    upstream: str | None = None,
+    model: str | None = None,
+    ca_cert: Path | None = None,
+    max_tokens_cap: int = 0,
+    max_model_len: int | None = None,
+    log: Callable[[str], None] = print,
+) -> Iterator[Stack]:
+    """Use a running proxy (``proxy``), or start one in front of ``upstream``, or start vLLM too.
+
+    A proxy we start listens in reverse mode for ``base_url`` runs and in regular mode (TLS
+    interception of the hosted API hostnames) for ``proxy`` runs. Everything started is stopped on
+    exit, also on errors and Ctrl-C.
+    """
+    from polar_proxy.process import ProxyControl, ProxyProcess
+    from polar_runtime import paths
+
+    with contextlib.ExitStack() as stack:
+        if proxy:
+            control = ProxyControl(proxy)
+            status = control.status()
+            proxy_dir = Path(status.get("capture_dir") or "")
+            if capture_dir is not None and proxy_dir.resolve() != Path(capture_dir).resolve():
+                raise ValueError(f"the proxy at {proxy} writes to {proxy_dir}, not {capture_dir}")
+            first = (status.get("upstreams") or [{}])[0]
+            up_url = first.get("url", "")
+            served = model or first.get("served_model") or (served_model_of(up_url) if up_url else "")
+            ca = ca_cert or paths.mitmproxy_confdir() / "mitmproxy-ca-cert.pem"
+            ep = Endpoint(mode=mode, base_url=proxy, proxy_url=proxy, ca_cert=ca)  # type: ignore[arg-type]
+            yield Stack(ep, proxy_dir, served, up_url, control)
+            return
+        if capture_dir is None:
+            raise ValueError("a capture directory is needed when the proxy is started here")
+        capture_dir = Path(capture_dir)
+        if upstream:
+            served = served_model_of(upstream)
+        else:
+            from polar_runtime.serve import VLLMServer
+
+            server = VLLMServer(model or "qwen2.5-coder-0.5b-instruct", max_model_len=max_model_len)
+            log(f"starting vLLM ({server.served_model_name}) on {server.base_url} ...")
+            stack.enter_context(server)
+            upstream, served = server.base_url, server.served_model_name
+            log(f"vLLM ready in {server.start_seconds or 0:.0f} s")
+        options = {"polar_max_tokens_cap": max_tokens_cap} if max_tokens_cap else {}
+        px = ProxyProcess(upstream, capture_dir, mode="reverse" if mode == "base_url" else "regular",
+                          served_model=served, options=options, log_file=capture_dir / "logs" / "proxy.log")
+        (capture_dir / "logs").mkdir(parents=True, exist_ok=True)
+        stack.enter_context(px)
+        log(f"proxy ({px.mode} mode) on {px.url} -> {upstream}")
+        ep = Endpoint(mode=mode, base_url=px.url, proxy_url=px.url, ca_cert=px.ca_cert)  # type: ignore[arg-type]
+        yield Stack(ep, capture_dir, served, upstream, px.control)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,7 +518,11 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
     if err:
         row["error"] = err
         return row
-    registry.register(sid, task.id, gid, i, cfg.step)
+    try:
+        registry.register(sid, task.id, gid, i)
+    except Exception as exc:  # noqa: BLE001 - an unreachable proxy fails this sample, visibly
+        row["error"] = f"session registration failed: {exc}"
+        return row
     session = Session(session_id=sid, task=task.instruction, workdir=workdir, home=home, model=cfg.model,
                       endpoint=cfg.endpoint, trim=cfg.trim, extra_env=dict(cfg.extra_env))
     try:
@@ -465,7 +544,6 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
     ev = evaluate(task, workdir, cfg.eval_timeout)
     row.update(reward=ev.reward, evaluator_status=ev.status, evaluator_output=ev.output, eval_s=round(ev.seconds, 3))
     row["calls"], row["prompt_tokens"], row["sampled_tokens"] = capture_stats(cfg.capture_dir, sid)
-    registry.finish(sid, row["status"], row["reward"])
     return row
 
 
