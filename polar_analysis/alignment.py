@@ -20,6 +20,7 @@ tiktoken encoding counts the prompt (OpenAI's per-message accounting) against th
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import time
@@ -107,14 +108,24 @@ def _tool_dict(tool: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def vllm_conversation(request: dict[str, Any], *, string_content: bool = True, developer_role: bool = False) -> list[dict[str, Any]]:
-    """The messages as vLLM passes them to the chat template (see the module docstring)."""
+def vllm_conversation(
+    request: dict[str, Any],
+    *,
+    string_content: bool = True,
+    developer_role: bool = False,
+    strip_billing_header: bool = True,
+) -> list[dict[str, Any]]:
+    """The messages as vLLM passes them to the chat template (see the module docstring).
+
+    ``strip_billing_header=False`` renders like engines that keep Claude Code's header (SGLang,
+    older vLLM, gateways), whose prompts then change from the first system line on every call.
+    """
     conv: list[dict[str, Any]] = []
     for msg in request.get("messages") or []:
         msg = copy.deepcopy(msg)
         role = msg.get("role")
         content = msg.get("content")
-        if role == "system":
+        if role == "system" and strip_billing_header:
             content = _strip_billing_header(content if content is not None else "")
         out: dict[str, Any] = {"role": role}
         if string_content:
@@ -190,25 +201,36 @@ class Renderer:
         raise NotImplementedError
 
 
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(model_dir: str):
+    """One tokenizer per model directory per process (loading takes about a second)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, fix_mistral_regex=False)
+
+
 class ChatTemplateRenderer(Renderer):
     """A Hugging Face tokenizer directory with its chat template (what vLLM serves)."""
 
-    def __init__(self, model_dir: str | Path, *, chat_template: str | None = None):
-        from transformers import AutoTokenizer
-
-        self.model_dir = str(model_dir)
+    def __init__(self, model_dir: str | Path, *, chat_template: str | None = None, strip_billing_header: bool = True):
+        self.strip_billing_header = strip_billing_header
+        self.model_dir = str(Path(model_dir).resolve())
         self.name = Path(model_dir).name
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, fix_mistral_regex=False)
-        if chat_template is not None:
-            self.tokenizer.chat_template = chat_template
-        template = self.tokenizer.chat_template or ""
+        self.tokenizer = load_tokenizer(self.model_dir)  # shared: never mutated here
+        template = chat_template if chat_template is not None else self.tokenizer.chat_template or ""
         if not isinstance(template, str):  # a dict of named templates: the default one
             template = template.get("default", "")
+        self.chat_template = template
         self.string_content = _CONTENT_LOOP.search(template) is None
         self.developer_role = '"developer"' in template or "'developer'" in template
 
     def render_text(self, request: dict[str, Any]) -> str:
-        conv = vllm_conversation(request, string_content=self.string_content, developer_role=self.developer_role)
+        conv = vllm_conversation(
+            request,
+            string_content=self.string_content,
+            developer_role=self.developer_role,
+            strip_billing_header=self.strip_billing_header,
+        )
         tools = request.get("tools")  # vLLM keeps them even with tool_choice="none" (default flags)
         kwargs = dict(request.get("chat_template_kwargs") or {})
         if request.get("reasoning_effort") is not None and "enable_thinking" not in kwargs:
@@ -219,6 +241,7 @@ class ChatTemplateRenderer(Renderer):
         return self.tokenizer.apply_chat_template(
             conv,
             tools=[_tool_dict(t) for t in tools] if tools else None,
+            chat_template=self.chat_template,
             tokenize=False,
             **kwargs,
         )
@@ -248,7 +271,9 @@ class ChatTemplateRenderer(Renderer):
         answer = "pong"
 
         def ids(messages: list[dict[str, Any]], gen: bool) -> list[int]:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **chat_template_kwargs)
+            text = tok.apply_chat_template(
+                messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=gen, **chat_template_kwargs
+            )
             return tok.encode(text, add_special_tokens=False)
 
         base = ids(user, False)

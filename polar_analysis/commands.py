@@ -278,16 +278,22 @@ def register(app: typer.Typer) -> None:
     def flows_cmd(
         files: list[Path] = typer.Argument(..., help="Saved mitmproxy flow files (mitmdump -w).", show_default=False),
         out: Optional[Path] = typer.Option(None, "--out", "-o", help="Calls Parquet to write."),
+        capture: Optional[Path] = typer.Option(None, "--capture", help="Capture directory to take token ids from (joined by call_id)."),
     ) -> None:
         """Rebuild calls from saved mitmproxy flows (bodies + flow.metadata['polar'])."""
         from polar_analysis import frames
 
         parts, all_stats = [], []
         for f in files:
+            if not f.is_file():
+                console.print(f"[red]{f} does not exist[/red]")
+                raise typer.Exit(2)
             st = frames.FileStats(path=str(f))
             parts.append(frames.flows_calls(f, stats=st))
             all_stats.append(st)
         df = pl.concat(parts) if parts else frames.empty_calls()
+        if capture is not None:
+            df = frames.fill_from_capture(df, frames.calls(capture, rewards=None))
         summary = df.group_by("session_id", "harness", "provider").agg(
             calls=pl.len(), errors=(pl.col("status") != "ok").sum(), sampled_ids=pl.col("sampled_token_ids").list.len().sum()
         )

@@ -208,6 +208,9 @@ def classify_pair(prev: Call, nxt: Call, template: TemplateInfo | None = None) -
             if answer_msg is None or answer_msg.get("role") != "assistant":
                 drift.cause, drift.detail = "answer_dropped", "no assistant turn after the previous history"
                 return drift
+        if prev.finish_reason == "length":
+            drift.cause, drift.detail = "length_turn", f"{s.size} sampled ids, output text {len(prev.output_text)} chars"
+            return drift
         if prev.output_reasoning:
             sent = _reasoning(answer_msg) if answer_msg else ""
             rendered = decode(p[a.size : a.size + s.size + 64].tolist()) if decode else None
@@ -217,9 +220,6 @@ def classify_pair(prev: Call, nxt: Call, template: TemplateInfo | None = None) -
             if sent.strip() != prev.output_reasoning.strip():
                 drift.cause = "reasoning_changed"
                 return drift
-        if prev.finish_reason == "length":
-            drift.cause, drift.detail = "length_turn", f"{s.size} sampled ids, output text {len(prev.output_text)} chars"
-            return drift
         if decode is not None:
             eot = t.eot_ids
             body = s[:-1] if s.size and int(s[-1]) in eot else s
@@ -261,6 +261,12 @@ def classify_pair(prev: Call, nxt: Call, template: TemplateInfo | None = None) -
         hist = _history_diff(tp, tn)
         if hist is not None:
             drift.cause, drift.detail = hist
+            return drift
+        if len(tn) > len(tp) and tn[len(tp)].get("role") != "assistant":
+            drift.cause = "answer_dropped"
+            drift.detail = f"turn {len(tp)} is {tn[len(tp)].get('role')}, not the previous answer"
+            if prev.finish_reason == "length":
+                drift.detail += " (the previous turn was cut by finish_reason=length)"
             return drift
     # same messages (or none known): where in the prompt did it diverge?
     gen = len(t.generation_prompt)

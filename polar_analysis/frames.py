@@ -540,38 +540,95 @@ def _json_body(message: Any) -> Any:
         return None
 
 
-def flow_to_record(flow: Any) -> dict[str, Any] | None:
-    """A CallRecord-like dict from one saved HTTP flow, or None when Polar did not annotate it.
+#: flow.metadata["polar"] keys written by the proxy that are not CallRecord field names.
+_FLOW_META_ALIASES = {"session": "session_id", "sampled_tokens": "completion_tokens"}
 
-    The proxy stores its annotations in ``flow.metadata["polar"]``: either a full record under
-    ``"record"``, or CallRecord fields directly (token ids, normalized request, ids...). Whatever
-    is missing is rebuilt from the flow itself: the request body is the native request, path and
-    timestamps come from the request/response, the HTTP status from the response.
+
+def _translate(provider: str, body: Any, path: str, query: dict[str, str]) -> dict[str, Any] | None:
+    """The normalized chat request, rebuilt with the proxy's own translator (None if impossible)."""
+    try:
+        from polar_proxy.providers import PROVIDERS
+    except ImportError:
+        return None
+    p = PROVIDERS.get(provider)
+    if p is None or not isinstance(body, dict):
+        return None
+    try:
+        return p.to_chat(body, path, query).chat_request
+    except Exception:
+        return None
+
+
+def flow_to_record(flow: Any) -> dict[str, Any] | None:
+    """A CallRecord-like dict from one saved HTTP flow, or None when it is not an annotated model call.
+
+    The proxy annotates each model call in ``flow.metadata["polar"]`` (session, provider,
+    call_index, call_id, finish_reason, status, error_kind, upstream, policy_version, token
+    counts); a full record under ``"record"`` or token id lists there are used as they are. The rest
+    comes from the flow: the request body is the native request (and, run through the proxy's
+    translator, the normalized request), path, user agent and timestamps from request/response.
+    Token ids are not part of a flow unless the proxy put them in the metadata: join them from the
+    capture directory by call_id (``fill_from_capture``).
     """
     meta = getattr(flow, "metadata", None) or {}
     polar = meta.get("polar")
-    if not isinstance(polar, dict):
+    if not isinstance(polar, dict) or not (polar.get("session") or polar.get("session_id") or polar.get("record")):
         return None
     data: dict[str, Any] = dict(polar.get("record") or {})
     for k, v in polar.items():
-        if k in _DEFAULTS and k not in data:
+        k = _FLOW_META_ALIASES.get(k, k)
+        if k in _DEFAULTS and k not in data and v is not None:
             data[k] = v
     req, resp = flow.request, getattr(flow, "response", None)
-    data.setdefault("native_request", _json_body(req))
-    data.setdefault("native_path", req.path)
+    native = _json_body(req)
+    path = req.path.split("?", 1)[0]
+    data.setdefault("native_request", native)
+    data.setdefault("native_path", path)
     data.setdefault("user_agent", req.headers.get("user-agent", ""))
+    if "harness" not in data:
+        try:
+            from polar_proxy.sessions import harness_name
+
+            data["harness"] = harness_name(req.headers)
+        except ImportError:
+            pass
+    if "normalized_request" not in data and data.get("provider"):
+        data["normalized_request"] = _translate(data["provider"], native, path, dict(req.query))
     data.setdefault("t_request_in", req.timestamp_end or req.timestamp_start)
     data.setdefault("call_id", flow.id.replace("-", ""))
     if resp is not None:
         data.setdefault("http_status", resp.status_code)
         data.setdefault("t_response_out", resp.timestamp_end)
-        data.setdefault("t_upstream_first_byte", resp.timestamp_start)
     if getattr(flow, "error", None) is not None and "status" not in data:
         data["status"] = "error"
         data.setdefault("error", flow.error.msg)
     elif resp is not None and resp.status_code >= 400 and "status" not in data:
         data["status"] = "error"
     return data
+
+
+#: Columns a capture directory contributes to flow rows (by call_id).
+CAPTURE_FILL = ("prompt_token_ids", "sampled_token_ids", "sampled_logprobs", "output_text", "output_reasoning",
+                "output_tool_calls", "normalized_request", "served_model", "requested_model", "task_id", "group_id",
+                "sample_index", "t_upstream_sent", "t_upstream_first_byte", "t_upstream_end")
+
+
+def fill_from_capture(flows: pl.DataFrame, calls_lf: pl.LazyFrame) -> pl.DataFrame:
+    """Complete flow rows with what only the capture records hold (token ids first), by call_id."""
+    cap = calls_lf.select("call_id", *[pl.col(c).alias(f"_cap_{c}") for c in CAPTURE_FILL]).collect()
+    out = flows.join(cap, on="call_id", how="left", maintain_order="left")
+    fills = []
+    for c in CAPTURE_FILL:
+        cap_c = pl.col(f"_cap_{c}")
+        if c in ("prompt_token_ids", "sampled_token_ids", "sampled_logprobs"):
+            fills.append(pl.when(pl.col(c).list.len() == 0).then(cap_c.fill_null(pl.col(c))).otherwise(pl.col(c)).alias(c))
+        elif c == "normalized_request":
+            fills.append(pl.coalesce(cap_c, pl.col(c)).alias(c))  # what was really sent wins
+        elif CALL_SCHEMA[c] == _STR:
+            fills.append(pl.when(pl.col(c).is_null() | (pl.col(c) == "")).then(cap_c).otherwise(pl.col(c)).alias(c))
+        else:
+            fills.append(pl.coalesce(pl.col(c), cap_c).alias(c))
+    return out.with_columns(fills).select(list(CALL_SCHEMA))
 
 
 def flows_calls(path: str | Path, *, stats: FileStats | None = None) -> pl.DataFrame:

@@ -141,8 +141,9 @@ class SyntheticSession:
         if status != "ok":
             sampled_ids = []
         self.t += 1.0
+        call_id = uuid.uuid4().hex
         rec = CallRecord(
-            call_id=uuid.uuid5(uuid.NAMESPACE_OID, f"{self.session_id}/{len(self.records)}").hex,
+            call_id=call_id,
             session_id=self.session_id,
             session_source="header",
             task_id=self.task_id,
@@ -164,7 +165,7 @@ class SyntheticSession:
             normalized_request=req,
             prompt_token_ids=prompt_ids,
             sampled_token_ids=list(sampled_ids),
-            sampled_logprobs=fake_logprobs(list(sampled_ids), f"{self.session_id}/{len(self.records)}"),
+            sampled_logprobs=fake_logprobs(list(sampled_ids), call_id),
             output_text=out_content,
             output_reasoning=out_reasoning,
             output_tool_calls=[{k: c[k] for k in ("id", "name", "arguments")} for c in calls],

@@ -21,7 +21,8 @@ For a non-exact merge the tail starts where the re-rendered answer ends (the fir
 after it). ``strict=True`` starts a new segment wherever a merge would not be exact. A call that
 cannot merge starts a new segment — of the chain whose conversation it continues (same first
 message, more messages), or of a new chain — so no sampled token is ever dropped; the break is
-counted with its cause (see ``drift.py``).
+counted with its cause (see ``drift.py``). A call with exactly the prompt of an open sequence's
+latest call is a parallel call or a retry: it starts a chain of its own.
 
 Cost: each call is compared with the open sequences' latest prompts by numpy slices, most
 rejected in O(1) (first, middle and last id), so reconstruction is linear in total tokens times
@@ -229,6 +230,8 @@ class SessionMerger:
         chain = None
         if merge is not None:  # strict mode: a merge that was not exact
             chain, reason = merge.seq.chain_index, f"strict:{merge.kind}"
+        elif near is not None and near.calls[-1].prompt.size == call.prompt.size:
+            pass  # the same prompt again: a parallel call or a retry, a chain of its own
         else:
             prev = near
             if prev is None:

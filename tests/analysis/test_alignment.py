@@ -1,0 +1,130 @@
+"""Re-rendering normalized requests the way vLLM does, and locating divergences."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+
+from polar_analysis import alignment, frames
+from polar_analysis.alignment import ChatTemplateRenderer, vllm_conversation
+from polar_analysis.schema import CallRecord
+from polar_analysis.synthetic import SyntheticSession, write_capture
+
+
+def test_vllm_preprocessing_of_messages():
+    req = {
+        "messages": [
+            {"role": "developer", "content": "dev rules"},
+            {"role": "system", "content": [{"type": "text", "text": "x-anthropic-billing-header: cch=1;\nKeep this."}, {"type": "text", "text": "And this."}]},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": None, "reasoning": "hmm", "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"b": 1,  "a": [2]}'}},
+                {"id": "2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+                {"id": "3", "type": "function", "function": {"name": "h", "arguments": "[1]"}},
+                {"id": "4", "type": "function", "function": {"name": "k", "arguments": ""}},
+            ]},
+            {"role": "tool", "tool_call_id": "1", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]},
+            {"role": "assistant", "content": "done", "tool_calls": []},
+        ]
+    }
+    conv = vllm_conversation(req)
+    assert conv[0] == {"role": "system", "content": "dev rules\n\nKeep this.\nAnd this."}  # developer -> system, merged
+    assert conv[1] == {"role": "user", "content": "a\nb"}
+    asst = conv[2]
+    assert asst["content"] == "" and asst["reasoning"] == asst["reasoning_content"] == "hmm"
+    assert [tc["function"]["arguments"] for tc in asst["tool_calls"]] == [{"b": 1, "a": [2]}, {}, {}, {}]
+    assert conv[3] == {"role": "tool", "content": "x\ny", "tool_call_id": "1"}
+    assert "tool_calls" not in conv[4]
+    kept = vllm_conversation(req, strip_billing_header=False, developer_role=True)
+    assert kept[0]["role"] == "developer" and kept[1]["content"].startswith("x-anthropic-billing-header")
+
+
+def test_tools_are_dumped_like_vllm_request_model():
+    t = alignment._tool_dict({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "x-extra": 1}})
+    assert t == {"type": "function", "function": {"name": "f", "description": None, "parameters": {"type": "object"}}}
+    t = alignment._tool_dict({"type": "function", "function": {"name": "f", "description": "d", "strict": True}, "defer_loading": True})
+    assert t["function"] == {"name": "f", "description": "d", "parameters": None, "strict": True, "defer_loading": True}
+    assert t["defer_loading"] is True
+
+
+def test_synthetic_capture_aligns_exactly(tmp_path, renderer, pi_chat):
+    s = SyntheticSession(renderer, "al", system=pi_chat["messages"][0]["content"], tools=pi_chat["tools"]).user([{"type": "text", "text": "hi"}])
+    s.generate(tool_calls=[("bash", {"command": "ls"}, '{"name":"bash","arguments":{"command":"ls"}}')])
+    s.tool([{"type": "text", "text": "a.py"}], s.messages[-1]["tool_calls"][0]["id"])
+    s.generate(content="One file.")
+    write_capture(tmp_path, s.records)
+    lf = frames.calls(tmp_path)
+    r = alignment.renderer_for_calls(lf)  # found from served_model "tiny-qwen" under POLAR_HOME/models
+    assert isinstance(r, ChatTemplateRenderer) and r.name == "tiny-qwen"
+    df = alignment.align(lf, r)
+    assert df["status"].to_list() == ["exact", "exact"]
+    assert df["n_server"].to_list() == df["n_rendered"].to_list() == [len(x.prompt_token_ids) for x in s.records]
+
+
+def test_divergence_is_located_with_context(tmp_path, tiny_qwen_dir, renderer):
+    keeps = ChatTemplateRenderer(tiny_qwen_dir, strip_billing_header=False)
+    s = SyntheticSession(keeps, "bh", system="x-anthropic-billing-header: cc_version=2; cch=77;\nYou are Claude Code.").user("hi")
+    s.generate(content="hello")
+    write_capture(tmp_path, s.records)
+    extra = CallRecord(call_id="noreq", session_id="bh", call_index=1, prompt_token_ids=[1, 2])
+    write_capture(tmp_path, [extra])
+    df = alignment.align(frames.calls(tmp_path), renderer)
+    row = df.row(0, named=True)
+    assert row["status"] == "diverged"
+    server = s.records[0].prompt_token_ids
+    assert renderer.tokenizer.decode(server[: row["first_divergence"]]) == "<|im_start|>system\n"
+    assert "billing" in row["server_text"] and "billing" not in row["rendered_text"]
+    assert row["n_server"] > row["n_rendered"]
+    assert df.row(1, named=True)["status"] == "no_request"
+
+
+def test_render_errors_are_reported(tmp_path, tiny_qwen_dir):
+    strict = ChatTemplateRenderer(
+        tiny_qwen_dir,
+        chat_template="{%- for m in messages %}{%- if m.role not in ['user','assistant','system'] %}{{ raise_exception('bad role ' + m.role) }}{%- endif %}{{ m.content }}{%- endfor %}",
+    )
+    rec = CallRecord(call_id="x", session_id="e", prompt_token_ids=[1], normalized_request={"messages": [{"role": "tool", "content": "r"}]})
+    write_capture(tmp_path, [rec])
+    df = alignment.align(frames.calls(tmp_path), strict)
+    assert df["status"].to_list() == ["render_error"] and "bad role tool" in df["detail"][0]
+
+
+def test_template_info_from_the_chat_template(renderer, tok):
+    t = renderer.template_info()
+    assert t.eot_ids == frozenset({tok.convert_tokens_to_ids("<|im_end|>")})
+    assert tok.decode(list(t.generation_prompt)) == "<|im_start|>assistant\n" == tok.decode(list(t.assistant_header))
+    assert t.decode([9707]) == tok.decode([9707])
+
+
+@pytest.mark.parametrize(("model", "encoding"), [("gpt-4o-mini", "o200k_base"), ("o3", "o200k_base"), ("gpt-4-0613", "cl100k_base")])
+def test_openai_hosted_models_are_counted_with_tiktoken(tmp_path, model, encoding):
+    from polar_runtime import models
+
+    models.ensure_model(encoding, quiet=True)
+    assert alignment.is_openai_hosted(model) and not alignment.is_openai_hosted("qwen2.5-coder-0.5b-instruct")
+    r = alignment.get_renderer(model)
+    assert r.name == f"tiktoken:{encoding}"
+    enc = r.encoding
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count me, 1 2 3.", "name": "bob"}]
+    expected = 3 + sum(3 + len(enc.encode(m["role"])) + len(enc.encode(m["content"])) for m in msgs) + len(enc.encode("bob")) + 1
+    assert r.count({"messages": msgs}) == expected
+    write_capture(tmp_path, [
+        CallRecord(call_id="a", session_id="o", requested_model=model, normalized_request={"messages": msgs}, prompt_tokens=expected),
+        CallRecord(call_id="b", session_id="o", call_index=1, requested_model=model, normalized_request={"messages": msgs}, prompt_tokens=expected + 5),
+    ])
+    lf = frames.calls(tmp_path)
+    r2 = alignment.renderer_for_calls(lf)
+    df = alignment.align(lf, r2)
+    assert df["status"].to_list() == ["count_match", "count_mismatch"]
+    ids = enc.encode("hello world")
+    assert r.decode(ids) == "hello world"
+
+
+def test_align_frame_schema_is_stable(tmp_path, renderer):
+    (tmp_path / "sessions").mkdir()
+    df = alignment.align(frames.calls(tmp_path), renderer)
+    assert df.height == 0 and dict(df.schema) == alignment.ALIGN_SCHEMA
+    assert df.select(pl.len()).item() == 0
+    assert json.dumps(list(alignment.ALIGN_SCHEMA))

@@ -1,0 +1,127 @@
+"""Drift causes between consecutive turns, each reproduced with real Qwen2.5 ids."""
+
+from __future__ import annotations
+
+import polars as pl
+
+from polar_analysis import drift, frames
+from polar_analysis.alignment import ChatTemplateRenderer
+from polar_analysis.synthetic import SyntheticSession, write_capture
+
+from .conftest import QWEN3_STYLE_TEMPLATE
+
+
+def report(tmp_path, records, template):
+    write_capture(tmp_path, records)
+    return drift.drift_report(frames.calls(tmp_path, rewards=None), template)
+
+
+def causes(rep: pl.DataFrame) -> list[str]:
+    return rep.sort("call_index")["cause"].to_list()
+
+
+def session(renderer, pi_chat, sid="d", **kw):
+    return SyntheticSession(renderer, sid, system=pi_chat["messages"][0]["content"], tools=pi_chat["tools"], **kw)
+
+
+def tool_turn(s, i, raw=None):
+    args = {"path": f"f{i}.py", "limit": 10}
+    s.generate(tool_calls=[("read", args, raw)] if raw else [("read", args)])
+    s.tool(f"content of f{i}", s.messages[-1]["tool_calls"][0]["id"])
+
+
+def test_exact_and_retokenized_and_reserialized(tmp_path, renderer, template, pi_chat, tok):
+    s = session(renderer, pi_chat).user("read files")
+    tool_turn(s, 0)
+    tool_turn(s, 1, raw='{"name":"read","arguments":{"limit":10,"path":"f1.py"}}')
+    s.generate(content="fishing", sampled_ids=tok.encode("fish") + tok.encode("ing") + [s.eot])
+    s.user("ok")
+    s.generate(content="bye")
+    rep = report(tmp_path, s.records, template)
+    assert causes(rep) == ["new_conversation", "none", "tool_args_reserialized", "retokenized"]
+    row = rep.filter(cause="retokenized").row(0, named=True)
+    assert row["prompt_divergence"] is None and row["answer_divergence"] == 0
+    assert "fish" in row["prev_text"] and "fishing" in row["next_text"]
+    assert row["prev_call_index"] == 2 and not row["exact"]
+
+
+def test_reasoning_removed(tmp_path, renderer, template, pi_chat):
+    s = session(renderer, pi_chat).user("why?")
+    s.generate(reasoning="The user asks why; answer briefly.", content="Because.")
+    s.user("really?")
+    s.generate(content="Yes.")
+    rep = report(tmp_path, s.records, template)
+    assert causes(rep) == ["new_conversation", "reasoning_removed"]
+
+
+def test_qwen3_empty_think(tmp_path, tiny_qwen_dir, pi_chat):
+    r3 = ChatTemplateRenderer(tiny_qwen_dir, chat_template=QWEN3_STYLE_TEMPLATE)
+    s = SyntheticSession(r3, "q3", system="sys", tools=pi_chat["tools"], chat_template_kwargs={"enable_thinking": False}).user("hi")
+    s.generate(content="Hello!")
+    s.user("bye")
+    s.generate(content="Bye!")
+    rep = report(tmp_path, s.records, r3.template_info(enable_thinking=False))
+    assert causes(rep) == ["new_conversation", "empty_think_generation_prompt"]
+    row = rep.row(1, named=True)
+    assert row["prompt_divergence"] == row["common_prefix"] and "<think>" in row["detail"]
+
+
+def test_billing_header_system_change(tmp_path, tiny_qwen_dir, template, pi_chat):
+    keeps = ChatTemplateRenderer(tiny_qwen_dir, strip_billing_header=False)
+    s = SyntheticSession(keeps, "cc", system="x-anthropic-billing-header: cch=aaaa1;\nYou are Claude Code.", tools=pi_chat["tools"])
+    s.user("go")
+    tool_turn(s, 0)
+    s.messages[0]["content"] = "x-anthropic-billing-header: cch=bbbb2;\nYou are Claude Code."
+    s.generate(content="done")
+    rep = report(tmp_path, s.records, template)
+    assert causes(rep) == ["new_conversation", "system_changed"]
+    assert "cch=aaaa1" in rep["detail"][1] and "cch=bbbb2" in rep["detail"][1]
+
+
+def test_tool_result_reformatted_and_tools_changed(tmp_path, renderer, template, pi_chat):
+    s = session(renderer, pi_chat).user("go")
+    tool_turn(s, 0)
+    s.generate(content="first")
+    s.user("again")
+    # the harness re-sends an earlier tool result in another shape (string -> wrapped differently)
+    s.messages[3]["content"] = "content of f0\n"
+    s.generate(content="second")
+    s.user("with fewer tools")
+    s.tools = pi_chat["tools"][:2]
+    s.generate(content="third")
+    rep = report(tmp_path, s.records, template)
+    assert causes(rep) == ["new_conversation", "none", "tool_result_reformatted", "tools_changed"]
+
+
+def test_compaction_and_length_and_dropped_answer(tmp_path, renderer, template, pi_chat):
+    s = session(renderer, pi_chat).user("long task")
+    tool_turn(s, 0)
+    s.generate(content="Summary: read f0.", messages=s.messages + [{"role": "user", "content": "Summarize."}], tools=None, echo=False)
+    s.generate(reasoning="thinking " * 20, max_tokens=5)  # cut, empty content, echoed as ""
+    s.user("continue")
+    s.generate(content="ok", echo=False)
+    s.user("and?")  # the answer above was never echoed back
+    s.generate(content="fine")
+    rep = report(tmp_path, s.records, template)
+    assert causes(rep) == ["new_conversation", "compacted", "none", "length_turn", "answer_dropped"]
+    # the compaction call is compared with the call it summarizes, not with a later one
+    assert rep.filter(cause="compacted")["prev_call_index"].item() == 0
+
+
+def test_subagent_is_a_new_conversation_and_summary_counts(tmp_path, renderer, template, pi_chat):
+    main = session(renderer, pi_chat, "m").user("main task")
+    sub = SyntheticSession(renderer, "m", system="sub-agent", tools=None).user("sub task")
+    tool_turn(main, 0)
+    sub.generate(content="sub answer")
+    sub.user("more")
+    main.generate(content="main answer")
+    sub.generate(content="sub 2")
+    records = [main.records[0], sub.records[0], main.records[1], sub.records[1]]
+    for i, r in enumerate(records):
+        r.call_index = i
+    rep = report(tmp_path, records, template)
+    assert causes(rep) == ["new_conversation", "new_conversation", "none", "none"]
+    assert rep.sort("call_index")["prev_call_index"].to_list() == [None, None, 0, 1]
+    summary = drift.summarize(rep)
+    assert summary.height == len(drift.CAUSES)
+    assert dict(zip(summary["cause"], summary["calls"]))["none"] == 2
