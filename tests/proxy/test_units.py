@@ -1,0 +1,319 @@
+"""Unit tests of the proxy's parts: session resolution, capture writer, upstream pool, engine
+adapters and the SSE stream translator (bytes split anywhere)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import multiprocessing
+import os
+import time
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mitmproxy.test import tflow
+
+from polar_analysis.schema import CallRecord
+from polar_proxy.addon import Call, ChatAccumulator, Polar, SSEStream, synthetic_chunks
+from polar_proxy.capture import CaptureError, CaptureWriter
+from polar_proxy.engines import get_engine
+from polar_proxy.engines.base import TokenData
+from polar_proxy.providers import PROVIDERS
+from polar_proxy.sessions import (
+    SessionError,
+    basic_user,
+    harness_name,
+    resolve_session,
+    scrub_headers,
+    scrub_query_string,
+)
+from polar_proxy.upstreams import UpstreamPool, normalize_url, parse_upstreams, relay_error_event
+
+
+# -- sessions ------------------------------------------------------------------------------------
+
+def _basic(user: str, password: str = "x") -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+def test_session_precedence():
+    h = {"x-polar-session": "explicit", "proxy-authorization": _basic("proxyuser"),
+         "authorization": "Bearer polar-keyed", "session-id": "codex-thread", "x-claude-code-session-id": "cc"}
+    order = [("x-polar-session", "explicit", "header"), ("proxy-authorization", "proxyuser", "proxy_auth"),
+             ("authorization", "keyed", "api_key"), ("session-id", "codex-thread", "harness_header"),
+             ("x-claude-code-session-id", "cc", "harness_header")]
+    for drop, want, source in order:
+        s = resolve_session(h, {}, connection_id="c0ffee")
+        assert (s.id, s.source) == (want, source)
+        del h[drop]
+    s = resolve_session(h, {}, connection_id="1234-abcd")
+    assert (s.id, s.source) == ("conn-1234abcd", "connection")
+
+
+def test_session_sources():
+    assert resolve_session({"x-session-id": "ses_1"}).id == "ses_1"  # OpenCode's own header
+    assert resolve_session({}, proxy_auth=_basic("tunnel-user")).source == "proxy_auth"  # from CONNECT
+    assert resolve_session({"x-api-key": "polar-a1"}).id == "a1"
+    assert resolve_session({"x-goog-api-key": "polar-g1"}).id == "g1"
+    assert resolve_session({}, {"key": "polar-q1"}).id == "q1"
+    # real keys are not sessions
+    s = resolve_session({"authorization": "Bearer sk-live-123", "x-api-key": "sk-ant"}, {}, connection_id="c1")
+    assert s.source == "connection"
+
+
+@pytest.mark.parametrize("bad", ["../x", "..", "a/b", "a\\b", "", " ", "-x", ".hidden", "x" * 129, "a..b", "é",
+                                 "a\x00b", "con\nnection"])
+def test_hostile_session_ids(bad):
+    for headers in ({"x-polar-session": bad}, {"authorization": f"Bearer polar-{bad}"},
+                    {"proxy-authorization": _basic(bad)} if bad.strip() and ":" not in bad else {"x-polar-session": bad}):
+        if not bad.strip():
+            continue  # an empty value is no value: falls through to the next source
+        with pytest.raises(SessionError):
+            resolve_session(headers, {}, connection_id="c")
+
+
+@given(st.text(min_size=1, max_size=200))
+def test_any_accepted_session_id_is_a_plain_file_name(value):
+    try:
+        s = resolve_session({"x-polar-session": value}, {}, connection_id="c")
+    except SessionError:
+        return
+    assert "/" not in s.id and "\\" not in s.id and ".." not in s.id and not s.id.startswith(".")
+    assert os.path.basename(s.id) == s.id and len(s.id) <= 128
+
+
+def test_basic_user_and_helpers():
+    assert basic_user(_basic("u1", "p:w")) == "u1"
+    assert basic_user("Bearer abc") is None and basic_user("Basic !!notb64") is None
+    assert harness_name({"user-agent": "claude-cli/2.1.332 (external, sdk-cli)"}) == "claude-code"
+    assert harness_name({"user-agent": "QwenCode/0.24.4 (linux; x64)"}) == "qwen-code"
+    assert harness_name({"originator": "codex_exec", "user-agent": "x"}) == "codex"
+    assert harness_name({"user-agent": "OpenAI/JS 6.26.0", "x-polar-harness": "pi"}) == "pi"
+    assert scrub_headers({"Authorization": "Bearer s", "X-Api-Key": "k", "Accept": "a"}) == \
+        {"Authorization": "<redacted>", "X-Api-Key": "<redacted>", "Accept": "a"}
+    assert scrub_query_string("/v1beta/m:gen?alt=sse&key=AIzaSECRET") == "/v1beta/m:gen?alt=sse&key=<redacted>"
+
+
+# -- capture writer -------------------------------------------------------------------------------
+
+def _record(session: str, i: int, n_tokens: int = 50) -> CallRecord:
+    return CallRecord(call_id=f"{session}-{i}", session_id=session, call_index=i, provider="anthropic",
+                      prompt_token_ids=list(range(n_tokens)), sampled_token_ids=[i] * n_tokens,
+                      sampled_logprobs=[-0.5] * n_tokens, native_request={"big": "x" * 5000})
+
+
+def _write_many(directory: str, worker: int, n: int) -> None:
+    w = CaptureWriter(directory)
+    for i in range(n):
+        w.write(_record("shared", worker * 1000 + i, 200))
+    w.close()
+
+
+def test_capture_lines_are_atomic_across_processes(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_write_many, args=(str(tmp_path), k, 100)) for k in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    lines = (tmp_path / "sessions" / "shared.jsonl").read_bytes().split(b"\n")
+    assert lines[-1] == b""
+    records = [orjson.loads(line) for line in lines[:-1]]  # every line parses: no interleaving
+    assert len(records) == 300 and len({r["call_id"] for r in records}) == 300
+
+
+def test_capture_refuses_escape_and_counts_existing(tmp_path):
+    w = CaptureWriter(tmp_path)
+    for bad in ("../evil", "a/b", "..", ""):
+        with pytest.raises(CaptureError):
+            w.write(_record(bad, 0))
+    assert list(tmp_path.iterdir()) == [tmp_path / "sessions"]
+    for i in range(3):
+        w.write(_record("s1", i))
+    assert w.existing_calls("s1") == 3 and w.existing_calls("nope") == 0
+    # a torn last line (crash mid-write elsewhere) is not counted as a call and does not break appends
+    with open(tmp_path / "sessions" / "s1.jsonl", "ab") as f:
+        f.write(b'{"torn": ')
+    assert w.existing_calls("s1") == 3
+    w.close()
+
+
+def test_capture_writer_is_fast(tmp_path):
+    w = CaptureWriter(tmp_path)
+    rec = _record("fast", 0, 2000)
+    t0 = time.perf_counter()
+    for _ in range(200):
+        w.write(rec)
+    per_call = (time.perf_counter() - t0) / 200
+    assert per_call < 0.005, f"{per_call * 1e3:.2f} ms per record"
+
+
+# -- upstream pool --------------------------------------------------------------------------------
+
+def test_upstream_urls():
+    assert normalize_url("127.0.0.1:8000") == "http://127.0.0.1:8000"
+    assert normalize_url("http://localhost:8000/v1/") == "http://localhost:8000"
+    assert parse_upstreams("http://a:1, http://b:2") == ["http://a:1", "http://b:2"]
+    for bad in ("ftp://x", "http://a:1,http://a:1"):
+        with pytest.raises(ValueError):
+            parse_upstreams(bad)
+
+
+def test_pool_sticky_least_loaded_backoff():
+    pool = UpstreamPool(["http://a:1", "http://b:2"], backoff_base=0.05)
+    a = pool.pick("s1")
+    pool.acquire(a)
+    b = pool.pick("s2")  # least loaded
+    assert b is not a
+    pool.release(a)
+    assert pool.pick("s1") is a and pool.pick("s2") is b  # sticky
+    pool.mark_failed(a, "refused")
+    assert pool.pick("s1") is b  # out of rotation while backing off
+    pool.mark_failed(b, "refused")
+    assert pool.pick("s3").url in ("http://a:1", "http://b:2")  # all out: the one due soonest is tried
+    time.sleep(0.06)
+    assert pool.upstreams[0].failures == 1 and pool._eligible(a, time.monotonic())
+    pool.mark_failed(a, "again")
+    assert a.retry_at - time.monotonic() > 0.05  # exponential
+    pool.mark_ok(a)
+    assert a.healthy and a.failures == 0
+
+
+# -- engines --------------------------------------------------------------------------------------
+
+def test_vllm_engine_reads_whole_and_chunks():
+    eng = get_engine("vllm")
+    req = eng.prepare({"model": "m", "messages": [], "return_tokens_as_token_ids": True})
+    assert req["logprobs"] is True and req["return_token_ids"] is True and "return_tokens_as_token_ids" not in req
+    td = TokenData()
+    eng.read_response({"prompt_token_ids": [1, 2], "choices": [{"index": 0, "token_ids": [5, 6],
+                       "logprobs": {"content": [{"token": "a", "logprob": -0.1}, {"token": "b", "logprob": -0.2}]}}]}, td)
+    assert (td.prompt_token_ids, td.sampled_token_ids, td.sampled_logprobs) == ([1, 2], [5, 6], [-0.1, -0.2])
+    td = TokenData()
+    chunks = [{"prompt_token_ids": [1, 2, 3], "choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+              {"choices": [{"index": 0, "delta": {}, "token_ids": [9], "logprobs": {"content": [{"logprob": -1.0}]}}]},
+              {"choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [10, 11],
+                            "logprobs": {"content": [{"logprob": -2.0}, {"logprob": -3.0}]}}]},
+              {"choices": [], "usage": {"prompt_tokens": 3}}]
+    for c in chunks:
+        eng.read_chunk(c, td)
+    assert (td.prompt_token_ids, td.sampled_token_ids, td.sampled_logprobs) == ([1, 2, 3], [9, 10, 11], [-1.0, -2.0, -3.0])
+
+
+def test_sglang_engine():
+    eng = get_engine("sglang")
+    req = eng.prepare({"model": "m", "messages": []})
+    assert req["return_meta_info"] and req["return_prompt_token_ids"] and req["logprobs"]
+    td = TokenData()
+    eng.read_response({"choices": [{"index": 0, "prompt_token_ids": [1, 2], "message": {"content": "ab"},
+                                    "meta_info": {"output_token_logprobs": [[-0.5, 7, "a"], [-0.25, 8, "b"]]}}]}, td)
+    assert (td.prompt_token_ids, td.sampled_token_ids, td.sampled_logprobs) == ([1, 2], [7, 8], [-0.5, -0.25])
+    with pytest.raises(ValueError):
+        get_engine("tgi")
+
+
+# -- SSE stream translation -----------------------------------------------------------------------
+
+def _vllm_stream() -> tuple[bytes, list[int], list[float]]:
+    """A vLLM-shaped chat stream: role chunk with prompt ids, reasoning, text, a tool call, usage."""
+    base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "served"}
+    ids, lps, events = [], [], []
+    events.append({**base, "prompt_token_ids": [1, 2, 3],
+                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+    deltas = [{"reasoning": "think"}, {"reasoning": " more"}, {"content": "Hé"}, {"content": "llo\n\n"}, {},
+              {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                               "function": {"name": "bash", "arguments": ""}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": "{\"command\": \"ls\"}"}}]}]
+    for i, d in enumerate(deltas):
+        tid, lp = 100 + i, -0.1 * (i + 1)
+        ids.append(tid)
+        lps.append(lp)
+        last = i == len(deltas) - 1
+        events.append({**base, "choices": [{"index": 0, "delta": d, "token_ids": [tid],
+                                            "logprobs": {"content": [{"token": "t", "logprob": lp, "bytes": [116],
+                                                                      "top_logprobs": []}]},
+                                            "finish_reason": "tool_calls" if last else None}]})
+    events.append({**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": len(ids),
+                                                    "total_tokens": 3 + len(ids)}})
+    body = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    return body, ids, lps
+
+
+def _run_stream(provider: str, pieces: list[bytes]) -> tuple[bytes, Call]:
+    addon = Polar()
+    flow = tflow.tflow()
+    prov = PROVIDERS[provider]
+    call = Call(CallRecord(session_id="s", provider=provider), prov, flow)
+    call.translator = prov.new_stream("asked-model", None)
+    stream = SSEStream(addon, call)
+    out = []
+    for p in pieces + [b""]:
+        res = stream(p)
+        assert isinstance(res, list) and all(res), "never an empty chunk (it would end the HTTP/1 body)"
+        out += res
+    return b"".join(out), call
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=12),
+       provider=st.sampled_from(sorted(PROVIDERS)))
+def test_stream_split_anywhere(cuts, provider):
+    body, ids, lps = _vllm_stream()
+    whole, call_whole = _run_stream(provider, [body])
+    bounds = sorted({c % (len(body) + 1) for c in cuts} | {0, len(body)})
+    pieces = [body[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    split, call = _run_stream(provider, pieces)
+    assert call.finalized and call.record.status == "ok"
+    assert call.tokens.prompt_token_ids == [1, 2, 3]
+    assert call.tokens.sampled_token_ids == ids and call.tokens.sampled_logprobs == lps
+    assert call.record.output_text == "Héllo\n\n" and call.record.output_reasoning == "think more"
+    assert call.record.output_tool_calls == [{"id": "call_1", "name": "bash", "arguments": "{\"command\": \"ls\"}"}]
+    # the translated stream does not depend on where the input was cut (ids/timestamps aside)
+    assert _strip_ids(split) == _strip_ids(whole)
+
+
+def _strip_ids(sse: bytes) -> list:
+    out = []
+    for block in sse.replace(b"\r\n", b"\n").split(b"\n\n"):
+        for line in block.split(b"\n"):
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                out.append(_drop_keys(json.loads(line[5:])))
+    return out
+
+
+def _drop_keys(x):
+    if isinstance(x, dict):
+        return {k: _drop_keys(v) for k, v in x.items() if k not in ("id", "created", "created_at", "signature",
+                                                                     "responseId", "item_id", "call_id")}
+    if isinstance(x, list):
+        return [_drop_keys(v) for v in x]
+    return x
+
+
+def test_stream_relay_error_and_early_end():
+    body, ids, _ = _vllm_stream()
+    cut = body.index(b"data: ", 400)
+    out, call = _run_stream("anthropic", [body[:cut] + relay_error_event("timeout", "stalled")])
+    assert call.record.status == "error" and call.record.error_kind == "timeout"
+    assert b"event: error" in out and call.tokens.sampled_token_ids == ids[: len(call.tokens.sampled_token_ids)]
+    assert call.tokens.sampled_token_ids  # what arrived before the stall is kept
+    out, call = _run_stream("openai_chat", [body[:cut]])  # upstream closed without [DONE]
+    assert call.record.error_kind == "upstream_error" and b"error" in out
+
+
+def test_synthetic_chunks_round_trip():
+    resp = {"id": "x", "created": 1, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "tool_calls",
+                         "message": {"role": "assistant", "content": "hi", "reasoning": "r",
+                                     "tool_calls": [{"id": "c1", "type": "function",
+                                                     "function": {"name": "f", "arguments": "{}"}}]}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 2}}
+    acc = ChatAccumulator()
+    for c in synthetic_chunks(resp):
+        acc.feed_chunk(c)
+    whole = ChatAccumulator()
+    whole.feed_whole(resp)
+    assert (acc.content, acc.reasoning, acc.tools, acc.finish_reason, acc.usage) == \
+        (whole.content, whole.reasoning, whole.tools, whole.finish_reason, whole.usage)
