@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import re
 import threading
 import time
@@ -67,11 +68,13 @@ FAULTS = ("500", "429", "hang", "hang_stream", "cut", "refuse", "context")
 _DIRECTIVE_RE = re.compile(r"#(scenario|fault|delay):([A-Za-z0-9_:.-]+)")
 _WORD_RE = re.compile(r"\s*\S+|\s+")
 EOS_TEXT = "<|im_end|>"
+SYSTEM_FINGERPRINT = "vllm-scripted"
 CHEAP_EOS_ID = 2
 CHEAP_VOCAB = 50_000
 CHEAP_SPECIAL = {"<|im_start|>": 3, "<|im_end|>": 2, "<think>": 4, "</think>": 5, "<tool_call>": 6, "</tool_call>": 7}
 
 
+@functools.lru_cache(maxsize=65536)
 def token_logprob(token_id: int, position: int) -> float:
     """A deterministic, token- and position-dependent logprob in (-2, 0)."""
     h = zlib.crc32(f"{token_id}:{position}".encode()) % 100_000
@@ -103,12 +106,14 @@ class Reply:
 class Tokenizer:
     """Real chat template (transformers) when a directory is given, else cheap crc32 words."""
 
-    def __init__(self, directory: str | None = None):
+    def __init__(self, directory: str | Path | Any | None = None):
         self.hf = None
-        if directory:
+        if isinstance(directory, (str, Path)):
             from transformers import AutoTokenizer
 
             self.hf = AutoTokenizer.from_pretrained(directory)
+        elif directory is not None:  # an already loaded transformers tokenizer
+            self.hf = directory
         self._cache: OrderedDict[bytes, list[int]] = OrderedDict()
         self.eos_id = CHEAP_EOS_ID
         if self.hf is not None:
@@ -252,7 +257,7 @@ class ScriptedUpstream:
         *,
         served_model: str = "scripted-model",
         max_model_len: int = 4096,
-        tokenizer: str | None = None,
+        tokenizer: str | Path | Any | None = None,
         script: Script | None = None,
         log_size: int = 64,
     ):
@@ -402,13 +407,7 @@ class ScriptedUpstream:
         return reply
 
     def _logprobs(self, pieces: list[Piece], offset: int) -> dict[str, Any]:
-        return {
-            "content": [
-                {"token": p.token, "logprob": token_logprob(p.token_id, offset + i),
-                 "bytes": list(p.token.encode()), "top_logprobs": []}
-                for i, p in enumerate(pieces)
-            ]
-        }
+        return {"content": [_lp_entry(p.token, p.token_id, offset + i) for i, p in enumerate(pieces)]}
 
     def whole(self, body, reply: Reply, pieces, finish, prompt_ids, want_ids, want_lp) -> dict[str, Any]:
         truncated = len(pieces) < len(reply.pieces)
@@ -423,13 +422,16 @@ class ScriptedUpstream:
         choice = {"index": 0, "message": message,
                   "logprobs": self._logprobs(pieces, 0) if want_lp else None,
                   "finish_reason": "length" if truncated else finish, "stop_reason": None,
-                  "token_ids": [p.token_id for p in pieces] if want_ids else None}
+                  "token_ids": [p.token_id for p in pieces] if want_ids else None, "routed_experts": None}
         resp = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.served_model, "choices": [choice], "service_tier": None, "system_fingerprint": None,
+            "id": _request_id(), "object": "chat.completion", "created": int(time.time()),
+            "model": self.served_model, "choices": [choice], "service_tier": None,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "usage": {"prompt_tokens": len(prompt_ids), "total_tokens": len(prompt_ids) + len(pieces),
-                      "completion_tokens": len(pieces), "prompt_tokens_details": None},
-            "prompt_logprobs": None, "prompt_token_ids": prompt_ids if want_ids else None, "kv_transfer_params": None,
+                      "completion_tokens": len(pieces), "prompt_tokens_details": None,
+                      "completion_tokens_details": None},
+            "prompt_logprobs": None, "prompt_token_ids": prompt_ids if want_ids else None, "prompt_text": None,
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
         }
         self.responses.append({"prompt_token_ids": prompt_ids, "token_ids": [p.token_id for p in pieces],
                                "logprobs": [token_logprob(p.token_id, i) for i, p in enumerate(pieces)],
@@ -439,7 +441,7 @@ class ScriptedUpstream:
     async def stream(self, request, body, reply: Reply, pieces, finish, prompt_ids, want_ids, want_lp, fault, delay):
         resp = web.StreamResponse(status=200, headers={"content-type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = _request_id(), int(time.time())
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -447,7 +449,7 @@ class ScriptedUpstream:
                  "choices": choices, **extra}
             return b"data: " + orjson.dumps(d) + b"\n\n"
 
-        first_extra = {"prompt_token_ids": prompt_ids} if want_ids else {}
+        first_extra = {"prompt_token_ids": prompt_ids if want_ids else None, "prompt_text": None}
         await resp.write(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None}], **first_extra))
         if fault == "hang_stream":
@@ -485,19 +487,29 @@ class ScriptedUpstream:
                 c["token_ids"] = [p.token_id]
             if delay:
                 await asyncio.sleep(delay)
-            await resp.write(chunk([c]))
+            extra = {"system_fingerprint": SYSTEM_FINGERPRINT} if i == n - 1 and not include_usage else {}
+            await resp.write(chunk([c], **extra))
         if n == 0:
             await resp.write(chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish,
                                      "stop_reason": None, **({"token_ids": []} if want_ids else {})}]))
         if include_usage:
             usage = {"prompt_tokens": len(prompt_ids), "total_tokens": len(prompt_ids) + n, "completion_tokens": n}
-            await resp.write(chunk([], usage=usage))
+            await resp.write(chunk([], usage=usage, system_fingerprint=SYSTEM_FINGERPRINT))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         self.responses.append({"prompt_token_ids": prompt_ids, "token_ids": [p.token_id for p in pieces],
                                "logprobs": [token_logprob(p.token_id, i) for i, p in enumerate(pieces)],
                                "finish_reason": finish})
         return resp
+
+
+def _lp_entry(token: str, token_id: int, position: int) -> dict[str, Any]:
+    return {"token": token, "logprob": token_logprob(token_id, position), "bytes": list(token.encode()),
+            "top_logprobs": []}
+
+
+def _request_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex[:16]}"
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
