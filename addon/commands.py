@@ -9,13 +9,13 @@ the foreground until Ctrl-C.
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from polar_runtime import paths
 
@@ -52,23 +52,6 @@ def proxy_command(
         log_file=paths.polar_home() / "logs" / f"proxy-{port}.log",
     )
     (paths.polar_home() / "logs").mkdir(parents=True, exist_ok=True)
-    try:
-        proxy.start()
-    except RuntimeError as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from None
-    table = Table(title=f"Polar proxy ({mode} mode) on {proxy.url}", show_header=True)
-    table.add_column("variable")
-    table.add_column("value")
-    for k, v in proxy.harness_env(session="SESSION" if mode == "regular" else None).items():
-        if k.islower():
-            continue
-        table.add_row(k, v)
-    console.print(table)
-    console.print(f"captures: {proxy.capture_dir}/sessions/<session>.jsonl    log: {proxy.log_file}")
-    console.print(f"control:  {proxy.url}/_polar/status    (pause, resume, policy_version, sessions)")
-    if mode == "reverse":
-        console.print("session:  header x-polar-session, or API key polar-<session>")
     stop = False
 
     def _stop(signum: int, _frame: object) -> None:
@@ -76,6 +59,23 @@ def proxy_command(
         stop = True
 
     signal.signal(signal.SIGTERM, _stop)
+    try:
+        proxy.start()
+    except RuntimeError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
+    console.print(f"[bold]Polar proxy[/bold] ({mode} mode) on {proxy.url}, upstream {upstream}")
+    console.print("# environment for a harness:", style="dim")
+    for k, v in proxy.harness_env(session="SESSION" if mode == "regular" else None).items():
+        if not k.islower():
+            print(f"export {k}={v}")  # plain lines: copy-paste safe, never wrapped
+    print(f"# captures: {proxy.capture_dir}/sessions/<session>.jsonl   log: {proxy.log_file}")
+    print(f"# control:  {proxy.url}/_polar/status   (pause, resume, policy_version, sessions)")
+    if mode == "reverse":
+        print("# session:  header x-polar-session, or API key polar-<session>")
+    else:
+        print("# session:  proxy user name (HTTPS_PROXY=http://SESSION@host:port) or API key polar-<session>")
+    sys.stdout.flush()
     try:
         while not stop and proxy.proc is not None and proxy.proc.poll() is None:
             time.sleep(0.5)

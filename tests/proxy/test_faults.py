@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import http.client
+import json
+import socket
 import time
 
 import pytest
@@ -151,3 +154,24 @@ def test_upstream_down(helpers, proxy_factory, session_id):
             assert rec["provider"] == provider and rec["stream"] is stream
     status = proxy.control.status()
     assert status["errors"] == 8 and status["upstreams"][0]["healthy"] is False
+
+
+def test_client_gone_mid_stream(helpers, reverse_proxy, session_id):
+    """The harness hangs up mid-stream: the record keeps what was sampled, the slot is released."""
+    conn = http.client.HTTPConnection("127.0.0.1", reverse_proxy.port, timeout=10)
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "go #scenario:words:40 #delay:40"}]}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json",
+                                                                    "x-polar-session": session_id})
+    resp = conn.getresponse()
+    got = b""
+    while got.count(b"data:") < 5:
+        got += resp.read1(4096)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + 5
+    while not helpers.read_records(reverse_proxy.capture_dir, session_id) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rec = last_record(helpers, reverse_proxy, session_id)
+    assert rec["status"] == "error" and rec["error_kind"] == "client_disconnected"
+    assert 3 <= len(rec["sampled_token_ids"]) < 41 and len(rec["sampled_logprobs"]) == len(rec["sampled_token_ids"])
+    assert reverse_proxy.control.status()["in_flight"] == 0

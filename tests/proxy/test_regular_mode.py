@@ -131,3 +131,56 @@ def test_control_api_reachable_in_regular_mode(helpers, regular_proxy):
     ans = helpers.request(regular_proxy.url + "/_polar/status")
     assert ans.status == 200 and json.loads(ans.body)["proxy_id"]
     assert free_port() != regular_proxy.port
+
+
+def test_connect_tunnel_with_plain_http_to_the_upstream(helpers, upstream, regular_proxy, session_id):
+    """Pi, Qwen Code and Gemini CLI open a CONNECT tunnel even to a plain-HTTP base URL: a call to
+    the upstream's own address through the tunnel is intercepted and captured."""
+    import http.client
+
+    host, port = upstream.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection("127.0.0.1", regular_proxy.port, timeout=10)
+    conn.set_tunnel(host, int(port))
+    body = {"model": "qwen", "messages": [{"role": "user", "content": "hi #scenario:text"}]}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                 {"content-type": "application/json", "authorization": f"Bearer polar-{session_id}"})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    assert resp.status == 200 and json.loads(data)["model"] == "qwen"
+    [rec] = helpers.read_records(regular_proxy.capture_dir, session_id)
+    assert rec["session_source"] == "api_key" and rec["sampled_token_ids"] == upstream.upstream.responses[-1]["token_ids"]
+
+
+def test_polar_proxy_cli(upstream, tmp_path):
+    """`polar proxy` prints what a harness needs and serves until terminated."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from polar_proxy.process import ProxyControl
+
+    port = free_port()
+    env = {**os.environ, "POLAR_HOME": str(tmp_path)}
+    polar = Path(sys.executable).with_name("polar")
+    log = tmp_path / "cli.out"
+    with open(log, "wb") as out_f:
+        proc = subprocess.Popen([str(polar), "proxy", "--upstream", upstream.url, "--port", str(port),
+                                 "--mode", "regular", "--timeout", "5"], stdout=out_f, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while b"control:" not in log.read_bytes() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        status = ProxyControl(f"http://127.0.0.1:{port}", timeout=5).status()
+        assert status["upstreams"][0]["url"] == upstream.url
+        assert status["capture_dir"] == str((tmp_path / "captures").resolve())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    out = log.read_text()
+    assert "HTTPS_PROXY" in out and "NODE_EXTRA_CA_CERTS" in out and "mitmproxy-ca-cert.pem" in out
+    assert proc.returncode == 0
+    assert (tmp_path / "mitmproxy" / "mitmproxy-ca-cert.pem").exists()

@@ -317,3 +317,36 @@ def test_synthetic_chunks_round_trip():
     whole.feed_whole(resp)
     assert (acc.content, acc.reasoning, acc.tools, acc.finish_reason, acc.usage) == \
         (whole.content, whole.reasoning, whole.tools, whole.finish_reason, whole.usage)
+
+
+# -- the addon inside mitmproxy's test harness (options, validation, commands) ---------------------
+
+def test_addon_options_validation_and_commands(tmp_path):
+    from mitmproxy import exceptions
+    from mitmproxy.test import taddons
+
+    addon = Polar()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, polar_upstream="http://127.0.0.1:1,127.0.0.1:2", polar_capture_dir=str(tmp_path),
+                       polar_upstream_timeout="2.5", polar_intercept_hosts=["api.example.com", "*.corp.dev"])
+        assert [u.url for u in addon.pool.upstreams] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+        assert addon.timeout == 2.5 and addon.writer.root == tmp_path.resolve()
+        assert addon._host_intercepted("api.example.com", 443, None)
+        assert addon._host_intercepted("llm.corp.dev", 443, None)
+        assert addon._host_intercepted("127.0.0.1", 2, None)  # an upstream itself
+        assert not addon._host_intercepted("github.com", 443, None)
+        for bad in ({"polar_upstream_timeout": "soon"}, {"polar_upstream_timeout": "0"},
+                    {"polar_upstream": "ftp://x"}, {"polar_intercept_hosts": ["a b"]},
+                    {"polar_max_tokens_cap": -1}, {"polar_pause_timeout": "-1"}, {"polar_engine": "tgi"},
+                    {"polar_proxy_id": "../x"}):
+            with pytest.raises(exceptions.OptionsError):
+                tctx.configure(addon, **bad)
+        assert addon.timeout == 2.5  # a refused value leaves the old one in place
+        tctx.configure(addon, polar_engine="sglang", polar_policy_version=3)
+        assert addon.engine.name == "sglang" and addon.policy_version == 3
+        tctx.command(addon.pause_cmd)
+        assert addon.paused and json.loads(tctx.command(addon.status_cmd))["paused"] is True
+        tctx.command(addon.resume_cmd)
+        assert not addon.paused
+        tctx.configure(addon, polar_pause=True)
+        assert addon.paused
