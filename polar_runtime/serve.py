@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -30,6 +31,8 @@ DEFAULT_MODEL = models.QWEN05
 DEFAULT_KV_CACHE_GIB = 2.0
 DEFAULT_MAX_MODEL_LEN = 32768
 START_TIMEOUT_S = 900.0
+
+_ERROR_LINE = re.compile(r"^(?:\(\S+ pid=\d+\) ERROR [^\]]*\] )?((?:[\w.]+(?:Error|Exception)): .+)$", re.M)
 
 # urllib without the environment's proxies: a harness test may set HTTP(S)_PROXY to mitmproxy.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -181,6 +184,8 @@ class VLLMServer:
             # No native bf16 on these CPUs: float32 decodes several times faster. Eager mode
             # starts in ~1 min instead of ~4 (no torch.compile).
             cmd += ["--dtype", "float32", "--enforce-eager"]
+            if not float(self.kv_cache_gib).is_integer():  # VLLM_CPU_KVCACHE_SPACE takes whole GiB only
+                cmd += ["--kv-cache-memory-bytes", str(int(self.kv_cache_gib * 2**30))]
         if template_supports_tools(self.model_dir):
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
         return cmd + list(self.extra_args)
@@ -199,8 +204,10 @@ class VLLMServer:
         )
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
         if not self.gpu:
-            env["VLLM_CPU_KVCACHE_SPACE"] = f"{self.kv_cache_gib:g}"
+            if float(self.kv_cache_gib).is_integer():
+                env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gib))
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_spec()
         return env
 
@@ -242,6 +249,24 @@ class VLLMServer:
         except OSError:
             return "(no log)"
 
+    def error_lines(self, limit: int = 6) -> list[str]:
+        """Distinct `SomeError: message` lines of the log, first first: the root cause usually
+        sits in a worker's traceback far above the API server's last lines."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return []
+        seen: list[str] = []
+        for m in _ERROR_LINE.finditer(text):
+            line = m.group(1).strip()
+            if line not in seen:
+                seen.append(line)
+        return seen[:limit]
+
+    def _failure(self, what: str) -> str:
+        causes = "\n".join(f"  {c}" for c in self.error_lines())
+        return f"{what}; log {self.log_path}:\n" + (f"errors:\n{causes}\n" if causes else "") + f"last lines:\n{self.log_tail()}"
+
     def is_ready(self) -> bool:
         try:
             data = http_json(f"{self.base_url}/v1/models", timeout=5)
@@ -255,16 +280,14 @@ class VLLMServer:
             if self.proc is not None and self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.proc = None
-                raise VLLMStartError(
-                    f"vLLM exited with code {code} during start-up; log {self.log_path}:\n{self.log_tail()}"
-                )
+                raise VLLMStartError(self._failure(f"vLLM exited with code {code} during start-up"))
             if self.is_ready():
                 self.start_seconds = round(time.monotonic() - self._t0, 1)
                 return
             time.sleep(0.5)
-        tail = self.log_tail()
+        message = self._failure(f"vLLM not ready after {timeout:.0f} s")
         self.stop()
-        raise VLLMStartError(f"vLLM not ready after {timeout:.0f} s; log {self.log_path}:\n{tail}")
+        raise VLLMStartError(message)
 
     def stop(self, grace: float = 30.0) -> None:
         proc, self.proc = self.proc, None

@@ -1,0 +1,106 @@
+"""`polar serve` / VLLMServer: command line, environment, and the error paths (fast unless marked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from polar_runtime import paths
+from polar_runtime.net import free_port, port_in_use
+from polar_runtime.serve import ServeError, VLLMServer, VLLMStartError, cpu_bind_spec
+
+POLAR = [sys.executable, "-m", "polar_analysis.cli"]
+
+
+def test_cpu_bind_spec():
+    assert cpu_bind_spec({0, 1}) == "0-1"
+    assert cpu_bind_spec({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+    assert cpu_bind_spec({3}) == "3"
+    assert cpu_bind_spec() == cpu_bind_spec(set(os.sched_getaffinity(0)))
+
+
+def test_free_port_and_port_in_use():
+    port = free_port()
+    assert not port_in_use(port)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        assert port_in_use(port)
+
+
+def test_cpu_command_and_environment(tiny_qwen_dir, smollm_dir, monkeypatch):
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    s = VLLMServer("tiny-qwen", port=18555, kv_cache_gib=1.5, gpu=False)
+    cmd = s.command()
+    assert cmd[:3] == [str(paths.vllm_python()), "-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(cmd)
+    assert f"--model {tiny_qwen_dir}" in joined and "--served-model-name tiny-qwen" in joined
+    assert "--dtype float32 --enforce-eager" in joined and "--port 18555" in joined
+    assert "--enable-auto-tool-choice --tool-call-parser hermes" in joined
+    assert "--max-model-len 32768" in joined
+    env = s.environment()
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env and f"--kv-cache-memory-bytes {3 * 2**29}" in joined
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == cpu_bind_spec()
+    assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == "1"
+    assert env["VLLM_CACHE_ROOT"] == str(paths.vllm_cache_dir()) and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "HTTPS_PROXY" not in env  # the server must never send its own traffic to a proxy
+    assert s.base_url == "http://127.0.0.1:18555" and s.openai_base_url.endswith(":18555/v1")
+    assert s.log_path.parent == paths.vllm_cache_dir() / "logs"
+
+    smol = VLLMServer(smollm_dir, port=18556, kv_cache_gib=2, gpu=False)
+    assert smol.environment()["VLLM_CPU_KVCACHE_SPACE"] == "2" and "--kv-cache-memory-bytes" not in smol.command()
+    assert "--enable-auto-tool-choice" not in smol.command()  # ChatML template without tools
+    assert smol.served_model_name == "smollm2-135m-instruct"
+    assert "--max-model-len 8192" in " ".join(smol.command())
+
+    gpu = VLLMServer("tiny-qwen", port=18557, gpu=True)
+    assert "--dtype bfloat16" in " ".join(gpu.command()) and "--enforce-eager" not in gpu.command()
+    assert "VLLM_CPU_KVCACHE_SPACE" not in gpu.environment()
+
+
+def test_cli_refuses_a_taken_port(tiny_qwen_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = subprocess.run([*POLAR, "serve", "tiny-qwen", "--port", str(port)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert f"port {port}" in proc.stderr and "already in use" in proc.stderr
+
+
+def test_cli_reports_a_missing_model(tmp_path):
+    env = dict(os.environ, POLAR_HOME=str(tmp_path))
+    proc = subprocess.run([*POLAR, "serve", "tiny-qwen", "--port", str(free_port())], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2
+    assert "polar models build tiny-qwen" in " ".join(proc.stderr.split())
+    proc = subprocess.run([*POLAR, "serve", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and "config.json" in proc.stderr
+
+
+def test_attach_needs_a_live_server(tiny_qwen_dir):
+    with pytest.raises(ServeError, match="no vLLM serving"):
+        VLLMServer.attach(f"http://127.0.0.1:{free_port()}", tiny_qwen_dir, served_model_name="tiny-qwen")
+
+
+@pytest.mark.vllm
+def test_vllm_dying_at_start_up_shows_its_log(tiny_qwen_dir, tmp_path):
+    broken = tmp_path / "no-weights"
+    broken.mkdir()
+    for f in tiny_qwen_dir.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, broken / f.name)
+    server = VLLMServer(broken, served_model_name="broken", kv_cache_gib=1, log_path=tmp_path / "vllm.log")
+    with pytest.raises(VLLMStartError, match="exited with code") as info:
+        server.start(wait=True, timeout=300)
+    assert str(tmp_path / "vllm.log") in str(info.value)
+    # the worker's root cause sits far above the API server's last lines; it must be shown
+    assert f"RuntimeError: Cannot find any model weights with `{broken}`" in str(info.value)
+    assert not server.running and not port_in_use(server.port)
+    assert json.loads((broken / "config.json").read_text())["model_type"] == "qwen2"
