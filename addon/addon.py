@@ -555,7 +555,7 @@ class Polar:
     async def _model_call(self, flow: http.HTTPFlow) -> None:
         t_in = time.time()
         req = flow.request
-        headers = {k.lower(): v for k, v in req.headers.items(multi=False)} if hasattr(req.headers, "items") else {}
+        headers = {k.lower(): v for k, v in req.headers.items(multi=False)}
         query = dict(req.query.items(multi=False))
         native_path = scrub_query_string(req.path)
         path_only = req.path.split("?", 1)[0]
@@ -869,7 +869,8 @@ class Polar:
             if resp.headers.get("retry-after"):
                 extra["retry-after"] = resp.headers["retry-after"]
         elif resp.status >= 500:
-            self.pool.mark_failed(up, f"HTTP {resp.status}") if self.pool else None
+            if self.pool is not None:
+                self.pool.mark_failed(up, f"HTTP {resp.status}")
             kind, status = "upstream_error", resp.status if resp.status in (500, 502, 503, 504) else 502
         elif resp.status in (400, 413, 422) and _is_context_error(message):
             kind, status = "context_length", 400
