@@ -470,7 +470,11 @@ class OpenCode(Preset):
         # Outside the work dir (OPENCODE_CONFIG) so the task's files stay the task's.
         cfg_path = s.home / ".config" / "opencode" / "opencode.json"
         _write_json(cfg_path, cfg)
+        # OpenCode npm-installs @opencode-ai/plugin into every config dir in the background at
+        # start: a registry side call per fresh HOME. npm's offline mode makes it fail at once.
+        (s.home / ".npmrc").write_text("offline=true\naudit=false\nfund=false\nupdate-notifier=false\n")
         env = base_env(s)
+        env["npm_config_offline"] = "true"
         env.update(OPENCODE_CONFIG=str(cfg_path), OPENCODE_DISABLE_MODELS_FETCH="1",
                    OPENCODE_DISABLE_AUTOUPDATE="1", OPENCODE_DISABLE_LSP_DOWNLOAD="1",
                    OPENCODE_DISABLE_SHARE="1", OPENCODE_DISABLE_DEFAULT_PLUGINS="1",
