@@ -80,6 +80,7 @@ class Call:
     output_reasoning: str = ""
     output_tool_calls_json: str | None = None
     _request: Any = field(default=None, repr=False)
+    _request_src: Any = field(default=None, repr=False)  # (Series, row): JSON read on first use
 
     @property
     def usable(self) -> bool:
@@ -87,8 +88,12 @@ class Call:
 
     @property
     def request(self) -> dict[str, Any] | None:
-        if self._request is None and self.request_json:
-            self._request = orjson.loads(self.request_json)
+        if self._request is None:
+            if self.request_json is None and self._request_src is not None:
+                series, row = self._request_src
+                self.request_json = series[row]
+            if self.request_json:
+                self._request = orjson.loads(self.request_json)
         return self._request
 
     @property
@@ -104,16 +109,32 @@ def _list_arrays(series: pl.Series, dtype: Any) -> list[np.ndarray]:
     return [flat[offsets[i] : offsets[i + 1]] for i in range(lengths.size)]
 
 
+_SCALARS = ("call_id", "session_id", "task_id", "group_id", "call_index", "status", "finish_reason",
+            "policy_version", "output_text", "output_reasoning", "output_tool_calls")
+
+
 def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
-    """Materialize the columns the builders need, ordered by session, call index, arrival time."""
+    """Materialize the columns the builders need, ordered by session, call index, arrival time.
+
+    Token lists become numpy views of one flat buffer per column; request JSON stays in the Polars
+    column until a builder asks for it (most calls never need their messages).
+    """
     names = calls_lf.collect_schema().names()
     cols = [c for c in CALL_COLUMNS if c in names]
-    df = calls_lf.select(cols).sort("session_id", "call_index", "t_request_in", nulls_last=True, maintain_order=True).collect()
+    df = calls_lf.select(cols).collect()
+    order = (
+        df.select("session_id", "call_index", *(["t_request_in"] if "t_request_in" in cols else []))
+        .with_row_index("_i")
+        .sort("session_id", "call_index", *(["t_request_in"] if "t_request_in" in cols else []), nulls_last=True, maintain_order=True)["_i"]
+    )
+    if not (order.diff().drop_nulls() == 1).all():  # capture files are already in order: no gather
+        df = df[order]
     prompts = _list_arrays(df["prompt_token_ids"], np.int32)
     sampled = _list_arrays(df["sampled_token_ids"], np.int32)
     logprobs = _list_arrays(df["sampled_logprobs"], np.float64)
+    requests = df["normalized_request"] if "normalized_request" in df.columns else pl.Series([None] * df.height, dtype=pl.String)
+    get = {c: (df[c].to_list() if c in df.columns else [None] * df.height) for c in _SCALARS}
     out = []
-    get = {c: (df[c].to_list() if c in df.columns else [None] * df.height) for c in CALL_COLUMNS}
     for i in range(df.height):
         lp = logprobs[i]
         if lp.size != sampled[i].size:  # no logprobs captured: zeros, flagged by the alignment report
@@ -131,10 +152,10 @@ def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
                 prompt=prompts[i],
                 sampled=sampled[i],
                 logprobs=lp,
-                request_json=get["normalized_request"][i],
                 output_text=get["output_text"][i] or "",
                 output_reasoning=get["output_reasoning"][i] or "",
                 output_tool_calls_json=get["output_tool_calls"][i],
+                _request_src=(requests, i),
             )
         )
     return out
