@@ -2,8 +2,9 @@
 
 Sequence (``push_weights``):
 
-1. ``POST <proxy>/_polar/pause``: the proxy's gate holds new model calls (they wait, they do not
-   fail) and the gate answers once in-flight calls have drained.
+1. ``POST <proxy>/_polar/pause {"drain": true}``: the proxy's gate holds new model calls (they
+   wait, they do not fail) and answers once in-flight calls have finished, so no generation mixes
+   two weight versions. If they do not drain in time the push is abandoned (gate reopened, error).
 2. Reload the weights:
    * in place, when the server allows it: a ``VLLMServer``-like object's ``reload_weights(path)``,
      or vLLM's dev endpoint ``POST /collective_rpc {"method": "reload_weights", "kwargs":
@@ -11,10 +12,10 @@ Sequence (``push_weights``):
      ``POST /reset_prefix_cache`` because cached KV blocks were computed by the old weights;
    * otherwise a controlled restart of the server on the checkpoint (``server.restart(...)``),
      keeping its served model name and port.
-3. ``POST <proxy>/_polar/policy_version {"policy_version": N}``: every call the proxy records from
-   now on carries version N.
-4. ``POST <proxy>/_polar/resume`` (always, even when the reload failed, so the held calls are not
-   left hanging; the error is raised afterwards).
+3. ``POST <proxy>/_polar/resume {"policy_version": N}``: the version is set and the gate reopened in
+   one step, so every call recorded from then on carries version N. The gate is reopened even when
+   the reload failed (without a new version), so held calls are never left hanging; the error is
+   raised afterwards.
 
 After the reload the served weights are *verified*: the checkpoint carries a probe (token ids and
 the trainer's logprobs for them, see checkpoint.py) and the server's ``prompt_logprobs`` for the
@@ -49,8 +50,12 @@ class PushError(RuntimeError):
     pass
 
 
+# Never route control traffic through HTTP(S)_PROXY: a harness environment may point it at the proxy.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _get_json(url: str, timeout: float = 30.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+    with _OPENER.open(url, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
@@ -58,7 +63,7 @@ def _post(url: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -
     data = json.dumps(body or {}).encode()
     req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with _OPENER.open(req, timeout=timeout) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
@@ -67,27 +72,35 @@ def _post(url: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -
 class ProxyControl:
     """Client of the proxy's loopback control API (``/_polar/...``)."""
 
-    def __init__(self, base_url: str, timeout: float = 600.0):
-        self.base_url = base_url.rstrip("/")
-        self.timeout = timeout
+    def __init__(self, base_url: str, drain_timeout: float = 600.0):
+        self.base_url = base_url.rstrip("/").removesuffix("/_polar")
+        self.drain_timeout = drain_timeout
 
-    def _call(self, what: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        status, raw = _post(f"{self.base_url}/_polar/{what}", body, self.timeout)
-        if status >= 300:
-            raise PushError(f"proxy control {what} answered {status}: {raw[:300]!r}")
+    def _call(self, what: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> tuple[int, dict]:
+        status, raw = _post(f"{self.base_url}/_polar/{what}", body, timeout)
         try:
-            return json.loads(raw) if raw else {}
+            data = json.loads(raw) if raw else {}
         except ValueError:
-            return {}
+            data = {}
+        if status >= 300 and status != 504:
+            raise PushError(f"proxy control {what} answered {status}: {raw[:300]!r}")
+        return status, data
 
     def pause(self) -> dict[str, Any]:
-        return self._call("pause")
+        """Close the gate and wait until in-flight calls finish (PushError if they do not)."""
+        status, data = self._call("pause", {"drain": True, "timeout": self.drain_timeout}, self.drain_timeout + 30)
+        if status == 504 or data.get("drained") is False:
+            self.resume()
+            raise PushError(f"in-flight calls did not finish within {self.drain_timeout:.0f}s; push abandoned")
+        return data
 
-    def resume(self) -> dict[str, Any]:
-        return self._call("resume")
+    def resume(self, policy_version: int | None = None) -> dict[str, Any]:
+        body = {"policy_version": int(policy_version)} if policy_version is not None else {}
+        return self._call("resume", body)[1]
 
-    def set_policy_version(self, version: int) -> dict[str, Any]:
-        return self._call("policy_version", {"policy_version": int(version)})
+    def status(self) -> dict[str, Any]:
+        with _OPENER.open(f"{self.base_url}/_polar/status", timeout=30) as resp:
+            return json.loads(resp.read())
 
 
 @dataclass
@@ -215,7 +228,9 @@ def reload_server(
             if verify and base:
                 notes.append(f"probe max |dlogp| {verify_served(base, checkpoint_dir, tol):.2e}")
             return method, notes
-        except (NotImplementedError, PushError, urllib.error.URLError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any in-place failure falls back to a restart
+            if not allow_restart or isinstance(server, str):
+                raise
             notes.append(f"in-place reload failed: {type(exc).__name__}: {exc}")
     if not allow_restart or isinstance(server, str):
         raise PushError("cannot load the checkpoint in place and cannot restart the server: " + "; ".join(notes))
@@ -249,11 +264,9 @@ def push_weights(
         t0 = time.perf_counter()
         method, notes = reload_server(server, ckpt, allow_restart=allow_restart, verify=verify, tol=tol)
         result = PushResult(method, int(policy_version), ckpt, reload_s=time.perf_counter() - t0, notes=notes)
-        if ctl:
-            ctl.set_policy_version(policy_version)
     finally:
         if ctl:
-            ctl.resume()
+            ctl.resume(policy_version if result is not None else None)
     result.paused_s = time.perf_counter() - t_pause if ctl else 0.0
     log.info("pushed %s as policy version %d via %s (%.1fs)", ckpt, policy_version, result.method, result.reload_s)
     return result
