@@ -262,10 +262,15 @@ class SSEStream:
             call.stream_done = True
             msg = str(err.get("message", "upstream error"))
             return self.addon._stream_failed(call, "context_length" if _is_context_error(msg) else "upstream_error", msg)
-        self.addon.engine.read_chunk(chunk, call.tokens)
-        call.acc.feed_chunk(chunk)
-        assert call.translator is not None
-        return call.translator.feed(chunk)
+        self.addon.engine.read_chunk(chunk, call.tokens)  # ids first: kept even if translation fails
+        try:
+            call.acc.feed_chunk(chunk)
+            assert call.translator is not None
+            return call.translator.feed(chunk)
+        except Exception as exc:  # a translator bug must end this stream cleanly, not the proxy
+            log.warning(f"polar: {call.provider.name} stream translation failed: {exc!r}")
+            call.stream_done = True
+            return self.addon._stream_failed(call, "upstream_error", f"could not translate the stream: {exc}")
 
 
 def _event_end(buf: bytearray) -> tuple[int, int]:
