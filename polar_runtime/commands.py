@@ -64,6 +64,7 @@ def serve_command(
     served_model_name: Annotated[Optional[str], typer.Option(help="Name clients use (default: model name).")] = None,
     kv_cache_gib: Annotated[float, typer.Option(help="CPU KV cache size in GiB.")] = serve.DEFAULT_KV_CACHE_GIB,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the server to answer.")] = serve.START_TIMEOUT_S,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: all usable cores).")] = None,
 ) -> None:
     """Start a real vLLM OpenAI-compatible server and keep it running until Ctrl-C / SIGTERM."""
     try:
@@ -74,6 +75,7 @@ def serve_command(
             max_model_len=max_model_len,
             served_model_name=served_model_name,
             kv_cache_gib=kv_cache_gib,
+            threads=threads,
         )
     except models.ModelError as exc:
         err.print(f"[red]error:[/] {exc}")

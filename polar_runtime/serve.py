@@ -64,14 +64,16 @@ def http_json(url: str, body: Any | None = None, *, timeout: float = 30.0, metho
     return json.loads(raw) if raw.strip() else None
 
 
+def usable_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return list(range(os.cpu_count() or 1))
+
+
 def cpu_bind_spec(cpus: set[int] | None = None) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for all usable cores, e.g. '0-1' or '0-3,6'."""
-    if cpus is None:
-        try:
-            cpus = set(os.sched_getaffinity(0))
-        except AttributeError:  # pragma: no cover - non-Linux
-            cpus = set(range(os.cpu_count() or 1))
-    ordered = sorted(cpus)
+    """VLLM_CPU_OMP_THREADS_BIND for the given (default: all usable) cores, e.g. '0-1' or '0-3,6'."""
+    ordered = sorted(cpus) if cpus is not None else usable_cpus()
     ranges: list[str] = []
     start = prev = ordered[0]
     for c in ordered[1:] + [None]:
@@ -127,6 +129,7 @@ class VLLMServer:
         extra_args: tuple[str, ...] = (),
         log_path: Path | None = None,
         gpu: bool | None = None,
+        threads: int | None = None,
     ) -> None:
         self.model_dir, default_name = resolve_model(model)
         self.served_model_name = served_model_name or default_name
@@ -137,6 +140,9 @@ class VLLMServer:
         self.dev_mode = dev_mode
         self.extra_args = tuple(extra_args)
         self.gpu = paths.has_gpu() if gpu is None else gpu
+        #: OpenMP threads on CPU (default: one per usable core); fewer helps on a shared machine,
+        #: where spin-waiting threads of an oversubscribed server stall each other.
+        self.threads = threads
         self.log_path = log_path or paths.vllm_cache_dir() / "logs" / f"{self.served_model_name}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_seconds: float | None = None
@@ -208,7 +214,8 @@ class VLLMServer:
         if not self.gpu:
             if float(self.kv_cache_gib).is_integer():
                 env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gib))
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_spec()
+            cpus = usable_cpus()
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_spec(set(cpus[-self.threads :] if self.threads else cpus))
         return env
 
     # -- life cycle ------------------------------------------------------------------------------

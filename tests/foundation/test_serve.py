@@ -104,3 +104,49 @@ def test_vllm_dying_at_start_up_shows_its_log(tiny_qwen_dir, tmp_path):
     assert f"RuntimeError: Cannot find any model weights with `{broken}`" in str(info.value)
     assert not server.running and not port_in_use(server.port)
     assert json.loads((broken / "config.json").read_text())["model_type"] == "qwen2"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.vllm
+def test_cli_sigterm_stops_the_whole_server(tiny_qwen_dir, tmp_path):
+    """SIGTERM (as from a supervisor) during start-up must take vLLM's process group with it."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    kids: list[int] = []
+    proc = subprocess.Popen([*POLAR, "serve", "tiny-qwen", "--port", str(free_port()), "--kv-cache-gib", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not kids and time.monotonic() < deadline:
+            time.sleep(0.2)
+            kids = _children(proc.pid)
+        assert kids, "polar serve never started vLLM"
+        vllm_pid = kids[0]
+        assert os.getpgid(vllm_pid) == vllm_pid  # its own group, so stop() can kill all of it
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        with pytest.raises(ProcessLookupError):
+            os.killpg(vllm_pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in kids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
