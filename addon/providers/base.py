@@ -93,6 +93,10 @@ class Provider:
         generating (e.g. Anthropic's ``count_tokens``), or None for a normal generation call."""
         return None
 
+    def count_tokens_answer(self, input_tokens: int) -> dict[str, Any]:
+        """The answer to this format's ``count_tokens`` side call (Anthropic, Google)."""
+        raise NotImplementedError(f"{self.name} has no count_tokens endpoint")
+
     def error_response(self, status: int, kind: str, message: str) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body) of an error in this provider's own shape."""
         raise NotImplementedError
