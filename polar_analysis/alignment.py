@@ -201,6 +201,52 @@ class Renderer:
         raise NotImplementedError
 
 
+class _SegmentEncoder:
+    """``encode(text, add_special_tokens=False)``, tokenizing each stretch between added tokens once.
+
+    Hugging Face tokenizers cut the text at added tokens (``<|im_start|>``, ``<|im_end|>``,
+    ``<tool_call>``...) before normalizing and pre-tokenizing, so every stretch between two of
+    them is encoded independently: the ids of a prompt are the concatenation of its stretches'
+    ids. The turns of a session repeat in every later prompt, so caching stretches makes
+    re-tokenizing a session cost its text once instead of once per call. Exactness is guarded:
+    tokenizers whose added tokens strip whitespace or match single words use plain encoding.
+    """
+
+    MAX_CACHED_CHARS = 64_000_000
+
+    def __init__(self, tokenizer: Any):
+        self.tok = tokenizer
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.ids = {a.content: i for i, a in added.items()}
+        plain = all(not (a.lstrip or a.rstrip or a.single_word) for a in added.values())
+        self.pattern = re.compile("(" + "|".join(re.escape(t) for t in sorted(self.ids, key=len, reverse=True)) + ")") if added and plain else None
+        self.cache: dict[str, list[int]] = {}
+        self.cached_chars = 0
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        if self.pattern is None:
+            return self.tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+        split = [self.pattern.split(t) for t in texts]
+        todo = list({p for parts in split for i, p in enumerate(parts) if i % 2 == 0 and p and p not in self.cache})
+        if todo:
+            if self.cached_chars > self.MAX_CACHED_CHARS:
+                self.cache.clear()
+                self.cached_chars = 0
+            for p, ids in zip(todo, self.tok(todo, add_special_tokens=False)["input_ids"]):
+                self.cache[p] = ids
+                self.cached_chars += len(p)
+        out = []
+        for parts in split:
+            ids: list[int] = []
+            for i, p in enumerate(parts):
+                if i % 2:
+                    ids.append(self.ids[p])
+                elif p:
+                    ids.extend(self.cache[p])
+            out.append(ids)
+        return out
+
+
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(model_dir: str):
     """One tokenizer per model directory per process (loading takes about a second)."""
@@ -221,6 +267,7 @@ class ChatTemplateRenderer(Renderer):
         if not isinstance(template, str):  # a dict of named templates: the default one
             template = template.get("default", "")
         self.chat_template = template
+        self._segments = _SegmentEncoder(self.tokenizer)
         self.string_content = _CONTENT_LOOP.search(template) is None
         self.developer_role = '"developer"' in template or "'developer'" in template
 
@@ -247,10 +294,10 @@ class ChatTemplateRenderer(Renderer):
         )
 
     def render(self, request: dict[str, Any]) -> list[int]:
-        return self.tokenizer.encode(self.render_text(request), add_special_tokens=False)
+        return self._segments.encode_many([self.render_text(request)])[0]
 
     def render_many(self, requests: list[dict[str, Any]]) -> list[list[int] | Exception]:
-        """Render texts one by one (Jinja), tokenize them in one batch (parallel in Rust)."""
+        """Render texts one by one (Jinja), tokenize what is new in one batch (parallel in Rust)."""
         texts: list[str | Exception] = []
         for r in requests:
             try:
@@ -258,7 +305,7 @@ class ChatTemplateRenderer(Renderer):
             except Exception as exc:
                 texts.append(exc)
         ok = [t for t in texts if isinstance(t, str)]
-        enc = iter(self.tokenizer(ok, add_special_tokens=False)["input_ids"]) if ok else iter(())
+        enc = iter(self._segments.encode_many(ok))
         return [next(enc) if isinstance(t, str) else t for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:

@@ -6,6 +6,8 @@ import json
 
 import polars as pl
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from polar_analysis import alignment, frames
 from polar_analysis.alignment import ChatTemplateRenderer, vllm_conversation
@@ -128,3 +130,25 @@ def test_align_frame_schema_is_stable(tmp_path, renderer):
     assert df.height == 0 and dict(df.schema) == alignment.ALIGN_SCHEMA
     assert df.select(pl.len()).item() == 0
     assert json.dumps(list(alignment.ALIGN_SCHEMA))
+
+
+_PIECES = st.one_of(
+    st.text(max_size=24),
+    st.sampled_from(["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "\n", " ", "  \n\n", "<|im_end", "ing", "é"]),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=st.lists(_PIECES, max_size=12))
+def test_segment_cached_encoding_equals_plain_encoding(renderer, parts):
+    text = "".join(parts)
+    assert renderer._segments.encode_many([text, text])[1] == renderer.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_segment_cache_on_real_harness_prompts(renderer):
+    from .conftest import harness_request
+
+    for name in ("qwen-code", "qwen-code.second", "pi.chat.second"):  # chat-format requests as sent
+        body = harness_request(name)["body"]
+        text = renderer.render_text(body)
+        assert renderer.render(body) == renderer.tokenizer.encode(text, add_special_tokens=False)
