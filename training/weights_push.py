@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polar_proxy.process import ProxyControl
+
 log = logging.getLogger("polar.train.push")
 
 
@@ -69,38 +71,14 @@ def _post(url: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -
         return exc.code, exc.read()
 
 
-class ProxyControl:
-    """Client of the proxy's loopback control API (``/_polar/...``)."""
-
-    def __init__(self, base_url: str, drain_timeout: float = 600.0):
-        self.base_url = base_url.rstrip("/").removesuffix("/_polar")
-        self.drain_timeout = drain_timeout
-
-    def _call(self, what: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> tuple[int, dict]:
-        status, raw = _post(f"{self.base_url}/_polar/{what}", body, timeout)
-        try:
-            data = json.loads(raw) if raw else {}
-        except ValueError:
-            data = {}
-        if status >= 300 and status != 504:
-            raise PushError(f"proxy control {what} answered {status}: {raw[:300]!r}")
-        return status, data
-
-    def pause(self) -> dict[str, Any]:
-        """Close the gate and wait until in-flight calls finish (PushError if they do not)."""
-        status, data = self._call("pause", {"drain": True, "timeout": self.drain_timeout}, self.drain_timeout + 30)
-        if status == 504 or data.get("drained") is False:
-            self.resume()
-            raise PushError(f"in-flight calls did not finish within {self.drain_timeout:.0f}s; push abandoned")
-        return data
-
-    def resume(self, policy_version: int | None = None) -> dict[str, Any]:
-        body = {"policy_version": int(policy_version)} if policy_version is not None else {}
-        return self._call("resume", body)[1]
-
-    def status(self) -> dict[str, Any]:
-        with _OPENER.open(f"{self.base_url}/_polar/status", timeout=30) as resp:
-            return json.loads(resp.read())
+def pause_proxy(control: Any, drain_timeout: float) -> None:
+    """Close the proxy's gate and wait for in-flight calls; reopen and raise if they do not finish."""
+    data = control.pause(drain=True, timeout=drain_timeout)
+    if data.get("http_status") == 504 or data.get("drained") is False:
+        control.resume()
+        raise PushError(f"in-flight calls did not finish within {drain_timeout:.0f}s; push abandoned")
+    if data.get("http_status"):
+        raise PushError(f"proxy pause answered HTTP {data['http_status']}: {data}")
 
 
 @dataclass
@@ -250,15 +228,16 @@ def push_weights(
     allow_restart: bool = True,
     verify: bool = True,
     tol: float | None = None,
+    drain_timeout: float = 600.0,
 ) -> PushResult:
     """Serve ``checkpoint_dir`` as ``policy_version`` while the proxy holds incoming calls."""
     ckpt = str(Path(checkpoint_dir).resolve())
     if not (Path(ckpt) / "config.json").is_file():
         raise PushError(f"{ckpt} is not a model directory (no config.json)")
-    ctl = ProxyControl(proxy_control_url) if proxy_control_url else None
+    ctl = ProxyControl(proxy_control_url, timeout=60.0) if proxy_control_url else None
     t_pause = time.perf_counter()
     if ctl:
-        ctl.pause()
+        pause_proxy(ctl, drain_timeout)
     result: PushResult | None = None
     try:
         t0 = time.perf_counter()
