@@ -55,7 +55,7 @@ ROLLOUT_SCHEMA: dict[str, pl.DataType] = {
     "step": pl.Int64,
     "status": pl.String,  # ok | failed | timeout
     "reward": pl.Float64,  # null when the evaluator could not give a verdict
-    "calls": pl.Int64,
+    "calls": pl.Int64,  # calls answered (status ok) in this session's captures
     "prompt_tokens": pl.Int64,  # sum over the session's calls of len(prompt_token_ids)
     "sampled_tokens": pl.Int64,  # sum over the session's calls of len(sampled_token_ids)
     "wall_s": pl.Float64,  # harness wall time
@@ -70,6 +70,7 @@ ROLLOUT_SCHEMA: dict[str, pl.DataType] = {
     "error": pl.String,
     "started_at": pl.Float64,
     "workdir": pl.String,
+    "error_calls": pl.Int64,  # calls the proxy recorded as errors (upstream down, harness hung up, ...)
 }
 
 
@@ -272,11 +273,11 @@ def session_capture_files(capture_dir: Path, session_id: str) -> list[Path]:
     return [p for p in [capture_dir / SESSIONS_SUBDIR / f"{session_id}.jsonl"] if p.exists()]
 
 
-def capture_stats(capture_dir: Path, session_id: str) -> tuple[int, int, int]:
-    """(calls, prompt tokens, sampled tokens) of one session, from its capture file.
+def capture_stats(capture_dir: Path, session_id: str) -> tuple[int, int, int, int]:
+    """(ok calls, error calls, prompt tokens, sampled tokens) of one session, from its capture file.
 
     Torn or foreign lines are skipped (the loader's rule); counts are of ids as captured."""
-    calls = prompt = sampled = 0
+    calls = errors = prompt = sampled = 0
     for path in session_capture_files(capture_dir, session_id):
         with open(path, "rb") as fh:
             for line in fh:
@@ -288,10 +289,13 @@ def capture_stats(capture_dir: Path, session_id: str) -> tuple[int, int, int]:
                     continue
                 if rec.get("record_type", "call") != "call" or rec.get("session_id") != session_id:
                     continue
+                if rec.get("status", "ok") != "ok":
+                    errors += 1
+                    continue
                 calls += 1
                 prompt += len(rec.get("prompt_token_ids") or ())
                 sampled += len(rec.get("sampled_token_ids") or ())
-    return calls, prompt, sampled
+    return calls, errors, prompt, sampled
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,7 +513,7 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
     home = cfg.work / sid / "home"
     row: dict[str, Any] = dict(
         task_id=task.id, sample_index=i, session_id=sid, group_id=gid, step=cfg.step,
-        status="failed", reward=None, calls=0, prompt_tokens=0, sampled_tokens=0, wall_s=0.0,
+        status="failed", reward=None, calls=0, error_calls=0, prompt_tokens=0, sampled_tokens=0, wall_s=0.0,
         evaluator_output="", evaluator_status="none", eval_s=0.0, exit_code=None,
         harness=cfg.preset.name, mode=cfg.endpoint.mode, model=cfg.model, attempt=attempt,
         error=None, started_at=time.time(), workdir=str(workdir),
@@ -543,7 +547,7 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
         row["error"] = result.tail(600).strip()[-600:] or f"exit code {result.returncode}"
     ev = evaluate(task, workdir, cfg.eval_timeout)
     row.update(reward=ev.reward, evaluator_status=ev.status, evaluator_output=ev.output, eval_s=round(ev.seconds, 3))
-    row["calls"], row["prompt_tokens"], row["sampled_tokens"] = capture_stats(cfg.capture_dir, sid)
+    row["calls"], row["error_calls"], row["prompt_tokens"], row["sampled_tokens"] = capture_stats(cfg.capture_dir, sid)
     return row
 
 

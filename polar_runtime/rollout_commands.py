@@ -224,7 +224,7 @@ def rollout_command(
 
 def _print_rows(df: pl.DataFrame) -> None:
     table = Table(title="samples")
-    cols = ("task_id", "sample_index", "session_id", "status", "reward", "calls", "prompt_tokens",
+    cols = ("task_id", "sample_index", "session_id", "status", "reward", "calls", "error_calls", "prompt_tokens",
             "sampled_tokens", "wall_s")
     for col in cols:
         table.add_column(col, justify="right" if col not in ("task_id", "session_id", "status") else "left")

@@ -107,6 +107,8 @@ with open(cap / (sid + ".jsonl"), "a") as f:
     for n in range(2):
         f.write(json.dumps({"record_type": "call", "session_id": sid, "call_index": n,
                             "prompt_token_ids": list(range(10 + n)), "sampled_token_ids": [1, 2, 3]}) + "\n")
+    f.write(json.dumps({"record_type": "call", "session_id": sid, "call_index": 2, "status": "error",
+                        "error_kind": "upstream_refused", "prompt_token_ids": [], "sampled_token_ids": []}) + "\n")
     f.write('{"record_type": "call", "session_id": "torn"')  # a torn last line is skipped
 EOF
 echo hello > answer.txt
@@ -145,6 +147,7 @@ def test_rollout_end_to_end_with_resume(tmp_path):
     g = by["good"]
     assert g["status"].to_list() == ["ok", "ok"] and g["reward"].to_list() == [0.5, 0.5]
     assert g["calls"].to_list() == [2, 2] and g["prompt_tokens"].to_list() == [21, 21]
+    assert g["error_calls"].to_list() == [1, 1]
     assert g["sampled_tokens"].to_list() == [6, 6]
     assert g["session_id"].to_list() == ["good.st0.s0", "good.st0.s1"] and set(g["group_id"]) == {"good.st0"}
     s = by["slow"]  # killed, then still evaluated (no answer file -> 0.0)
