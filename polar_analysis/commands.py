@@ -92,12 +92,19 @@ def _renderer(lf: pl.LazyFrame, model: Optional[str], required: bool):
     return r
 
 
-def _table(df: pl.DataFrame, title: str, float_fmt: str = "{:.3f}") -> Table:
+def _cell(v, float_fmt: str, width: int) -> str:
+    if v is None:
+        return ""
+    text = float_fmt.format(v) if isinstance(v, float) else str(v)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _table(df: pl.DataFrame, title: str, float_fmt: str = "{:.3f}", width: int = 48) -> Table:
     t = Table(title=title, title_justify="left")
     for c in df.columns:
-        t.add_column(c, justify="right" if df[c].dtype.is_numeric() else "left")
+        t.add_column(c, justify="right" if df[c].dtype.is_numeric() else "left", overflow="fold")
     for row in df.iter_rows():
-        t.add_row(*[("" if v is None else float_fmt.format(v) if isinstance(v, float) else str(v)) for v in row])
+        t.add_row(*[_cell(v, float_fmt, width) for v in row])
     return t
 
 
@@ -172,17 +179,21 @@ def register(app: typer.Typer) -> None:
         template = alignment.template_info_for(renderer, lf)
         _, stats = prefix_merge.build(lf, template=template)
         console.print(_stats_table(stats))
-        rw = sess.filter(pl.col("reward").is_not_null()) if "reward" in sess.columns else sess.clear()
+        rw = sess.filter(pl.col("rollout_status").is_not_null()) if "rollout_status" in sess.columns else sess.clear()
         if rw.height:
             dist = rw.group_by("rollout_status").agg(
                 sessions=pl.len(),
+                with_reward=pl.col("reward").is_not_null().sum(),
                 mean=pl.col("reward").mean(),
                 std=pl.col("reward").std(),
                 min=pl.col("reward").min(),
                 max=pl.col("reward").max(),
-                solved=(pl.col("reward") > 0).sum(),
+                positive=(pl.col("reward") > 0).sum(),
             )
-            console.print(_table(dist, "rewards"))
+            console.print(_table(dist.sort("rollout_status"), "rewards (per session, by run status)"))
+            hist = rw.filter(pl.col("reward").is_not_null()).group_by(pl.col("reward").round(2)).len().sort("reward")
+            if hist.height:
+                console.print(_table(hist, "reward distribution"))
         else:
             console.print("rewards: none attached (no rollouts.parquet, no --rewards)")
 

@@ -101,7 +101,7 @@ JSON_COLUMNS = ("native_request", "normalized_request", "output_tool_calls")
 
 #: Trajectory Parquet columns (one row per training sequence), read by the trainer.
 TRAJECTORY_COLUMNS = {
-    "trajectory_id": "str",  # f"{session_id}/{segment_index}"
+    "trajectory_id": "str",  # f"{session_id}/{chain_index}.{segment_index}" (per-request: chain 0, segment = call order)
     "session_id": "str",  # one sample (one harness run)
     "task_id": "str",
     "group_id": "str",  # GRPO group: samples of the same task in the same rollout step
@@ -119,5 +119,6 @@ TRAJECTORY_COLUMNS = {
     "span_end": "list[int]",
     "span_kind": "list[str]",  # prompt | sampled
     "merge_exact": "list[bool]",  # per merge: did the next prompt re-render the answer to the same ids
+    "merge_kind": "list[str]",  # per merge: exact | retokenized | prompt_changed | content_changed
     "policy_version": "int",
 }

@@ -44,7 +44,8 @@ EDGE = {
             {"role": "tool", "tool_call_id": "c2", "content": "err"},
         ],
         "tools": [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}},
-                  {"type": "function", "function": {"name": "read", "description": "Read a file", "parameters": {"type": "object"}, "strict": False}}],
+                  {"type": "function", "function": {"name": "read", "description": "Read a file", "parameters": {"type": "object"}, "strict": False}},
+                  {"type": "function", "function": {"name": "noparams", "description": "vLLM dumps parameters: null"}}],
     },
 }
 
