@@ -264,18 +264,16 @@ def register(app: typer.Typer) -> None:
         Rewards are attached per session from --rewards or <capture>/rollouts.parquet; sessions without one get a null reward. Coverage (sampled ids present with loss mask 1) is checked id by id and printed; below 100% the command exits 1.
         """
         from polar_analysis import alignment, rewards as rw
-        from polar_analysis.trajectories import common, per_request, prefix_merge
+        from polar_analysis import trajectories
 
         lf, report = _load(source)
         if report:
             console.print(_scan_line(report))
-        if mode == Mode.per_request:
-            df, stats = per_request.build(lf)
-        else:
-            renderer = _renderer(lf, model, required=False)
-            df, stats = prefix_merge.build(lf, strict=strict, template=alignment.template_info_for(renderer, lf))
+        template = None
+        if mode == Mode.prefix_merge:
+            template = alignment.template_info_for(_renderer(lf, model, required=False), lf)
         table = rw.resolve(source if source.is_dir() else None, rewards)
-        df = common.attach_rewards(df, table)
+        df, stats = trajectories.build(lf, mode.value, strict=strict, template=template, rewards=table)
         out.parent.mkdir(parents=True, exist_ok=True)
         df.write_parquet(out)
         console.print(_stats_table(stats))

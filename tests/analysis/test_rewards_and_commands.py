@@ -62,6 +62,8 @@ def test_trajectories_command_with_rollouts_and_strict(cap, app, tmp_path):
     assert df["n_calls"].to_list() == [2, 2] and df["reward"].to_list() == [1.0, None]
     assert df["status"].to_list() == ["ok", "timeout"] and df["group_id"].to_list() == ["g", "g"]
     assert df["merge_kind"].to_list() == [["exact"], ["retokenized"]]
+    run = pytest.importorskip("polar_training.run")  # the trainer reads what we write
+    assert run.load_trajectories([str(out)]).height == 2
     res = CliRunner().invoke(app, ["trajectories", str(cap), "--strict", "-o", str(out)])
     assert res.exit_code == 0 and pl.read_parquet(out).height == 3
     (tmp_path / "rw.csv").write_text("session_id,reward\ns0,0.25\n")
