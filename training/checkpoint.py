@@ -111,16 +111,24 @@ def retie_if_trained_tied(model: torch.nn.Module, model_dir: str | os.PathLike) 
 
 
 @torch.no_grad()
-def probe_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
-    """Logprob of each probe token given the ones before it (collective under FSDP)."""
-    dev = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
+def probe_logprobs(policy: torch.nn.Module, ids: list[int]) -> list[float]:
+    """Logprob of each probe token given the ones before it (collective under FSDP).
+
+    ``policy`` is the trainer's ``TokenLogprobs`` module (or a causal LM, wrapped on the fly).
+    """
+    from .policy import TokenLogprobs
+
+    if not isinstance(policy, TokenLogprobs):
+        policy = TokenLogprobs(policy)
+    dev = next(policy.parameters()).device
+    was_training = policy.training
+    policy.eval()
+    n = len(ids)
     x = torch.tensor([ids], dtype=torch.long, device=dev)
-    logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
-    model.train(was_training)
-    lp = torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1)
-    return lp.cpu().tolist()
+    pos = torch.arange(n, device=dev)[None]
+    logp, _ = policy(x, pos, torch.arange(n - 1, device=dev), x[0, 1:])
+    policy.train(was_training)
+    return logp.cpu().tolist()
 
 
 def save_checkpoint(
@@ -131,11 +139,21 @@ def save_checkpoint(
     meta: dict[str, Any] | None = None,
     probe_ids: list[int] | None = None,
     update_latest: bool = True,
+    policy: torch.nn.Module | None = None,
 ) -> Path:
-    """Write ``out_dir`` atomically (collective under FSDP: call on every rank; rank 0 writes)."""
+    """Write ``out_dir`` atomically (collective under FSDP: call on every rank; rank 0 writes).
+
+    ``policy``: the trainer's (possibly sharded) ``TokenLogprobs`` wrapping ``model``; weights and
+    the probe are then taken through it.
+    """
     out = Path(out_dir)
-    state_dict = pdist.full_model_state_dict(model)  # collective
-    probe = {"ids": list(probe_ids), "logprobs": probe_logprobs(model, list(probe_ids))} if probe_ids else None
+    if policy is not None:
+        state_dict = pdist.full_model_state_dict(policy, strip_prefix="lm.")  # collective
+    else:
+        state_dict = pdist.full_model_state_dict(model)
+    probe = None
+    if probe_ids:
+        probe = {"ids": list(probe_ids), "logprobs": probe_logprobs(policy or model, list(probe_ids))}
     if not pdist.is_main():
         return out
     tied = is_tied(model)

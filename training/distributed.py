@@ -59,12 +59,17 @@ def device() -> torch.device:
 
 
 def shard_model(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2: shard each transformer block, then the root (embeddings, final norm, tied lm_head)."""
+    """FSDP2: shard each transformer block, then the root (embeddings, final norm, tied lm_head).
+
+    ``model`` is the module whose ``forward`` training calls (a ``TokenLogprobs`` wrapper), so that
+    the root's parameters are gathered for exactly that call.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device().type, (dist.get_world_size(),))
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    lm = getattr(model, "lm", model)
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -106,14 +111,19 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     return float(norm)
 
 
-def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+def full_model_state_dict(model: torch.nn.Module, strip_prefix: str = "") -> dict[str, torch.Tensor] | None:
     """The unsharded weights on rank 0 (``None`` elsewhere); the plain state dict without FSDP."""
     if not is_distributed():
-        return {k: v.detach() for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        sd = {k: v.detach() for k, v in model.state_dict().items()}
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return sd if is_main() else None
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not is_main():
+            return None
+    if strip_prefix:
+        sd = {k.removeprefix(strip_prefix): v for k, v in sd.items()}
+    return sd
 
 
 def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -161,7 +171,7 @@ def parity(model_dir: str, trajectories: str, out: str, token_budget: int = 256,
     trainer = GRPOTrainer(model, cfg, ref_model=ref)
     prep = trainer.prepare(pl.read_parquet(trajectories))
     acc = trainer.accumulate(prep.minibatches[0])
-    grads = full_gradients(trainer.model)
+    grads = full_gradients(trainer.policy)
     result = {"loss": acc.loss, "n_tokens": acc.sums.get("n_tokens", 0.0), "world": rank_and_world()[1], "grads": grads}
     if is_main():
         torch.save(result, out)

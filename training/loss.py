@@ -167,21 +167,3 @@ def grpo_token_loss(
         }
         maxes = {"ratio_max": float(r.max()) if n else 0.0}
     return LossOutput(loss=loss, sums=sums, maxes=maxes)
-
-
-def token_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[target] without materializing the full log-softmax (float32 math)."""
-    logits = logits.float()
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-@torch.no_grad()
-def entropy_from_logits(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """Per-row entropy of softmax(logits), in chunks to bound the temporary memory."""
-    out = []
-    for start in range(0, logits.shape[0], chunk):
-        part = logits[start : start + chunk].float()
-        lse = torch.logsumexp(part, dim=-1, keepdim=True)
-        p = torch.exp(part - lse)
-        out.append((lse.squeeze(-1) - (p * part).sum(-1)))
-    return torch.cat(out) if out else logits.new_zeros(0)

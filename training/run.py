@@ -146,7 +146,13 @@ def run_training(job: TrainJob, console=None) -> RunResult:
     state = trainer.state_dict()  # collective under FSDP
     probe_ids = list(frame["input_ids"][0][:PROBE_TOKENS]) if frame.height else None
     ckpt.save_checkpoint(
-        ckpt_dir, trainer.model, model_dir, trainer_state=state if main else None, meta=meta, probe_ids=probe_ids
+        ckpt_dir,
+        trainer.model,
+        model_dir,
+        trainer_state=state if main else None,
+        meta=meta,
+        probe_ids=probe_ids,
+        policy=trainer.policy,
     )
     result = RunResult(checkpoint=ckpt_dir, step=trainer.step, history=history, pack_summary=summary)
     if main:

@@ -26,8 +26,9 @@ import torch
 
 from . import distributed as pdist
 from .advantages import AdvantageConfig, advantage_stats, compute_advantages, compute_sample_advantages
-from .loss import LossConfig, entropy_from_logits, grpo_token_loss, token_logprobs_from_logits
+from .loss import LossConfig, grpo_token_loss
 from .packing import MicroBatch, PackStats, PackedSequence, build_microbatches, sequences_from_frame
+from .policy import TokenLogprobs, policy_logprobs
 
 
 @dataclass
@@ -80,30 +81,6 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
         return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
 
     return f
-
-
-def policy_logprobs(
-    model: torch.nn.Module, mb: MicroBatch, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probabilities of the sampled tokens of one packed micro-batch (and their entropies).
-
-    ``use_cache=False`` is essential: with a cache transformers skips packed-sequence detection.
-    """
-    device = next(model.parameters()).device
-    kwargs: dict[str, Any] = {}
-    if mb.attention_mask is not None:
-        kwargs["attention_mask"] = mb.attention_mask.to(device=device, dtype=next(model.parameters()).dtype)
-    out = model(
-        input_ids=mb.input_ids.to(device),
-        position_ids=mb.position_ids.to(device),
-        use_cache=False,
-        logits_to_keep=mb.logit_positions.to(device),
-        **kwargs,
-    )
-    logits = out.logits[0]
-    logp = token_logprobs_from_logits(logits, mb.target_ids.to(device))
-    ent = entropy_from_logits(logits.detach()) if with_entropy else None
-    return logp, ent
 
 
 @dataclass
@@ -182,18 +159,18 @@ def load_model(model_dir: str, dtype: str = "float32", attn_implementation: str 
 def load_models(
     model_dir: str, cfg: "TrainConfig", ref_dir: str | None = None, dtype: str = "float32"
 ) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-    """Policy and (when the KL term is on) frozen reference; both FSDP2-sharded under torchrun."""
+    """Policy and (when the KL term is on) the frozen reference (the trainer shards them under torchrun)."""
     model = load_model(model_dir, dtype)
     ref = load_model(ref_dir or model_dir, dtype) if cfg.loss.use_kl else None
-    if pdist.is_distributed():
-        pdist.shard_model(model)
-        if ref is not None:
-            pdist.shard_model(ref)
     return model, ref
 
 
 class GRPOTrainer:
-    """Owns the policy, the frozen reference, AdamW and the lr schedule."""
+    """Owns the policy, the frozen reference, AdamW and the lr schedule.
+
+    ``model`` stays the Hugging Face model (for saving and sampling); ``policy`` wraps it as the
+    sampled-token logprob module that training calls, and is what FSDP2 shards under torchrun.
+    """
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, ref_model: torch.nn.Module | None = None):
         self.model = model
@@ -201,13 +178,19 @@ class GRPOTrainer:
         self.ref_model = ref_model
         if cfg.loss.use_kl and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model (or set kl_coef=0)")
-        if ref_model is not None:
-            ref_model.eval()
-            for p in ref_model.parameters():
-                p.requires_grad_(False)
         if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        params = [p for p in model.parameters() if p.requires_grad]
+        self.policy = TokenLogprobs(model)
+        self.ref_policy = TokenLogprobs(ref_model) if ref_model is not None else None
+        if self.ref_policy is not None:
+            self.ref_policy.eval()
+            for p in self.ref_policy.parameters():
+                p.requires_grad_(False)
+        if pdist.is_distributed():
+            pdist.shard_model(self.policy)
+            if self.ref_policy is not None:
+                pdist.shard_model(self.ref_policy)
+        params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
         )
@@ -221,7 +204,7 @@ class GRPOTrainer:
         """Everything besides the weights that a resumed run needs to continue identically."""
         return {
             "step": self.step,
-            "optimizer": pdist.optimizer_state_dict(self.model, self.optimizer),
+            "optimizer": pdist.optimizer_state_dict(self.policy, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "generator": self.generator.get_state(),
             "torch_rng": torch.get_rng_state(),
@@ -231,7 +214,7 @@ class GRPOTrainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
-        pdist.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        pdist.load_optimizer_state_dict(self.policy, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
@@ -261,26 +244,26 @@ class GRPOTrainer:
     @torch.no_grad()
     def fill_old_logprobs(self, microbatches: list[MicroBatch]) -> None:
         """The trainer's logprobs before any update on this rollout batch (TIS numerator)."""
-        was_training = self.model.training
-        self.model.eval()
+        was_training = self.policy.training
+        self.policy.eval()
         for mb in microbatches:
-            mb.old_logp = policy_logprobs(self.model, mb)[0].float().cpu()
-        self.model.train(was_training)
+            mb.old_logp = policy_logprobs(self.policy, mb)[0].float().cpu()
+        self.policy.train(was_training)
 
     @torch.no_grad()
     def _ref_logprobs(self, mb: MicroBatch) -> torch.Tensor:
-        return policy_logprobs(self.ref_model, mb)[0]
+        return policy_logprobs(self.ref_policy, mb)[0]
 
     def accumulate(
         self, microbatches: list[MicroBatch], on_micro: Callable[[int], None] | None = None
     ) -> "Accumulated":
         """Forward and backward over ``microbatches`` (gradients add up; no optimizer step)."""
         cfg = self.cfg
-        self.model.train()
+        self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
         acc = Accumulated()
         for mb in microbatches:
-            logp, ent = policy_logprobs(self.model, mb, with_entropy=True)
+            logp, ent = policy_logprobs(self.policy, mb, with_entropy=True)
             dev = logp.device
             old = None
             if cfg.loss.use_tis:
@@ -311,7 +294,7 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         acc = self.accumulate(microbatches, on_micro)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm and self.cfg.max_grad_norm > 0 else math.inf
-        grad_norm = pdist.clip_grad_norm(self.model, max_norm)
+        grad_norm = pdist.clip_grad_norm(self.policy, max_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()

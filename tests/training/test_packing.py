@@ -11,7 +11,7 @@ import torch
 from polar_training.advantages import AdvantageConfig, compute_advantages
 from polar_training.loss import LossConfig, grpo_token_loss
 from polar_training.packing import build_microbatches, first_fit_decreasing, sequences_from_frame
-from polar_training.trainer import policy_logprobs
+from polar_training.policy import policy_logprobs
 
 SMALL_VOCAB = 2048  # conftest.small_qwen
 
