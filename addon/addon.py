@@ -539,11 +539,13 @@ class Polar:
             return
         path = flow.request.path
         if path.startswith(CONTROL_PREFIX) and self._control_allowed(flow):
+            self._scrub(flow)  # saved flows (-w) must never hold a key, whatever the path
             await self._control(flow)
             return
         if not self._intercepted(flow):
             if not ctx.options.polar_passthrough:
                 self.stats["refused"] += 1
+                self._scrub(flow)
                 flow.response = http.Response.make(403, b"polar: host not intercepted\n", {"content-type": "text/plain"})
             else:
                 self.stats["passthrough"] += 1
