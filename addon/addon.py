@@ -397,6 +397,10 @@ class Polar:
             self._set_paused(o.polar_pause)
         if "polar_policy_version" in updated:
             self.policy_version = None if o.polar_policy_version < 0 else o.polar_policy_version
+        if "listen_host" in updated and o.listen_host == "":
+            # mitmproxy's default is every interface; this proxy carries model traffic and its
+            # control API: loopback unless asked for more (--listen-host 0.0.0.0).
+            o.update(listen_host="127.0.0.1")
         if "polar_proxy_id" in updated and o.polar_proxy_id:
             if not valid_session_id(o.polar_proxy_id):
                 raise exceptions.OptionsError("polar_proxy_id must match the session-id pattern")

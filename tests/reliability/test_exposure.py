@@ -300,6 +300,38 @@ def test_listens_on_loopback_only_by_default(upstream_proc, proxies):
 
 
 @pytest.mark.slow
+def test_bare_mitmdump_with_the_addon_listens_on_loopback(upstream_proc, tmp_path, mitm_confdir):
+    """``mitmdump -s addon/polar.py`` without --listen-host (mitmproxy's default is every interface)."""
+    import subprocess
+    import urllib.request
+
+    from polar_proxy.process import ENTRY_SCRIPT, mitmdump_path
+    from polar_runtime.net import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([mitmdump_path(), "-s", str(ENTRY_SCRIPT), "--mode", f"reverse:{upstream_proc.url}",
+                             "--listen-port", str(port), "--set", f"confdir={mitm_confdir}",
+                             "--set", f"polar_capture_dir={tmp_path / 'cap'}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with opener.open(f"http://127.0.0.1:{port}/_polar/status", timeout=1):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "mitmdump did not start"
+                time.sleep(0.1)
+        sockets = _listening(proc.pid)
+        assert port in {p for _, p in sockets}
+        assert all(addr in ("127.0.0.1", "::1") for addr, _ in sockets), sockets
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(10)
+
+
+@pytest.mark.slow
 def test_intercepted_hosts_never_reach_the_real_host(rel, upstream_proc, proxies):
     """A canary plays the hosted API: configured as intercepted, it must never see a request,
     whatever the path; another host is reached only while passthrough is on."""
