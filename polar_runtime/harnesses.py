@@ -342,10 +342,16 @@ class ClaudeCode(Preset):
         return Invocation(argv, env, s.workdir)
 
 
+#: Tools a headless coding run does not need (sub-agents, goals, skills, notebooks, tool search).
+QWEN_EXCLUDED_TOOLS = ("agent", "list_agents", "get_goal", "update_goal", "skill", "notebook_edit")
+GEMINI_EXCLUDED_TOOLS = ("web_fetch", "google_web_search", "enter_plan_mode", "invoke_agent", "activate_skill",
+                         "update_topic", "list_background_processes", "read_background_output")
+
+
 class QwenCode(Preset):
     name, package, wire = "qwen-code", "qwen-code", "openai_chat"
     description = "Qwen Code (`qwen --yolo`), Chat Completions"
-    trim_flags = ""
+    trim_flags = f"`--safe-mode --exclude-tools {','.join(QWEN_EXCLUDED_TOOLS)}`"
 
     def prepare(self, s: Session) -> Invocation:
         self._dirs(s)
@@ -361,7 +367,11 @@ class QwenCode(Preset):
             OPENAI_API_KEY=s.api_key,
             OPENAI_MODEL=s.model,
         )
-        argv = [str(self.binary()), "--auth-type", "openai", "--yolo", "-o", "json", "--model", s.model, s.task]
+        env["QWEN_CODE_SUPPRESS_YOLO_WARNING"] = "1"
+        argv = [str(self.binary())]
+        if s.trim:  # an array flag swallows the positionals after it: it goes first, the task last
+            argv += ["--exclude-tools", *QWEN_EXCLUDED_TOOLS, "--safe-mode"]
+        argv += ["--auth-type", "openai", "--yolo", "-o", "json", "--model", s.model, s.task]
         return Invocation(argv, env, s.workdir)
 
 
@@ -421,7 +431,7 @@ class Pi(Preset):
 class Gemini(Preset):
     name, package, wire = "gemini", "gemini", "google"
     description = "Google Gemini CLI (`gemini -p`), streamGenerateContent"
-    trim_flags = ""
+    trim_flags = f"settings.json `tools.exclude`: {', '.join(GEMINI_EXCLUDED_TOOLS)} (no CLI flag for it)"
 
     def prepare(self, s: Session) -> Invocation:
         self._dirs(s)
@@ -431,6 +441,8 @@ class Gemini(Preset):
             "telemetry": {"enabled": False},
             "general": {"disableAutoUpdate": True, "disableUpdateNag": True, "checkpointing": {"enabled": False}},
         }
+        if s.trim:
+            settings["tools"] = {"exclude": list(GEMINI_EXCLUDED_TOOLS)}
         _write_json(s.home / ".gemini" / "settings.json", settings)
         env = base_env(s)
         env["GEMINI_API_KEY"] = s.api_key  # sent as x-goog-api-key
@@ -441,10 +453,13 @@ class Gemini(Preset):
         return Invocation(argv, env, s.workdir)
 
 
+OPENCODE_DISABLED_TOOLS = ("task", "skill", "todowrite")
+
+
 class OpenCode(Preset):
     name, package, wire = "opencode", "opencode", "openai_chat"
     description = "OpenCode (`opencode run`), Chat Completions via @ai-sdk/openai-compatible"
-    trim_flags = ""
+    trim_flags = f"opencode.json `tools`: {', '.join(OPENCODE_DISABLED_TOOLS)} off (no CLI flag for it)"
 
     def prepare(self, s: Session) -> Invocation:
         self._dirs(s)
@@ -467,6 +482,8 @@ class OpenCode(Preset):
             "small_model": f"polar/{s.model}",
             "permission": {"edit": "allow", "bash": "allow", "webfetch": "deny", "external_directory": "allow"},
         }
+        if s.trim:
+            cfg["tools"] = {t: False for t in OPENCODE_DISABLED_TOOLS}
         # Outside the work dir (OPENCODE_CONFIG) so the task's files stay the task's.
         cfg_path = s.home / ".config" / "opencode" / "opencode.json"
         _write_json(cfg_path, cfg)

@@ -188,3 +188,26 @@ def test_install_is_idempotent_and_fast_when_present(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError):
         h.install("pi", log=lambda _: None)
     assert len(calls) == 2
+
+
+def test_trim_flags(tmp_path):
+    """Trimming uses each harness's own switches, and --no-trim leaves the harness as shipped."""
+    s = session("base_url", tmp_path)
+    qwen = h.get_preset("qwen-code").prepare(s)
+    assert qwen.argv[-1] == "make hello.txt" and "--safe-mode" in qwen.argv
+    # the greedy array flag comes before every option that ends the list
+    i = qwen.argv.index("--exclude-tools")
+    assert qwen.argv[i + 1 : i + 1 + len(h.QWEN_EXCLUDED_TOOLS)] == list(h.QWEN_EXCLUDED_TOOLS)
+    h.get_preset("gemini").prepare(s)
+    gem = json.loads((tmp_path / "home" / ".gemini" / "settings.json").read_text())
+    assert "run_shell_command" not in gem["tools"]["exclude"] and "google_web_search" in gem["tools"]["exclude"]
+    oc = h.get_preset("opencode").prepare(s)
+    assert json.loads(Path(oc.env["OPENCODE_CONFIG"]).read_text())["tools"] == {"task": False, "skill": False,
+                                                                                "todowrite": False}
+    (tmp_path / "full").mkdir()
+    full = session("base_url", tmp_path / "full", trim=False)
+    assert "--exclude-tools" not in h.get_preset("qwen-code").prepare(full).argv
+    assert "--bare" not in h.get_preset("claude-code").prepare(full).argv
+    h.get_preset("gemini").prepare(full)
+    assert "tools" not in json.loads((tmp_path / "full" / "home" / ".gemini" / "settings.json").read_text())
+    assert "--no-context-files" not in h.get_preset("pi-chat").prepare(full).argv
