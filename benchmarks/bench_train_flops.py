@@ -30,7 +30,7 @@ from polar_runtime import models
 from polar_training.loss import LossConfig
 from polar_training.trainer import GRPOTrainer, TrainConfig, load_model
 
-console = Console()
+console = Console(width=170)
 
 
 def matmul_flops(n: int = 2048, seconds: float = 3.0) -> float:

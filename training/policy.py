@@ -4,7 +4,7 @@ With Qwen's 151,936-token vocabulary, logits for K sampled tokens take K x 0.6 M
 (1,000 sampled tokens: 600 MB, several copies through log-softmax and its backward). The
 :class:`ChunkedTokenLogprob` autograd function computes ``log softmax(h W^T)[target]`` (and the
 entropy, as a metric) in chunks of rows, keeping only the per-row log-sum-exp; the backward pass
-recomputes each chunk's logits. Peak memory is ``chunk x V`` whatever K is, at the price of one
+recomputes each chunk's logits. Peak memory is ``chunk x V`` (about 64 MB) whatever K is, at the price of one
 extra output-projection matmul in the backward (the same trade as fused linear-cross-entropy
 kernels).
 
@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 
-DEFAULT_CHUNK = 1024
+#: Rows per chunk: about 2**24 logits (64 MB in float32) at a time; 110 rows for Qwen's vocabulary.
+CHUNK_ELEMENTS = 2**24
+
+
+def default_chunk(vocab_size: int) -> int:
+    return max(8, CHUNK_ELEMENTS // max(vocab_size, 1))
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -75,9 +80,10 @@ class ChunkedTokenLogprob(torch.autograd.Function):
 
 
 def chunked_token_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = DEFAULT_CHUNK
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob and entropy per row of ``hidden`` for the given target ids (see the module docstring)."""
+    chunk = chunk or default_chunk(weight.shape[0])
     if hidden.shape[0] == 0:
         z = hidden.new_zeros(0, dtype=torch.float32) + weight.sum() * 0  # keeps the graph connected
         return z, z.detach()
@@ -87,7 +93,7 @@ def chunked_token_logprobs(
 class TokenLogprobs(torch.nn.Module):
     """A causal LM as ``(packed ids, positions) -> logprobs of the sampled tokens``."""
 
-    def __init__(self, lm: torch.nn.Module, chunk: int = DEFAULT_CHUNK):
+    def __init__(self, lm: torch.nn.Module, chunk: int | None = None):
         super().__init__()
         self.lm = lm
         self.chunk = chunk

@@ -132,6 +132,10 @@ def run_training(job: TrainJob, console=None) -> RunResult:
 
         history = trainer.fit(prep, on_micro=on_micro, on_step=on_step)
 
+    if not history:  # nothing to learn from (no sampled tokens left): keep the current weights
+        if main and console is not None:
+            console.print("[yellow]no sampled tokens to train on (all groups dropped?); no update, no checkpoint")
+        return RunResult(checkpoint=Path(model_dir), step=trainer.step, history=[], pack_summary=summary)
     ckpt_dir = out / ckpt.checkpoint_name(trainer.step)
     meta = {
         "step": trainer.step,

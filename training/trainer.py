@@ -328,6 +328,8 @@ class GRPOTrainer:
         history = []
         for _epoch in range(self.cfg.ppo_epochs):
             for mbs, st in zip(prep.minibatches, prep.stats):
+                if st.n_sampled_tokens == 0:  # e.g. every group dropped as zero-variance: no update
+                    continue
                 metrics = self.train_step(mbs, on_micro=on_micro)
                 metrics.update(batch_stats)
                 metrics.update(
