@@ -62,7 +62,7 @@ def serve_command(
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
     max_model_len: Annotated[Optional[int], typer.Option(help="Context length (default: model's, ≤ 32768).")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="Name clients use (default: model name).")] = None,
-    kv_cache_gib: Annotated[float, typer.Option(help="CPU KV cache size in GiB.")] = serve.DEFAULT_KV_CACHE_GIB,
+    kv_cache_gib: Annotated[Optional[float], typer.Option(help="CPU KV cache in GiB (default: 2 full-length sequences).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the server to answer.")] = serve.START_TIMEOUT_S,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: all usable cores).")] = None,
 ) -> None:

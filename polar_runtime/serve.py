@@ -28,7 +28,7 @@ from polar_runtime import models, paths
 from polar_runtime.net import free_port, port_in_use
 
 DEFAULT_MODEL = models.QWEN05
-DEFAULT_KV_CACHE_GIB = 2.0
+MAX_AUTO_KV_CACHE_GIB = 4.0
 DEFAULT_MAX_MODEL_LEN = 32768
 START_TIMEOUT_S = 900.0
 
@@ -113,6 +113,19 @@ def resolve_model(model: str | os.PathLike[str]) -> tuple[Path, str]:
     return path.resolve(), path.name
 
 
+def auto_kv_cache_gib(model_dir: Path, max_model_len: int, sequences: int = 2) -> float:
+    """KV cache for `sequences` full-length float32 sequences, in 0.25 GiB steps (0.25 .. 4).
+
+    RAM is the scarce thing on a shared CPU box: tiny-qwen needs 1 KiB per token, the 0.5B 24 KiB.
+    """
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    per_token = 2 * int(cfg["num_hidden_layers"]) * int(cfg.get("num_key_value_heads") or heads) * head_dim * 4
+    gib = per_token * max_model_len * sequences / 2**30
+    return min(MAX_AUTO_KV_CACHE_GIB, max(0.25, -(-gib // 0.25) * 0.25))
+
+
 class VLLMServer:
     """One vLLM server process (its own process group), usable as a context manager."""
 
@@ -124,7 +137,7 @@ class VLLMServer:
         host: str = "127.0.0.1",
         max_model_len: int | None = None,
         served_model_name: str | None = None,
-        kv_cache_gib: float = DEFAULT_KV_CACHE_GIB,
+        kv_cache_gib: float | None = None,
         dev_mode: bool = True,
         extra_args: tuple[str, ...] = (),
         log_path: Path | None = None,
@@ -136,7 +149,7 @@ class VLLMServer:
         self.host = host
         self.port = port or free_port(host)
         self.max_model_len = max_model_len
-        self.kv_cache_gib = kv_cache_gib
+        self.kv_cache_gib = kv_cache_gib if kv_cache_gib is not None else auto_kv_cache_gib(self.model_dir, self._max_len())
         self.dev_mode = dev_mode
         self.extra_args = tuple(extra_args)
         self.gpu = paths.has_gpu() if gpu is None else gpu

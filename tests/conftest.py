@@ -80,10 +80,10 @@ def _server(name: str, env_var: str, **kwargs):
 @pytest.fixture(scope="session")
 def vllm_tiny():
     """A running vLLM serving tiny-qwen (served name "tiny-qwen"), started once per session."""
-    yield from _server(models.TINY_QWEN, "POLAR_TEST_VLLM_TINY_URL", max_model_len=32768, kv_cache_gib=1)
+    yield from _server(models.TINY_QWEN, "POLAR_TEST_VLLM_TINY_URL", max_model_len=32768)
 
 
 @pytest.fixture(scope="session")
 def vllm_qwen05():
     """A running vLLM serving the 0.5B (served name "qwen2.5-coder-0.5b-instruct")."""
-    yield from _server(models.QWEN05, "POLAR_TEST_VLLM_QWEN05_URL", max_model_len=32768, kv_cache_gib=2)
+    yield from _server(models.QWEN05, "POLAR_TEST_VLLM_QWEN05_URL", max_model_len=32768)

@@ -14,7 +14,7 @@ import pytest
 
 from polar_runtime import paths
 from polar_runtime.net import free_port, port_in_use
-from polar_runtime.serve import ServeError, VLLMServer, VLLMStartError, cpu_bind_spec
+from polar_runtime.serve import ServeError, VLLMServer, VLLMStartError, auto_kv_cache_gib, cpu_bind_spec
 
 POLAR = [sys.executable, "-m", "polar_analysis.cli"]
 
@@ -59,6 +59,11 @@ def test_cpu_command_and_environment(tiny_qwen_dir, smollm_dir, monkeypatch):
     assert "--enable-auto-tool-choice" not in smol.command()  # ChatML template without tools
     assert smol.served_model_name == "smollm2-135m-instruct"
     assert "--max-model-len 8192" in " ".join(smol.command())
+
+    # automatic KV size: two full-length float32 sequences, at least 0.25 GiB
+    assert auto_kv_cache_gib(tiny_qwen_dir, 32768) == 0.25  # 2 layers x 1 KV head x 64 x 2 x 4 B
+    assert VLLMServer("tiny-qwen", port=18558, gpu=False).kv_cache_gib == 0.25
+    assert auto_kv_cache_gib(smollm_dir, 8192) == 0.75  # 30 layers x 3 KV heads x 64 x 2 x 4 B = 45 KiB/token
 
     gpu = VLLMServer("tiny-qwen", port=18557, gpu=True)
     assert "--dtype bfloat16" in " ".join(gpu.command()) and "--enforce-eager" not in gpu.command()

@@ -40,14 +40,16 @@ def served(server: VLLMServer, n: int = 3) -> tuple[list[int], list[float]]:
     return choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
 
 
-def test_reload_weights_in_place_and_restart(tiny_qwen_dir, tmp_path):
+def test_reload_weights_in_place_and_restart(vllm_tiny, tiny_qwen_dir, tmp_path):
+    """Runs on the session's tiny server (saves a start) and leaves it serving seed-0 weights."""
+    if vllm_tiny.attached:
+        pytest.skip("an attached (shared) server must not get other weights")
     other = tmp_path / "tiny-qwen-seed1"
     models.write_tiny_qwen(other, tiny_qwen_dir, seed=1)
     ref0, ref1 = reference(tiny_qwen_dir), reference(other)
     assert ref0[0] != ref1[0]
-
-    with VLLMServer(tiny_qwen_dir, served_model_name="tiny-qwen", max_model_len=2048, kv_cache_gib=1) as server:
-        port = server.port
+    server, port = vllm_tiny, vllm_tiny.port
+    try:
         ids, lps = served(server)
         assert ids == ref0[0] and lps == pytest.approx(ref0[1], abs=1e-3)
 
@@ -57,7 +59,9 @@ def test_reload_weights_in_place_and_restart(tiny_qwen_dir, tmp_path):
         assert ids == ref1[0] and lps == pytest.approx(ref1[1], abs=1e-3)  # LM head included
 
         server.restart(tiny_qwen_dir)
-        assert server.port == port and server.running
+        assert server.port == port and server.running and server.model_dir == tiny_qwen_dir.resolve()
         ids, lps = served(server)
         assert ids == ref0[0] and lps == pytest.approx(ref0[1], abs=1e-3)
-    assert not server.running
+    finally:
+        if server.running and server.model_dir != tiny_qwen_dir.resolve():
+            server.reload_weights(tiny_qwen_dir)
