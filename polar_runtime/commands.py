@@ -114,8 +114,8 @@ def serve_command(
             server.stop()
             if not keep_alive:
                 raise typer.Exit(1)
-            err.print("--keep-alive: starting it again")
-            time.sleep(5.0)
+            err.print("--keep-alive: starting it again in 30 s")
+            time.sleep(30.0)
     except serve.ServeError as exc:
         _error(str(exc))
         raise typer.Exit(1) from None
