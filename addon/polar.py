@@ -5,5 +5,6 @@ instance to mitmproxy.
 """
 
 from polar_proxy.addon import Polar
+from polar_proxy.contentview import PolarContentView
 
-addons = [Polar()]
+addons = [Polar(), PolarContentView()]

