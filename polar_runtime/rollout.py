@@ -364,6 +364,25 @@ class SessionRegistry:
     def __init__(self, control: Any | None = None):
         self.control = control  # polar_proxy.process.ProxyControl or None
 
+    def settle(self, capture_dir: Path, session_id: str, timeout: float) -> bool:
+        """Wait (bounded) until every call the proxy started for the session is in its capture file:
+        a call still in flight when the harness ended is written once the proxy notices the hang-up.
+        False when some are still missing at the deadline (an upstream that does not answer)."""
+        if self.control is None:
+            return True
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                started = (self.control.sessions().get("sessions") or {}).get(session_id, {}).get("calls", 0)
+            except Exception:  # noqa: BLE001 - the proxy is gone: nothing more will be written
+                return True
+            ok, errors, _, _ = capture_stats(capture_dir, session_id)
+            if ok + errors >= started:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
     def register(self, session_id: str, task_id: str, group_id: str, sample_index: int) -> None:
         if self.control is None:
             return
@@ -470,6 +489,7 @@ class RolloutConfig:
     work_root: Path | None = None  # default <capture_dir>/work
     trim: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
+    settle_s: float = 5.0  # how long to wait for in-flight calls to reach the captures after a run
 
     @property
     def work(self) -> Path:
@@ -545,6 +565,9 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
     else:
         row["status"] = "failed"
         row["error"] = result.tail(600).strip()[-600:] or f"exit code {result.returncode}"
+    if not registry.settle(cfg.capture_dir, sid, cfg.settle_s):
+        note = "a call still in flight at the end is not in the captures (the upstream has not answered)"
+        row["error"] = f"{row['error']}; {note}" if row["error"] else note
     ev = evaluate(task, workdir, cfg.eval_timeout)
     row.update(reward=ev.reward, evaluator_status=ev.status, evaluator_output=ev.output, eval_s=round(ev.seconds, 3))
     row["calls"], row["error_calls"], row["prompt_tokens"], row["sampled_tokens"] = capture_stats(cfg.capture_dir, sid)
