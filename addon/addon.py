@@ -1310,10 +1310,18 @@ def _tune_gc() -> None:
     the young generation every 10k allocations instead of 700. A parsed harness request is
     thousands of containers (and token-id lists of thousands of items); with the defaults the
     collector traversed them again and again: about a quarter of the proxy's CPU at 64 sessions
-    (py-spy, benchmarks/bench_proxy.py). The proxy process is ours alone, so this is safe."""
+    (py-spy, benchmarks/bench_proxy.py). The proxy process is ours alone, so this is safe.
+
+    Full collections must still come often: a flow (mitmproxy's and ours) is cyclic garbage, and
+    the part of it that aged into the old generation while the call was in flight waits for a full
+    collection. CPython runs one only when the old generation grew by a quarter of its size at the
+    last full collection, so the collection after ``freeze`` (old generation now empty) and a third
+    threshold of 1 keep them coming; with the frozen start-up heap out of the way each one is cheap
+    (the live calls only). Without this the proxy held ~3 kB per call (benchmarks/bench_capture.py)."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(GC_GEN0_THRESHOLD, 10, 10)
+    gc.collect()
+    gc.set_threshold(GC_GEN0_THRESHOLD, 10, 1)
 
 
 def _salvage(reader: aiohttp.StreamReader) -> bytes:

@@ -415,6 +415,11 @@ class LoadGen:
         return self._ask({"cmd": "throughput", "name": name, "sessions": sessions, "duration": duration,
                           "warmup": warmup, "session_prefix": session_prefix})
 
+    def calls(self, name: str, sessions: int, calls: int, session_prefix: str = "bench") -> dict[str, Any]:
+        """``calls`` calls of plan ``name`` spread over ``sessions`` closed-loop sessions."""
+        return self._ask({"cmd": "calls", "name": name, "sessions": sessions, "calls": calls,
+                          "session_prefix": session_prefix})
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -497,6 +502,8 @@ async def _loadgen_main() -> None:
                 reply({"results": results})
             elif cmd["cmd"] == "throughput":
                 reply(await _throughput(plans[cmd["name"]], cmd, timeout))
+            elif cmd["cmd"] == "calls":
+                reply(await _calls(plans[cmd["name"]], cmd, timeout))
             else:
                 reply({"exception": f"unknown command {cmd['cmd']}"})
         except Exception as exc:  # noqa: BLE001 - report to the driver, keep serving
@@ -536,6 +543,30 @@ async def _throughput(plan: list[dict[str, Any]], cmd: dict[str, Any], timeout: 
             "seconds": duration, "wall": wall, "rps": len(ok) / duration,
             "p50": percentile([r["t"] for r in ok], 50), "p99": percentile([r["t"] for r in ok], 99),
             "ttfb_p50": percentile([r["ttfb"] for r in ok if plan[r["i"]]["stream"]], 50)}
+
+
+async def _calls(plan: list[dict[str, Any]], cmd: dict[str, Any], timeout: Any) -> dict[str, Any]:
+    import aiohttp
+
+    left = [cmd["calls"]]
+    ok, errors = [0], []
+
+    async def session_loop(k: int, s: Any) -> None:
+        i = k
+        while left[0] > 0:
+            left[0] -= 1
+            r = await _one(s, plan[i % len(plan)], f"{cmd['session_prefix']}-{k}")
+            i += 1
+            ok[0] += r["ok"]
+            if not r["ok"] and len(errors) < 5:
+                errors.append(r.get("error", ""))
+
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout,
+                                     auto_decompress=False) as s:
+        await asyncio.gather(*(session_loop(k, s) for k in range(cmd["sessions"])))
+    return {"calls": cmd["calls"], "ok": ok[0], "errors": cmd["calls"] - ok[0], "error_samples": errors,
+            "seconds": time.perf_counter() - t0}
 
 
 if __name__ == "__main__":
