@@ -7,7 +7,8 @@ case its partial trace is kept and the sample is marked ``timeout`` -- the task'
 the work dir and its verdict becomes the reward:
 
 * exit code 0: the number on the evaluator's last stdout line if there is one (partial credit),
-  else 1.0;
+  else 1.0 (the evaluator gets POLAR_SESSION, POLAR_STATUS and POLAR_HARNESS_STDOUT, the file with
+  the harness's output, to judge a final answer);
 * exit code != 0: 0.0;
 * the evaluator could not run or timed out: reward null, ``evaluator_status`` says why.
   Evaluator failures are recorded, never fatal to the rollout.
@@ -254,11 +255,14 @@ def reward_from(rc: int | None, output: str) -> tuple[float | None, str]:
     return 1.0, "pass"
 
 
-def evaluate(task: Task, workdir: Path, timeout: float = 120.0) -> Evaluation:
+def evaluate(task: Task, workdir: Path, timeout: float = 120.0, facts: dict[str, str] | None = None) -> Evaluation:
+    """Run the evaluator in the work dir. ``facts`` become POLAR_* environment variables, so an
+    evaluator can also judge the harness's final answer (POLAR_HARNESS_STDOUT is its output file)."""
     if not task.evaluator:
         return Evaluation(None, "none", "")
+    env = {**os.environ, **{f"POLAR_{k.upper()}": v for k, v in (facts or {}).items()}}
     try:
-        rc, out, secs = _shell(task.evaluator, workdir, timeout)
+        rc, out, secs = _shell(task.evaluator, workdir, timeout, env)
     except OSError as exc:  # bash missing, work dir gone: recorded, not fatal
         return Evaluation(None, "error", f"evaluator could not start: {exc}")
     reward, status = reward_from(rc, out)
@@ -568,7 +572,9 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
     if not registry.settle(cfg.capture_dir, sid, cfg.settle_s):
         note = "a call still in flight at the end is not in the captures (the upstream has not answered)"
         row["error"] = f"{row['error']}; {note}" if row["error"] else note
-    ev = evaluate(task, workdir, cfg.eval_timeout)
+    ev = evaluate(task, workdir, cfg.eval_timeout, facts={
+        "session": sid, "task_id": task.id, "status": row["status"], "workdir": str(workdir),
+        "harness_stdout": str(result.stdout_path), "harness_stderr": str(result.stderr_path)})
     row.update(reward=ev.reward, evaluator_status=ev.status, evaluator_output=ev.output, eval_s=round(ev.seconds, 3))
     row["calls"], row["error_calls"], row["prompt_tokens"], row["sampled_tokens"] = capture_stats(cfg.capture_dir, sid)
     return row

@@ -95,6 +95,7 @@ def test_task_files_cannot_escape_the_work_dir(tmp_path):
 # capture record per "call" the way the proxy does, and logs every start (to check resume).
 FAKE_HARNESS = r"""
 echo "$POLAR_SESSION" >> {starts}
+echo "running as $POLAR_SESSION"
 case {task} in
   *sleep*) sleep 30 ;;
   *crash*) echo boom >&2; exit 3 ;;
@@ -126,7 +127,8 @@ def make_cfg(tmp_path: Path, tasks: list[r.Task], **kw) -> r.RolloutConfig:
 
 
 TASKS = [
-    r.Task("good", "write answer", evaluator="test -f answer.txt && echo 0.5"),
+    r.Task("good", "write answer", evaluator='test -f answer.txt && test "$POLAR_STATUS" = ok '
+           '&& grep -q "$POLAR_SESSION" "$POLAR_HARNESS_STDOUT" && echo 0.5'),
     r.Task("slow", "please sleep", evaluator="test -f answer.txt"),
     r.Task("bad-eval", "write answer", evaluator="python3 -c 'import nonexistent_polar_module'"),
     r.Task("crashy", "crash now", evaluator="true"),
