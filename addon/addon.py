@@ -31,6 +31,8 @@ from typing import Any
 
 import aiohttp
 import orjson
+
+from polar_proxy import jsonutil
 from mitmproxy import command, ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
 
@@ -129,7 +131,7 @@ class ChatAccumulator:
                 continue
             msg = choice.get("message") or {}
             if msg.get("content"):
-                self.content.append(msg["content"] if isinstance(msg["content"], str) else orjson.dumps(msg["content"]).decode())
+                self.content.append(msg["content"] if isinstance(msg["content"], str) else jsonutil.dumps(msg["content"]).decode())
             r = msg.get("reasoning") or msg.get("reasoning_content")
             if r:
                 self.reasoning.append(r)
@@ -435,7 +437,7 @@ class Polar:
             ctx.options.update(connection_strategy="lazy")
         self.http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True),
-            json_serialize=lambda x: orjson.dumps(x).decode(),
+            json_serialize=lambda x: jsonutil.dumps(x).decode(),
             auto_decompress=True,
         )
         self.relay = StreamRelay(self._pump)
@@ -466,7 +468,7 @@ class Polar:
     @command.command("polar.status")
     def status_cmd(self) -> str:
         """Counters, pause state and upstream health as JSON."""
-        return orjson.dumps(self.status()).decode()
+        return jsonutil.dumps(self.status()).decode()
 
     def _set_paused(self, paused: bool) -> None:
         if paused:
@@ -739,7 +741,7 @@ class Polar:
         if ctx.options.polar_max_tokens_cap:
             limits.append(ctx.options.polar_max_tokens_cap)
         if up.max_model_len:
-            est = (len(orjson.dumps(chat.get("messages") or [])) + len(orjson.dumps(chat.get("tools") or []))) // 4
+            est = (len(jsonutil.dumps(chat.get("messages") or [])) + len(jsonutil.dumps(chat.get("tools") or []))) // 4
             limits.append(max(min(MIN_MAX_TOKENS, up.max_model_len), up.max_model_len - est))
             limits.append(up.max_model_len)
         if limits:
@@ -785,7 +787,7 @@ class Polar:
             rec.t_upstream_sent = time.time()
             try:
                 resp = await self.http.post(
-                    up.url + "/v1/chat/completions", data=orjson.dumps(chat),
+                    up.url + "/v1/chat/completions", data=jsonutil.dumps(chat),
                     headers={"content-type": "application/json", "x-polar-session": rec.session_id,
                              "x-request-id": rec.call_id,
                              "accept": "text/event-stream" if stream_upstream else "application/json"},
@@ -851,7 +853,7 @@ class Polar:
                 content, ctype = out, "text/event-stream"
             else:
                 native = call.provider.from_chat(answer, rec.requested_model, call.normalized)
-                content, ctype = orjson.dumps(native), "application/json"
+                content, ctype = jsonutil.dumps(native), "application/json"
         except Exception as exc:
             log.warning(f"polar: {call.provider.name} answer translation failed: {exc!r}")
             self._fail(call, 502, "upstream_error", f"could not translate the answer: {exc}")
@@ -1011,7 +1013,7 @@ class Polar:
         if body is None:
             body = {"error": {"message": message, "type": kind, "code": status}}
         headers = {"content-type": "application/json", **(extra_headers or {})}
-        flow.response = http.Response.make(status, orjson.dumps(body), headers)
+        flow.response = http.Response.make(status, jsonutil.dumps(body), headers)
         flow.marked = ":red_circle:"
 
     def _fail(self, call: Call, status: int, kind: str, message: str,
@@ -1169,7 +1171,7 @@ class Polar:
                            "add_generation_prompt": True}
                 if chat.get("tools"):
                     payload["tools"] = chat["tools"]
-                async with self.http.post(up.url + "/tokenize", data=orjson.dumps(payload),
+                async with self.http.post(up.url + "/tokenize", data=jsonutil.dumps(payload),
                                           headers={"content-type": "application/json"},
                                           timeout=self._client_timeout()) as resp:
                     if resp.status == 200:
@@ -1210,7 +1212,7 @@ class Polar:
 
     @staticmethod
     def _json(flow: http.HTTPFlow, status: int, data: Any, headers: dict[str, str] | None = None) -> None:
-        flow.response = http.Response.make(status, orjson.dumps(data), {"content-type": "application/json",
+        flow.response = http.Response.make(status, jsonutil.dumps(data), {"content-type": "application/json",
                                                                        **(headers or {})})
 
     # -- control API -------------------------------------------------------------------------
@@ -1337,7 +1339,7 @@ def _salvage(reader: aiohttp.StreamReader) -> bytes:
 
 def _estimate_tokens(body: Any) -> int:
     """A rough count for count_tokens side calls (no capture, no engine round trip)."""
-    return max(1, math.ceil(len(orjson.dumps(body)) / 4)) if body else 1
+    return max(1, math.ceil(len(jsonutil.dumps(body)) / 4)) if body else 1
 
 
 def _truthy(value: Any) -> bool:

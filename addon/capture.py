@@ -17,6 +17,8 @@ from typing import Any
 
 import orjson
 
+from polar_proxy import jsonutil
+
 from polar_analysis.schema import SESSIONS_SUBDIR, CallRecord, valid_session_id
 
 _FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
@@ -38,7 +40,7 @@ def _default(obj: Any) -> Any:
 def encode_record(record: CallRecord | dict[str, Any]) -> bytes:
     """One JSON line. orjson serializes the dataclass natively: ``asdict`` would deep-copy every
     token list first (50x slower on a long call)."""
-    return orjson.dumps(record, default=_default, option=orjson.OPT_NON_STR_KEYS) + b"\n"
+    return jsonutil.dumps(record, default=_default, option=orjson.OPT_NON_STR_KEYS) + b"\n"
 
 
 class CaptureWriter:

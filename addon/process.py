@@ -24,6 +24,8 @@ from typing import IO, Any
 
 import orjson
 
+from polar_proxy import jsonutil
+
 from polar_runtime import paths
 
 ENTRY_SCRIPT = Path(__file__).resolve().parent / "polar.py"
@@ -55,7 +57,7 @@ class ProxyControl:
         self.timeout = timeout
 
     def _call(self, method: str, name: str, body: Any = None, timeout: float | None = None) -> dict[str, Any]:
-        data = orjson.dumps(body) if body is not None else None
+        data = jsonutil.dumps(body) if body is not None else None
         req = urllib.request.Request(f"{self.base}/_polar/{name}", data=data, method=method,
                                      headers={"content-type": "application/json"} if data else {})
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via HTTP(S)_PROXY

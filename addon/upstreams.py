@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-import orjson
+from polar_proxy import jsonutil
 
 
 def normalize_url(url: str) -> str:
@@ -175,7 +175,7 @@ RELAY_ERROR_EVENT = b"polar-relay-error"
 
 
 def relay_error_event(kind: str, message: str) -> bytes:
-    return b"event: " + RELAY_ERROR_EVENT + b"\ndata: " + orjson.dumps({"kind": kind, "message": message}) + b"\n\n"
+    return b"event: " + RELAY_ERROR_EVENT + b"\ndata: " + jsonutil.dumps({"kind": kind, "message": message}) + b"\n\n"
 
 
 class StreamRelay:

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
+from polar_proxy import jsonutil
 
 from .base import ProviderError
 
@@ -56,7 +56,7 @@ def sse(data: Any, event: str | None = None) -> bytes:
     elif isinstance(data, str):
         payload = data.encode()
     else:
-        payload = orjson.dumps(data)
+        payload = jsonutil.dumps(data)
     head = b"event: " + event.encode() + b"\n" if event else b""
     return head + b"data: " + payload + b"\n\n"
 

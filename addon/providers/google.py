@@ -15,7 +15,7 @@ import json
 import re
 from typing import Any
 
-import orjson
+from polar_proxy import jsonutil
 
 from .base import NormalizedCall, Provider, ProviderError, StreamTranslator
 from .common import (
@@ -388,7 +388,7 @@ class GoogleProvider(Provider):
 
 
 def _frame(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\r\n\r\n"  # Google's SSE frames end in CRLF CRLF
+    return b"data: " + jsonutil.dumps(obj) + b"\r\n\r\n"  # Google's SSE frames end in CRLF CRLF
 
 
 class GoogleStream(StreamTranslator):

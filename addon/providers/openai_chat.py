@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import orjson
+from polar_proxy import jsonutil
 
 from .base import NormalizedCall, Provider, ProviderError, StreamTranslator
 from .common import (
@@ -227,10 +227,10 @@ class OpenAIChatStream(StreamTranslator):
         if not choices and out.get("usage") is None:
             return b""
         out["choices"] = [clean_choice(c, self.options) for c in choices]
-        return b"data: " + orjson.dumps(out) + b"\n\n"
+        return b"data: " + jsonutil.dumps(out) + b"\n\n"
 
     def finish(self) -> bytes:
         return b"data: [DONE]\n\n"
 
     def fail(self, kind: str, message: str) -> bytes:
-        return b"data: " + orjson.dumps(openai_error(500, kind, message)[1]) + b"\n\n"
+        return b"data: " + jsonutil.dumps(openai_error(500, kind, message)[1]) + b"\n\n"
