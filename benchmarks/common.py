@@ -443,13 +443,18 @@ async def _one(session: Any, spec: dict[str, Any], session_id: str | None) -> di
 
     headers = spec["headers"] if session_id is None else {**spec["headers"], "x-polar-session": session_id}
     t0 = time.perf_counter()
-    first = None
+    first = token = None
+    token_marker = spec.get("_first_token")
+    tail = b""
     try:
         async with session.post(spec["url"], data=spec["_bytes"], headers=headers) as resp:
             chunks = []
             async for chunk in resp.content.iter_any():
                 if first is None:
                     first = time.perf_counter() - t0
+                if token is None and token_marker and token_marker in tail + chunk:
+                    token = time.perf_counter() - t0
+                tail = chunk[-16:]
                 chunks.append(chunk)
             body = b"".join(chunks)
             status = resp.status
@@ -457,7 +462,8 @@ async def _one(session: Any, spec: dict[str, Any], session_id: str | None) -> di
         return {"ok": False, "error": repr(exc)[:200], "t": time.perf_counter() - t0, "ttfb": first}
     t = time.perf_counter() - t0
     ok = status == 200 and spec["_marker"] in body
-    out: dict[str, Any] = {"ok": ok, "t": t, "ttfb": first if first is not None else t, "status": status}
+    out: dict[str, Any] = {"ok": ok, "t": t, "ttfb": first if first is not None else t, "status": status,
+                           "ttft": token}
     if not ok:
         out["error"] = f"HTTP {status}: {body[:300]!r}"
     return out
@@ -487,6 +493,7 @@ async def _loadgen_main() -> None:
                 for spec in cmd["requests"]:
                     spec["_bytes"] = spec["body"].encode()
                     spec["_marker"] = spec["marker"].encode()
+                    spec["_first_token"] = spec["first_token"].encode() if spec.get("first_token") else None
                 plans[cmd["name"]] = cmd["requests"]
                 reply({"loaded": len(cmd["requests"])})
             elif cmd["cmd"] == "latency":
@@ -516,6 +523,7 @@ async def _throughput(plan: list[dict[str, Any]], cmd: dict[str, Any], timeout: 
     n, duration, warmup = cmd["sessions"], cmd["duration"], cmd["warmup"]
     done: list[dict[str, Any]] = []
     errors: list[str] = []
+    total = [0]  # every call made, warm-up and tail included (for CPU per call)
     t_start = time.perf_counter()
     t_measure = t_start + warmup
     t_end = t_measure + duration
@@ -528,6 +536,7 @@ async def _throughput(plan: list[dict[str, Any]], cmd: dict[str, Any], timeout: 
             i += 1
             t0 = time.perf_counter()
             r = await _one(s, spec, sid)
+            total[0] += 1
             if t0 >= t_measure and t0 < t_end:
                 r["i"] = (i - 1) % len(plan)
                 done.append(r)
@@ -539,7 +548,8 @@ async def _throughput(plan: list[dict[str, Any]], cmd: dict[str, Any], timeout: 
         await asyncio.gather(*(session_loop(k, s) for k in range(n)))
     wall = time.perf_counter() - t_measure
     ok = [r for r in done if r["ok"]]
-    return {"requests": len(done), "ok": len(ok), "errors": len(done) - len(ok), "error_samples": errors,
+    return {"requests": len(done), "total": total[0], "ok": len(ok), "errors": len(done) - len(ok),
+            "error_samples": errors,
             "seconds": duration, "wall": wall, "rps": len(ok) / duration,
             "p50": percentile([r["t"] for r in ok], 50), "p99": percentile([r["t"] for r in ok], 99),
             "ttfb_p50": percentile([r["ttfb"] for r in ok if plan[r["i"]]["stream"]], 50)}
