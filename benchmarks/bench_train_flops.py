@@ -83,8 +83,30 @@ def model_flops(model, microbatches) -> tuple[float, dict[str, float]]:
     return sum(parts.values()), {"n_body": n_body, "tokens": tokens, "sampled": sampled, **parts}
 
 
-def bench(name: str, n_seq: int, seq_len: int, steps: int, budget: int) -> dict:
+def mem_available_gib() -> float:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return float("inf")
+
+
+def needed_gib(path) -> float:
+    """fp32 weights + grads + two AdamW moments (16 bytes/param) + 25% for activations and logits."""
+    import json
+
+    cfg = json.loads((path / "config.json").read_text())
+    d, v, n, inter = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+    kv = d // cfg["num_attention_heads"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    params = v * d * (1 if cfg.get("tie_word_embeddings") else 2) + n * (2 * d * d + 2 * d * kv + 3 * d * inter)
+    return 16 * params * 1.25 / 2**30
+
+
+def bench(name: str, n_seq: int, seq_len: int, steps: int, budget: int) -> dict | None:
     path = models.model_path(name)
+    need, have = needed_gib(path), mem_available_gib()
+    if need > have:  # a shared machine: never push other people's servers into the OOM killer
+        console.print(f"[yellow]skipping {name}: needs ~{need:.1f} GiB, {have:.1f} GiB available")
+        return None
     model = load_model(str(path))
     cfg = TrainConfig(lr=1e-6, token_budget=budget, loss=LossConfig(kl_coef=0.0))
     trainer = GRPOTrainer(model, cfg)
@@ -123,17 +145,20 @@ def bench(name: str, n_seq: int, seq_len: int, steps: int, budget: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=[models.TINY_QWEN, models.QWEN05])
+    ap.add_argument("--models", nargs="+", default=[models.TINY_QWEN, models.SMOLLM, models.QWEN05])
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    shapes = {models.TINY_QWEN: (8, 512, 2048), models.QWEN05: (2, 256, 512)}  # n_seq, seq_len, budget
+    # n_seq, seq_len, token budget per micro-batch
+    shapes = {models.TINY_QWEN: (8, 512, 2048), models.SMOLLM: (4, 256, 1024), models.QWEN05: (2, 256, 512)}
     rows = []
     for name in args.models:
         n_seq, seq_len, budget = shapes.get(name, (2, 256, 512))
         console.print(f"[bold]{name}[/]: {n_seq} x {seq_len} tokens, budget {budget}, {args.steps} timed steps ...")
-        rows.append(bench(name, n_seq, seq_len, args.steps, budget))
+        row = bench(name, n_seq, seq_len, args.steps, budget)
+        if row:
+            rows.append(row)
     table = Table(title=f"GRPO train step FLOP/s ({args.threads} threads, float32)")
     for col in ("model", "params", "tokens (sampled)", "step s", "tokens/s", "model TFLOP",
                 "achieved GFLOP/s", "matmul GFLOP/s", "utilization", "attn / lm_head share"):  # fmt: skip

@@ -51,6 +51,14 @@ class TrainConfig:
     adv: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossConfig = field(default_factory=LossConfig)
 
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"lr_schedule must be constant, linear or cosine, not {self.lr_schedule!r}")
+        if self.attention not in ("position_ids", "block_mask"):
+            raise ValueError(f"attention must be position_ids or block_mask, not {self.attention!r}")
+        if self.token_budget <= 0 or self.num_minibatches <= 0 or self.ppo_epochs <= 0:
+            raise ValueError("token_budget, num_minibatches and ppo_epochs must be positive")
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -191,8 +199,16 @@ class GRPOTrainer:
             if self.ref_policy is not None:
                 pdist.shard_model(self.ref_policy)
         params = [p for p in self.policy.parameters() if p.requires_grad]
+        # Fused AdamW: one kernel per step and no full-size temporaries (the foreach path allocates
+        # copies of all optimizer state; on a 0.5B model that took the peak from ~8.5 to ~11 GB).
+        fused = not pdist.is_distributed() and all(p.device.type in ("cpu", "cuda") for p in params)
         self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+            params,
+            lr=cfg.lr,
+            betas=tuple(cfg.adam_betas),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            fused=True if fused else None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.step = 0

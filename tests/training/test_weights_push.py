@@ -194,11 +194,32 @@ def _served_prompt_logprobs(server, ids):
     return [e[str(t)]["logprob"] for t, e in zip(ids[1:], out["choices"][0]["prompt_logprobs"][1:])]
 
 
+def _chat(url: str, session: str, results: dict, key: str) -> None:
+    import urllib.request
+
+    body = {"model": "tiny-qwen", "messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 6,
+            "temperature": 1.0}  # fmt: skip
+    req = urllib.request.Request(
+        f"{url}/v1/chat/completions", json.dumps(body).encode(), {"content-type": "application/json", "x-polar-session": session}
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(req, timeout=300) as resp:
+        results[key] = (resp.status, json.loads(resp.read()))
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_push_reloads_the_running_vllm_in_place(vllm_tiny, tiny_qwen_dir, tiny_model, make_frame, tmp_path):
-    """One GRPO step on tiny-qwen, pushed into the running vLLM: served logprobs become the trainer's."""
+def test_push_through_the_proxy_into_the_running_vllm(vllm_tiny, tiny_qwen_dir, tiny_model, make_frame, tmp_path):
+    """One GRPO step on tiny-qwen, pushed into the running vLLM while the real proxy holds a call:
+    the call is answered (no error), recorded as the new policy version, and its captured logprobs
+    are the new weights' (and the served probe equals the trainer's)."""
+    import time
+
+    import torch
+
+    from polar_proxy.process import ProxyProcess
     from polar_training.loss import LossConfig
+    from polar_training.policy import TokenLogprobs
     from polar_training.trainer import GRPOTrainer, TrainConfig
 
     frame = make_frame(groups=1, samples=4, min_len=12, max_len=24, seed=9)
@@ -207,15 +228,45 @@ def test_push_reloads_the_running_vllm_in_place(vllm_tiny, tiny_qwen_dir, tiny_m
     trainer = GRPOTrainer(tiny_model, TrainConfig(lr=5e-3, loss=LossConfig(kl_coef=0.0)))
     trainer.fit(frame)
     out = ckpt.save_checkpoint(tmp_path / "step-000001", trainer.model, tiny_qwen_dir, probe_ids=probe)
+
+    proxy = ProxyProcess(vllm_tiny.base_url, tmp_path / "captures", confdir=tmp_path / "mitm", upstream_timeout=300)
+    proxy.start()
     try:
-        res = push_weights(out, vllm_tiny, None, policy_version=trainer.step)
+        ctl = proxy.control
+        ctl.set_policy_version(0)
+        results: dict = {}
+        _chat(proxy.url, "before-push", results, "before")
+        ctl.pause(drain=True, timeout=60)
+        held = threading.Thread(target=_chat, args=(proxy.url, "during-push", results, "held"))
+        held.start()
+        time.sleep(0.5)
+        assert "held" not in results and ctl.status()["waiting"] == 1
+        res = push_weights(out, vllm_tiny, proxy.url, policy_version=trainer.step)
+        held.join(300)
         assert res.method == "reload_weights", res.notes
+        assert results["before"][0] == 200 and results["held"][0] == 200
+        assert ctl.status()["paused"] is False and ctl.status()["policy_version"] == 1
+
         after = _served_prompt_logprobs(vllm_tiny, probe)
         want = ckpt.read_meta(out)["probe"]["logprobs"]
         assert max(abs(a - w) for a, w in zip(after, want)) < 2e-3
         assert max(abs(a - b) for a, b in zip(after, before)) > 1e-2  # the weights did change
-        print(f"\nin-place reload {res.reload_s:.2f}s; {res.notes}")
+
+        records = {}
+        for sid in ("before-push", "during-push"):
+            [line] = (tmp_path / "captures" / "sessions" / f"{sid}.jsonl").read_text().splitlines()
+            records[sid] = json.loads(line)
+        assert records["before-push"]["policy_version"] == 0 and records["during-push"]["policy_version"] == 1
+        rec = records["during-push"]
+        ids = rec["prompt_token_ids"] + rec["sampled_token_ids"]
+        n_p, n_s = len(rec["prompt_token_ids"]), len(rec["sampled_token_ids"])
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            lp, _ = TokenLogprobs(trainer.model)(x, torch.arange(len(ids))[None], torch.arange(n_p - 1, n_p + n_s - 1), x[0, n_p:])
+        assert max(abs(a - b) for a, b in zip(lp.tolist(), rec["sampled_logprobs"])) < 2e-3
+        print(f"\nin-place reload {res.reload_s:.2f}s, calls held {res.paused_s:.2f}s; {res.notes}")
     finally:  # the server is shared by the session: serve the original weights again
+        proxy.stop()
         vllm_tiny.reload_weights(tiny_qwen_dir)
     restored = _served_prompt_logprobs(vllm_tiny, probe)
     assert max(abs(a - b) for a, b in zip(restored, before)) < 1e-4
