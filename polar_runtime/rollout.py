@@ -494,6 +494,7 @@ class RolloutConfig:
     trim: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
     settle_s: float = 5.0  # how long to wait for in-flight calls to reach the captures after a run
+    rerun: frozenset[str] = frozenset()  # statuses whose samples run again (e.g. {"failed"} after an outage)
 
     @property
     def work(self) -> Path:
@@ -508,12 +509,14 @@ class Job:
 
 def plan(cfg: RolloutConfig, store: ResultStore) -> tuple[list[Job], list[dict[str, Any]]]:
     """(samples still to run, rows of samples already finished). Task-major order, so each task's
-    samples run back to back and the server's prefix cache holds their shared prompt."""
+    samples run back to back and the server's prefix cache holds their shared prompt. A sample
+    re-run with ``rerun`` gets a fresh session (``.r<n>``) when its earlier attempt left captures;
+    its result replaces the earlier one."""
     todo, done = [], []
     for task in cfg.tasks:
         for i in range(cfg.samples):
             row = store.done(sample_key(task.id, cfg.step, i))
-            if row is not None and row.get("status") in STATUSES:
+            if row is not None and row.get("status") in STATUSES and row["status"] not in cfg.rerun:
                 done.append(row)
             else:
                 todo.append(Job(task, i))

@@ -162,6 +162,7 @@ def rollout_command(
     shard: Annotated[Optional[str], typer.Option(help="I/N: run only shard I of N of the tasks (one per machine).")] = None,
     step: Annotated[int, typer.Option(help="Rollout step (part of session and group ids).")] = 0,
     limit: Annotated[int, typer.Option(help="Only the first N tasks (0: all).")] = 0,
+    rerun: Annotated[Optional[str], typer.Option(help="Run finished samples with these statuses again, e.g. failed,timeout.")] = None,
     command: CommandOpt = None,
     trim: Annotated[bool, typer.Option(help="Trim tools/system prompt through the harness's own flags.")] = True,
     max_tokens: MaxTokensOpt = 0,
@@ -191,7 +192,7 @@ def rollout_command(
         cfg = r.RolloutConfig(
             tasks=task_list, preset=preset, endpoint=stack.endpoint, capture_dir=stack.capture_dir,
             model=model_name or stack.served_model, samples=samples, concurrency=concurrency, timeout=timeout,
-            eval_timeout=eval_timeout, step=step, trim=trim,
+            eval_timeout=eval_timeout, step=step, trim=trim, rerun=_statuses(rerun),
         )
         console.print(f"{len(task_list)} tasks x {samples} samples, harness {preset.name} ({mode}), "
                       f"model {cfg.model}, captures in {stack.capture_dir}"
@@ -220,6 +221,13 @@ def rollout_command(
         table.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row])
     console.print(table)
     console.print(f"wrote {stack.capture_dir / r.ROLLOUTS_FILE} ({df.height} rows) in {time.monotonic() - t0:.0f} s")
+
+
+def _statuses(spec: str | None) -> frozenset[str]:
+    wanted = frozenset(s.strip() for s in (spec or "").split(",") if s.strip())
+    if wanted - set(r.STATUSES):
+        raise typer.BadParameter(f"--rerun takes statuses among {', '.join(r.STATUSES)}")
+    return wanted
 
 
 def _print_rows(df: pl.DataFrame) -> None:

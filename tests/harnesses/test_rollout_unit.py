@@ -169,6 +169,18 @@ def test_rollout_end_to_end_with_resume(tmp_path):
     cfg.samples = 3
     df3 = r.run_rollout(cfg)
     assert df3.height == 12 and len((tmp_path / "starts.log").read_text().split()) == 12
+    # --rerun failed: only the crashed samples run again; "good" left captures, so a new session.
+    cfg.rerun = frozenset({"failed"})
+    df4 = r.run_rollout(cfg)
+    starts = (tmp_path / "starts.log").read_text().split()
+    assert len(starts) == 15 and sorted(starts[-3:]) == ["crashy.st0.s0", "crashy.st0.s1", "crashy.st0.s2"]
+    assert df4.height == 12 and df4.filter(pl.col("task_id") == "crashy")["attempt"].to_list() == [0, 0, 0]
+    assert df4.filter(pl.col("task_id") != "crashy").equals(df3.filter(pl.col("task_id") != "crashy"))
+    cfg.rerun, cfg.tasks = frozenset({"ok"}), TASKS[:1]
+    df5 = r.run_rollout(cfg)
+    good = df5.filter(pl.col("task_id") == "good").sort("sample_index")
+    assert good["session_id"].to_list() == ["good.st0.s0.r1", "good.st0.s1.r1", "good.st0.s2.r1"]
+    assert good["calls"].to_list() == [2, 2, 2]  # the new attempt's calls only
 
 
 def test_crashed_attempt_gets_a_fresh_session(tmp_path):
