@@ -28,6 +28,7 @@ ModelOpt = Annotated[Optional[str], typer.Option(help="Model to serve when start
 ModelNameOpt = Annotated[Optional[str], typer.Option(help="Model name the harness asks for (default: the served name).")]
 CommandOpt = Annotated[Optional[str], typer.Option("--command", help="Generic harness: a shell command template.")]
 MaxTokensOpt = Annotated[int, typer.Option(help="Cap max_tokens of every call (proxy option; 0: no cap).")]
+CaCertOpt = Annotated[Optional[Path], typer.Option(help="CA of a running --proxy (default $POLAR_HOME/mitmproxy).")]
 
 
 def _check_mode(mode: str) -> str:
@@ -118,13 +119,14 @@ def harness_run(
     command: CommandOpt = None,
     trim: Annotated[bool, typer.Option(help="Trim tools/system prompt through the harness's own flags.")] = True,
     max_tokens: MaxTokensOpt = 0,
+    ca_cert: CaCertOpt = None,
 ) -> None:
     """Run one harness once on an ad-hoc task through the proxy and show what was captured."""
     _check_mode(mode)
     preset = _preset(name, command)
     t = r.Task(id=f"adhoc-{time.strftime('%Y%m%d-%H%M%S')}", instruction=task, evaluator=evaluator)
     with r.open_stack(mode=mode, capture_dir=None if proxy else capture_dir, proxy=proxy, upstream=upstream,
-                      model=model, max_tokens_cap=max_tokens, log=console.print) as stack:
+                      model=model, max_tokens_cap=max_tokens, ca_cert=ca_cert, log=console.print) as stack:
         cfg = r.RolloutConfig(tasks=[t], preset=preset, endpoint=stack.endpoint, capture_dir=stack.capture_dir,
                               model=model_name or stack.served_model, samples=1, timeout=timeout, trim=trim)
         console.print(f"running {preset.name} ({mode}) as session {r.session_id_for(t.id, 0, 0)} ...")
@@ -166,6 +168,7 @@ def rollout_command(
     command: CommandOpt = None,
     trim: Annotated[bool, typer.Option(help="Trim tools/system prompt through the harness's own flags.")] = True,
     max_tokens: MaxTokensOpt = 0,
+    ca_cert: CaCertOpt = None,
 ) -> None:
     """Run a harness N times per task through the proxy; evaluate; write <capture_dir>/rollouts.parquet.
 
@@ -188,7 +191,7 @@ def rollout_command(
     capture_dir = capture_dir or Path("runs") / f"rollout-{preset.name}"
     t0 = time.monotonic()
     with r.open_stack(mode=mode, capture_dir=None if proxy else capture_dir, proxy=proxy, upstream=upstream,
-                      model=model, max_tokens_cap=max_tokens, log=console.print) as stack:
+                      model=model, max_tokens_cap=max_tokens, ca_cert=ca_cert, log=console.print) as stack:
         cfg = r.RolloutConfig(
             tasks=task_list, preset=preset, endpoint=stack.endpoint, capture_dir=stack.capture_dir,
             model=model_name or stack.served_model, samples=samples, concurrency=concurrency, timeout=timeout,

@@ -1,6 +1,6 @@
 """`polar rollout` end to end (the real CLI, a real vLLM, the real proxy, real harnesses).
 
-Three tasks x 2 samples with Pi: one ordinary task, one that times out (a 3 s budget) and whose
+Three tasks x 2 samples with Pi: one ordinary task (judged on the harness's answer), one that times out (a 3 s budget) and whose
 evaluator cannot even start, one whose evaluator crashes. The rollout must survive all of it, give
 each sample its status and reward, keep the captures under the rollout's ids, and a second
 invocation must resume (nothing runs again). Then Claude Code (--bare) on the same model, to show a
@@ -25,8 +25,8 @@ from .conftest import check_token_fields, read_calls, require_installed
 pytestmark = [pytest.mark.vllm, pytest.mark.harness, pytest.mark.slow]
 
 TASKS = [
-    {"id": "hello-file", "instruction": "Create a file named hello.txt containing exactly: hello world",
-     "evaluator": "test \"$(tr -d '\\n' < hello.txt)\" = 'hello world'"},
+    {"id": "greet", "instruction": "Reply with one short sentence that says hello. Do not use any tools.",
+     "evaluator": "grep -qi hello \"$POLAR_HARNESS_STDOUT\""},
     {"id": "slow-broken", "instruction": "Say hi.", "timeout": 3, "evaluator": "no-such-evaluator-polar"},
     {"id": "crash-eval", "instruction": "Say hi.", "evaluator": "python3 -c 'raise SystemExit(\"evaluator crashed\")'"},
 ]
@@ -49,9 +49,9 @@ def test_rollout_pi_survives_timeouts_and_broken_evaluators_then_resumes(vllm_qw
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     df = pl.read_parquet(cap / "rollouts.parquet")
     assert df.height == 6 and df["group_id"].n_unique() == 3
-    by = {t: df.filter(pl.col("task_id") == t).sort("sample_index") for t in ("hello-file", "slow-broken", "crash-eval")}
+    by = {t: df.filter(pl.col("task_id") == t).sort("sample_index") for t in ("greet", "slow-broken", "crash-eval")}
 
-    hello = by["hello-file"]
+    hello = by["greet"]
     assert hello["status"].to_list() == ["ok", "ok"]
     assert set(hello["reward"].to_list()) <= {0.0, 1.0} and hello["evaluator_status"].is_in(["pass", "fail"]).all()
     slow = by["slow-broken"]
@@ -67,7 +67,7 @@ def test_rollout_pi_survives_timeouts_and_broken_evaluators_then_resumes(vllm_qw
         assert {(c["task_id"], c["group_id"], c["sample_index"]) for c in calls} == {
             (row["task_id"], row["group_id"], row["sample_index"])}
         assert row["calls"] == len(calls) and row["sampled_tokens"] == sum(len(c["sampled_token_ids"]) for c in calls)
-    assert "hello-file.st0.s1" in run.stdout and "per task" in run.stdout
+    assert "greet.st0.s1" in run.stdout and "per task" in run.stdout
 
     # Resume: every sample is finished, so nothing runs and nothing changes.
     sessions_before = {p.name: p.stat().st_size for p in (cap / "sessions").glob("*.jsonl")}
@@ -83,14 +83,13 @@ def test_rollout_second_harness_claude_code(vllm_qwen05, tmp_path):
     retries, so the task must fit the proxy's max_tokens cap."""
     require_installed(h.get_preset("claude-code"))
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text(json.dumps({"id": "greet", "instruction": "Reply with one short sentence that says hello. "
-                                 "Do not use any tools.", "evaluator": "true"}) + "\n")
+    tasks.write_text(json.dumps(TASKS[0]) + "\n")
     cap = tmp_path / "captures"
     run = polar_rollout(cap, tasks, vllm_qwen05.base_url, "--harness", "claude-code", "--samples", "2",
                         "--max-tokens", "64")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     df = pl.read_parquet(cap / "rollouts.parquet")
     assert df["status"].to_list() == ["ok", "ok"] and set(df["harness"]) == {"claude-code"}
-    assert df["reward"].to_list() == [1.0, 1.0]
+    assert df["evaluator_status"].is_in(["pass", "fail"]).all()
     for row in df.iter_rows(named=True):
         check_token_fields([c for c in read_calls(cap, row["session_id"]) if c["status"] == "ok"], row["session_id"])
