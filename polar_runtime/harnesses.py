@@ -107,6 +107,13 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _fix_vendored_binaries(prefix: Path) -> None:
+    """Qwen Code ships ripgrep without the execute bit (its grep tool then falls back to a slow
+    JavaScript search and warns on every run): restore it."""
+    for rg in (prefix / "node_modules").glob("@qwen-code/*/vendor/ripgrep/*-linux/rg"):
+        rg.chmod(rg.stat().st_mode | 0o111)
+
+
 def install(name: str, *, force: bool = False, timeout: float = 900.0, log: Callable[[str], None] = print) -> Path:
     """Install one package into ``harnesses_dir()/<name>`` unless that exact version is there.
 
@@ -114,6 +121,7 @@ def install(name: str, *, force: bool = False, timeout: float = 900.0, log: Call
     """
     pkg = PACKAGES[name]
     if not force and pkg.installed():
+        _fix_vendored_binaries(pkg.prefix)  # also for installs made before this fix
         return pkg.bin_path
     npm = shutil.which("npm")
     if npm is None:
@@ -132,6 +140,7 @@ def install(name: str, *, force: bool = False, timeout: float = 900.0, log: Call
         )
         if proc.returncode != 0 or not pkg.bin_path.exists():
             raise RuntimeError(f"npm install {pkg.spec} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+        _fix_vendored_binaries(pkg.prefix)
         pkg.stamp.write_text(pkg.spec + "\n")
         log(f"installed {pkg.spec} in {time.monotonic() - t0:.0f} s")
     return pkg.bin_path
