@@ -92,11 +92,11 @@ def harness_install(
     failed = []
     for name in wanted:
         pkg = h.PACKAGES[name]
-        if pkg.installed() and not force:
-            console.print(f"{pkg.spec}: present")
-            continue
+        present = pkg.installed() and not force
         try:
             h.install(name, force=force, log=console.print)
+            if present:
+                console.print(f"{pkg.spec}: present")
         except (RuntimeError, OSError) as exc:
             console.print(f"[red]{exc}[/red]")
             failed.append(name)
