@@ -42,14 +42,6 @@ def untied_smollm(smollm_dir, tmp_path_factory) -> Path:
     from polar_training.checkpoint import servable_copy
 
     out = servable_copy(smollm_dir, tmp_path_factory.mktemp("smollm-untied") / "model", dtype="float32")
-    # The built model declares tokenizer_class "LlamaTokenizer"; transformers 5 (vLLM's venv) then
-    # rebuilds a SentencePiece-style tokenizer and drops the ByteLevel pre-tokenizer of
-    # tokenizer.json (spaces vanish, output decodes to raw "Ġ"). SmolLM2's own class is GPT2's.
-    cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    if cfg.get("tokenizer_class") == "LlamaTokenizer":
-        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-        cfg_path.write_text(json.dumps(cfg, indent=2))
     return out
 
 
