@@ -24,6 +24,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -589,6 +590,21 @@ def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+#: Harness processes running now (each leads its own process group), for ``terminate_all``.
+_ACTIVE: set[subprocess.Popen] = set()
+_ACTIVE_LOCK = threading.Lock()
+
+
+def terminate_all() -> int:
+    """Kill every running harness's process group (Ctrl-C of a rollout: they do not get the
+    terminal's SIGINT, being in groups of their own). Returns how many were running."""
+    with _ACTIVE_LOCK:
+        procs = list(_ACTIVE)
+    for proc in procs:
+        kill_group(proc, grace=2.0)
+    return len(procs)
+
+
 def run_invocation(inv: Invocation, timeout: float, log_dir: Path, name: str = "harness") -> RunResult:
     """Run headless (stdin closed) in its own process group; a hard timeout kills the whole group."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -597,6 +613,8 @@ def run_invocation(inv: Invocation, timeout: float, log_dir: Path, name: str = "
     with open(out_p, "wb") as out, open(err_p, "wb") as err:
         proc = subprocess.Popen(inv.argv, env=inv.env, cwd=inv.cwd, stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=err, start_new_session=True)
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(proc)
         try:
             rc: int | None = proc.wait(timeout=timeout)
             timed_out = False
@@ -605,4 +623,6 @@ def run_invocation(inv: Invocation, timeout: float, log_dir: Path, name: str = "
         finally:
             # On timeout the whole group goes; after a clean exit, whatever it left behind does.
             kill_group(proc, grace=5.0 if proc.returncode is None else 0.0)
+            with _ACTIVE_LOCK:
+                _ACTIVE.discard(proc)
     return RunResult(rc, timed_out, time.monotonic() - t0, out_p, err_p)

@@ -39,7 +39,7 @@ import orjson
 import polars as pl
 
 from polar_analysis.schema import SESSIONS_SUBDIR, valid_session_id
-from polar_runtime.harnesses import Endpoint, Preset, Session, kill_group, run_invocation
+from polar_runtime.harnesses import Endpoint, Preset, Session, kill_group, run_invocation, terminate_all
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 ROLLOUTS_SUBDIR = "rollouts"
@@ -599,18 +599,37 @@ def run_rollout(
     if on_start:
         on_start(len(todo), len(done))
     registry = SessionRegistry(control)
+    stop = threading.Event()
 
-    def one(job: Job) -> dict[str, Any]:
+    def one(job: Job) -> dict[str, Any] | None:
+        if stop.is_set():
+            return None
         row = run_sample(cfg, job, registry)
+        if stop.is_set():  # killed by an interruption: not a result, so a re-run runs it again
+            return None
         store.put(sample_key(job.task.id, cfg.step, job.sample), row)
         store.write_parquet(min_interval=10.0)
         return row
 
-    with cf.ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="rollout") as pool:
-        for fut in cf.as_completed([pool.submit(one, j) for j in todo]):
-            row = fut.result()
-            if on_result:
-                on_result(row)
+    pool = cf.ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="rollout")
+    try:
+        pending = {pool.submit(one, j) for j in todo}
+        while pending:
+            # Short waits: SIGINT may land on a worker or library thread, and Python only runs the
+            # handler when the main thread wakes up.
+            finished, pending = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
+            for fut in finished:
+                row = fut.result()
+                if row is not None and on_result:
+                    on_result(row)
+    except BaseException:  # Ctrl-C (or a bug): stop the harnesses now, keep what finished
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        terminate_all()
+        pool.shutdown(wait=True)
+        store.write_parquet()
+        raise
+    pool.shutdown(wait=True)
     df = store.write_parquet()
     assert df is not None
     return df

@@ -7,6 +7,9 @@ The harness here is the generic preset running a shell command, so every branch 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import orjson
@@ -210,3 +213,24 @@ def test_summary_table(tmp_path):
     summary = r.summarize(r.run_rollout(cfg))
     assert summary.select("task_id", "ok", "timeout", "mean_reward").rows() == [
         ("good", 1, 0, 0.5), ("slow", 0, 1, 0.0)]
+
+
+def test_interrupt_kills_running_harnesses_and_keeps_finished_results(tmp_path):
+    """Ctrl-C: harnesses (in process groups of their own) are killed at once; finished samples keep
+    their results, interrupted ones have none, so the next run does exactly those."""
+    import threading
+
+    cfg = make_cfg(tmp_path, [TASKS[0], r.Task("long", "please sleep", evaluator="true")], samples=1, timeout=60)
+
+    def on_result(row):
+        if row["task_id"] == "good":  # the first sample is done: interrupt while "long" sleeps
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        r.run_rollout(cfg, on_result=on_result)
+    assert time.monotonic() - t0 < 20
+    df = pl.read_parquet(cfg.capture_dir / "rollouts.parquet")
+    assert df["task_id"].to_list() == ["good"]
+    todo, done = r.plan(cfg, r.ResultStore(cfg.capture_dir))
+    assert [j.task.id for j in todo] == ["long"] and len(done) == 1
