@@ -11,7 +11,8 @@ Sources (all keyed by ``session_id``):
 ``status`` is normalised to what the trainer understands: ``ok``, ``timeout`` or ``failed``
 (``ok``/``success``/``passed``/``completed``/``done`` -> ok; ``timeout``/``timed_out`` -> timeout;
 anything else, e.g. ``error`` or ``crashed`` -> failed). A missing status means ``ok``. A session
-listed twice keeps its last row. A reward that is missing stays null: the trainer decides.
+listed twice keeps its last row. A sample marked ok whose reward is missing (its evaluator timed out
+or could not start) becomes ``failed``: the run cannot be judged, so it must not teach anything.
 """
 
 from __future__ import annotations
@@ -68,7 +69,13 @@ def load_rewards(path: str | Path) -> pl.LazyFrame:
         (pl.col("task_id").cast(pl.String) if "task_id" in names else pl.lit(None, pl.String)).alias("task_id"),
         (pl.col("group_id").cast(pl.String) if "group_id" in names else pl.lit(None, pl.String)).alias("group_id"),
     ]
-    return lf.select(cols).drop_nulls("session_id").unique("session_id", keep="last", maintain_order=True)
+    unjudged = (pl.col("status") == "ok") & pl.col("reward").is_null()
+    return (
+        lf.select(cols)
+        .drop_nulls("session_id")
+        .unique("session_id", keep="last", maintain_order=True)
+        .with_columns(pl.when(unjudged).then(pl.lit("failed")).otherwise(pl.col("status")).alias("status"))
+    )
 
 
 def resolve(capture_dir: str | Path | None, rewards: str | Path | None) -> pl.LazyFrame | None:

@@ -46,6 +46,8 @@ def test_rewards_files_in_every_format(tmp_path):
     assert c["status"].to_list() == ["ok", "timeout"] and c["reward"].to_list() == [1.0, None]
     p = rewards.load_rewards(tmp_path / "r.parquet").collect()
     assert p.row(0) == ("a", 2.0, "ok", "t", None)
+    (tmp_path / "unjudged.jsonl").write_text('{"session_id": "u", "reward": null, "status": "ok"}\n')
+    assert rewards.load_rewards(tmp_path / "unjudged.jsonl").collect()["status"].to_list() == ["failed"]
     (tmp_path / "bad.csv").write_text("sid,score\na,1\n")
     with pytest.raises(ValueError, match="session_id"):
         rewards.load_rewards(tmp_path / "bad.csv")
