@@ -36,8 +36,9 @@ sys.path.insert(0, str(REPO))
 from polar_analysis import alignment, frames  # noqa: E402
 from polar_analysis.synthetic import fake_logprobs  # noqa: E402
 from polar_analysis.trajectories import prefix_merge  # noqa: E402
+from polar_runtime.paths import harness_request_fixtures  # noqa: E402
 
-FIXTURES = [REPO / "shared" / "fixtures" / "harness-requests", REPO.parent / "shared" / "fixtures" / "harness-requests"]
+FIXTURES = [harness_request_fixtures()]
 
 
 def _pi_request() -> tuple[str, list]:

@@ -27,13 +27,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from polar_runtime.paths import harness_request_fixtures
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = next(
-    (d for d in (REPO / "shared" / "fixtures" / "harness-requests",
-                 REPO.parent / "shared" / "fixtures" / "harness-requests") if d.is_dir()),
-    REPO.parent / "shared" / "fixtures" / "harness-requests",
-)
+FIXTURES = harness_request_fixtures()
 SERVED_MODEL = "scripted-model"
 #: Harness fixtures of the mix: (fixture name, provider); first and second turns of each format.
 MIX = [

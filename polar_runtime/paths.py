@@ -44,3 +44,17 @@ def vllm_python() -> Path:
     """Python of the inference-server venv made by scripts/setup.sh."""
     kind = "gpu" if has_gpu() else "cpu"
     return polar_home() / "venvs" / f"vllm-{kind}" / "bin" / "python"
+
+
+def harness_request_fixtures() -> Path:
+    """Real first/second requests of the harnesses (fake keys), used by tests and benchmarks.
+
+    A copy is committed under tests/fixtures/; a shared/ folder inside or beside the checkout
+    (where the project's recordings are kept) is used when the copy is absent.
+    """
+    candidates = (
+        REPO_ROOT / "tests" / "fixtures" / "harness-requests",
+        REPO_ROOT / "shared" / "fixtures" / "harness-requests",
+        REPO_ROOT.parent / "shared" / "fixtures" / "harness-requests",
+    )
+    return next((d for d in candidates if d.is_dir()), candidates[0])

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from polar_analysis.alignment import ChatTemplateRenderer
+from polar_runtime.paths import harness_request_fixtures
 
 _REPO = Path(__file__).resolve().parents[2]
-_FIXTURE_DIRS = (_REPO / "shared" / "fixtures" / "harness-requests", _REPO.parent / "shared" / "fixtures" / "harness-requests")
+_FIXTURE_DIRS = (harness_request_fixtures(),)
 
 #: A Qwen3-style template (real Qwen3 behaviour, reduced): history assistant turns are rendered
 #: without any think block, but with enable_thinking=false the generation prompt carries an empty

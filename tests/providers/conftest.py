@@ -11,14 +11,10 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 import pytest
+from polar_runtime.paths import harness_request_fixtures
 
 REPO = Path(__file__).resolve().parents[2]
-#: shared/ sits inside the checkout or beside it (CI clones main next to a copy of shared/).
-FIXTURES = next(
-    (d for d in (REPO / "shared" / "fixtures" / "harness-requests",
-                 REPO.parent / "shared" / "fixtures" / "harness-requests") if d.is_dir()),
-    REPO.parent / "shared" / "fixtures" / "harness-requests",
-)
+FIXTURES = harness_request_fixtures()
 
 
 def load_request(name: str) -> dict[str, Any]:

@@ -23,13 +23,10 @@ import pytest
 
 from polar_proxy.process import ProxyProcess
 from polar_runtime.scripted_upstream import ServerThread
+from polar_runtime.paths import harness_request_fixtures
 
 REPO = Path(__file__).resolve().parents[2]
-FIXTURES = next(
-    (d for d in (REPO / "shared" / "fixtures" / "harness-requests",
-                 REPO.parent / "shared" / "fixtures" / "harness-requests") if d.is_dir()),
-    REPO.parent / "shared" / "fixtures" / "harness-requests",
-)
+FIXTURES = harness_request_fixtures()
 _SKIP_HEADERS = {"host", "content-length", "connection", "accept-encoding", "transfer-encoding"}
 
 

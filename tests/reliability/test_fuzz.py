@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from polar_runtime.paths import harness_request_fixtures
 
 REPO = Path(__file__).resolve().parents[2]
-FIXTURES = next((d for d in (REPO / "shared" / "fixtures" / "harness-requests",
-                             REPO.parent / "shared" / "fixtures" / "harness-requests") if d.is_dir()), None)
+FIXTURES = harness_request_fixtures()
 #: provider -> (host of the hosted API, Pi fixture)
 HOSTS = {"openai_chat": ("api.openai.com", "pi.chat"), "anthropic": ("api.anthropic.com", "pi.anthropic"),
          "openai_responses": ("api.openai.com", "pi.responses"),
