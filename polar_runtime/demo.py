@@ -72,7 +72,8 @@ class DemoConfig:
     lr: float = 1e-6
     kl_coef: float = 0.001
     max_model_len: int = 16384
-    kv_cache_gib: float = 2.0
+    kv_cache_gib: float = 1.0  # ~43k tokens of 0.5B KV in float32: plenty for a few harness runs
+    server_during_train: str = "auto"  # keep | stop | auto (stop when memory is short)
     tool_parser: str = "lenient"
     gpu: bool = False
     notebooks: bool = True
@@ -277,6 +278,7 @@ def run_rollouts(rcfg: Any, control: Any, stop: threading.Event, label: str) -> 
 class StepData:
     step: int
     rollouts: Any  # polars frame of this step's samples
+    policy: int = 0  # version of the weights that served it
     trajectories: Path | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     drift: dict[str, int] = field(default_factory=dict)
@@ -318,29 +320,87 @@ def build_trajectories(cfg: DemoConfig, data: StepData, model_dir: Path) -> None
 # training and the weight push
 
 
-def train_step(cfg: DemoConfig, model_dir: Path, trajectories: Path, iteration: int) -> Any:
-    from polar_training.advantages import AdvantageConfig
-    from polar_training.loss import LossConfig
-    from polar_training.run import TrainJob, run_training
-    from polar_training.trainer import TrainConfig
+def count_params(model_dir: Path) -> int:
+    """Parameters of a safetensors model directory (from the headers; nothing is loaded)."""
+    import math
 
-    tcfg = TrainConfig(
-        lr=cfg.lr,
-        token_budget=max(4096, cfg.max_model_len // 2),
-        gradient_checkpointing=not cfg.gpu,
-        adv=AdvantageConfig(),
-        loss=LossConfig(kl_coef=cfg.kl_coef),
-    )
-    job = TrainJob(
-        model=str(model_dir),
-        trajectories=[str(trajectories)],
-        out=str(cfg.out / "train"),
-        config=tcfg,
-        resume="auto" if iteration > 0 else None,
-        dtype="bfloat16" if cfg.gpu else "float32",
-        show_progress=True,
-    )
-    return run_training(job, console=console)
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            n += sum(math.prod(fh.get_slice(k).get_shape()) for k in fh.keys())
+    return n
+
+
+def train_memory_estimate(model_dir: Path, kl: bool, dtype_bytes: int = 4) -> int:
+    """Peak bytes of one AdamW step: weights, gradients, two moments (and a frozen reference for
+    the KL term), plus activations with gradient checkpointing. Measured on the 0.5B in float32
+    (630M parameters, untied): 9.8 GB; this gives 11.6 GB."""
+    return count_params(model_dir) * dtype_bytes * (4 + (1 if kl else 0)) + int(1.5 * 2**30)
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+@dataclass
+class TrainResult:
+    checkpoint: Path | None  # None: the trainer made no update (nothing to learn from)
+    step: int
+    metrics: dict[str, Any]
+    peak_rss_gib: float
+
+
+def train_step(cfg: DemoConfig, model_dir: Path, trajectories: Path) -> TrainResult:
+    """One GRPO iteration as a ``polar train`` child process: its memory (policy, gradients, AdamW
+    state: ~8 GB for the 0.5B in float32) is returned to the system before the next rollout, and
+    its peak RSS is measured. Ctrl-C reaches it too (same process group)."""
+    from polar_training import checkpoint as ckpt
+    from polar_training.plots import read_metrics
+
+    run = cfg.out / "train"
+    cmd = [sys.executable, "-m", "polar_analysis.cli", "train", "--model", str(model_dir), "-t", str(trajectories),
+           "-o", str(run), "--lr", repr(cfg.lr), "--kl-coef", repr(cfg.kl_coef),
+           "--token-budget", str(max(4096, cfg.max_model_len // 2)), "--dtype", "bfloat16" if cfg.gpu else "float32"]
+    if not cfg.gpu:
+        cmd.append("--gradient-checkpointing")
+    before = ckpt.latest_checkpoint(run) if run.exists() else None
+    if before is not None:
+        cmd += ["--resume", "auto"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # progress goes to stderr
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:
+        proc.terminate()
+        proc.wait()
+        raise
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise DemoError(f"polar train exited with {proc.returncode}: {' '.join(cmd)}")
+    latest = ckpt.latest_checkpoint(run) if run.exists() else None
+    peak = usage.ru_maxrss / 2**20
+    if latest is None or latest == before:  # no sampled token to learn from: the weights stay
+        return TrainResult(None, int(ckpt.read_meta(before).get("step", 0)) if before else 0, {}, peak)
+    rows = read_metrics(run / "metrics.jsonl")
+    return TrainResult(latest, int(rows[-1]["step"]), rows[-1] if rows else {}, peak)
+
+
+class _Stopped:
+    """A stopped VLLMServer as push_weights sees it: no URL to reload through, only ``restart``."""
+
+    def __init__(self, server: Any) -> None:
+        self._server = server
+
+    def restart(self, model_dir: str) -> None:
+        self._server.restart(model_dir=model_dir)
+
+    @property
+    def base_url(self) -> str | None:  # known again once restarted (for the probe check)
+        return self._server.base_url if self._server.running else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,7 +476,7 @@ def print_report(report: dict[str, Any]) -> None:
     cap = report["captures"]
     t = Table(title=f"calls captured: {cap['calls']}", title_justify="left")
     for c in ("client", "provider", "calls", "errors", "prompt ids", "sampled ids", "p50 latency", "policy versions"):
-        t.add_column(c, justify="left" if c in ("harness", "provider", "policy versions") else "right")
+        t.add_column(c, justify="left" if c in ("client", "provider", "policy versions") else "right")
     for r in cap["per_provider"]:
         t.add_row(r["harness"], r["provider"], str(r["calls"]), str(r["errors"]), str(r["prompt_ids"]),
                   str(r["sampled_ids"]), f"{r['p50_latency_s'] or 0:.1f} s", r["policy_versions"] or "-")
@@ -442,17 +502,21 @@ def print_report(report: dict[str, Any]) -> None:
         rw = s["rewards"]
         per = ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in rw["per_task"].items())
         mean = "-" if rw["mean_reward"] is None else f"{rw['mean_reward']:.3f}"
-        t.add_row(str(s["step"]), f"v{s['step']}", str(rw["samples"]), mean, f"{rw['solved']}/{rw['samples']}",
+        t.add_row(str(s["step"]), f"v{s['policy_version']}", str(rw["samples"]), mean, f"{rw['solved']}/{rw['samples']}",
                   f"{rw['ok']}/{rw['timeout']}/{rw['failed']}", per)
     console.print(t)
 
     for tr in report["training"]:
         m = tr["metrics"]
+        if tr["push"] is None:
+            console.print(f"train iteration {tr['iteration']}: {tr['note']}")
+            continue
         console.print(
             f"train iteration {tr['iteration']}: step {tr['step']}  loss {m.get('loss', float('nan')):+.5f}  "
             f"kl {m.get('kl', float('nan')):.2e}  entropy {m.get('entropy', float('nan')):.3f}  "
             f"reward mean {m.get('reward_mean', float('nan')):.3f}  {m.get('n_sampled_tokens', 0):.0f} sampled / "
             f"{m.get('n_input_tokens', 0):.0f} tokens  {m.get('tokens_per_s', 0):.0f} tok/s  "
+            f"peak RSS {tr['peak_rss_gib']:.1f} GiB  "
             f"-> pushed as policy v{tr['push']['policy_version']} via {tr['push']['method']} in "
             f"{tr['push']['reload_s']:.1f} s ({'; '.join(tr['push']['notes']) or 'verified'})")
     before, after = report["reward_before"], report["reward_after"]
@@ -536,20 +600,21 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             flows = cfg.captures / "flows.mitm"
             proxy = ProxyProcess(server.base_url, cfg.captures, mode="reverse", served_model=served,
                                  options={"polar_max_tokens_cap": cfg.max_tokens, "save_stream_file": str(flows)},
-                                 log_file=cfg.out / "logs" / "proxy.log")
+                                 log_file=cfg.out / "logs" / "proxy.log", startup_timeout=180.0)
             stack.enter_context(proxy)
             proxy.control.set_policy_version(0)
             ph.detail = f"{proxy.url} -> {server.base_url}, max_tokens <= {cfg.max_tokens}"
         endpoint = h.Endpoint(mode="base_url", base_url=proxy.url, proxy_url=proxy.url, ca_cert=proxy.ca_cert)
+        policy = 0  # the version of the weights vLLM serves
 
         for step in range(cfg.iterations + 1):
             rcfg = r.RolloutConfig(tasks=tasks, preset=preset, endpoint=endpoint, capture_dir=cfg.captures,
                                    model=served, samples=cfg.samples, concurrency=cfg.concurrency,
                                    timeout=cfg.timeout, step=step)
             with tl.phase(f"rollout {step}", f"{preset.name} x {len(tasks)} tasks x {cfg.samples} samples, "
-                          f"policy v{step}") as ph:
+                          f"policy v{policy}") as ph:
                 rows = run_rollouts(rcfg, proxy.control, stop, f"rollout {step}")
-                data = StepData(step, rows)
+                data = StepData(step, rows, policy=policy)
                 steps.append(data)
                 rs = reward_summary(rows)
                 ph.detail = f"mean reward {rs['mean_reward'] if rs['mean_reward'] is None else round(rs['mean_reward'], 3)}, {rs['calls']} calls"
@@ -559,17 +624,46 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                              f"coverage {data.stats['coverage']:.2%}, merge rate {data.stats['merge_rate']:.0%}")
             if step == cfg.iterations:
                 break
+            entry: dict[str, Any] = {"iteration": step, "step": None, "checkpoint": None, "metrics": {},
+                                     "peak_rss_gib": None, "push": None, "note": None}
+            training.append(entry)
+            if not data.stats.get("sampled_tokens"):
+                entry["note"] = "no sampled tokens captured in this step: nothing to train on"
+                console.print(f"[yellow]{entry['note']}; the policy stays v{policy}[/yellow]")
+                continue
+            need = 0 if cfg.gpu else train_memory_estimate(model_dir, cfg.kl_coef > 0)
+            stop_server = cfg.server_during_train == "stop" or (
+                cfg.server_during_train == "auto" and not cfg.gpu and mem_available() < need)
+            if stop_server:
+                entry["note"] = (f"vLLM stopped while training (needs ~{need / 2**30:.1f} GiB, "
+                                 f"{mem_available() / 2**30:.1f} GiB available); the push restarts it")
+                console.print(f"[yellow]{entry['note']}[/yellow]")
+                server.stop()
             with tl.phase(f"train {step}", f"GRPO iteration {step + 1} ({'bf16 GPU' if cfg.gpu else 'float32 CPU'})") as ph:
                 assert data.trajectories is not None
-                result = train_step(cfg, model_dir, data.trajectories, step)
-                ph.detail = f"checkpoint {result.checkpoint}"
-            with tl.phase(f"push {step}", "new weights into the running vLLM (proxy holds calls)") as ph:
-                push = push_weights(result.checkpoint, server, proxy.url, result.step)
-                ph.detail = f"policy v{push.policy_version} via {push.method} in {push.reload_s:.1f} s"
-            training.append({"iteration": step, "step": result.step, "checkpoint": str(result.checkpoint),
-                             "metrics": dict(result.history[-1]) if result.history else {},
-                             "push": {k: v for k, v in asdict(push).items()}})
+                result = train_step(cfg, model_dir, data.trajectories)
+                entry.update(step=result.step, metrics=result.metrics, peak_rss_gib=result.peak_rss_gib)
+                ph.detail = f"peak RSS {result.peak_rss_gib:.1f} GiB, " + (
+                    f"step {result.step}, checkpoint {result.checkpoint}" if result.checkpoint else "no update")
+            if result.checkpoint is None:
+                entry["note"] = "the trainer made no update (no sampled token to learn from)"
+                if stop_server:
+                    with tl.phase(f"serve {step + 1}", "vLLM again, same weights"):
+                        server.start(wait=True)
+                continue
+            entry["checkpoint"] = str(result.checkpoint)
             paths_out["checkpoint"] = str(result.checkpoint)
+            with tl.phase(f"push {step}", "restart vLLM on the new weights (proxy holds calls)" if stop_server
+                          else "new weights into the running vLLM in place (proxy holds calls)") as ph:
+                if stop_server:  # nothing to reload in place: the restart fallback serves the checkpoint
+                    push = push_weights(result.checkpoint, _Stopped(server), proxy.url, result.step)
+                else:
+                    push = push_weights(result.checkpoint, server, proxy.url, result.step)
+                ph.detail = f"policy v{push.policy_version} via {push.method} in {push.reload_s:.1f} s"
+            if stop_server:  # the in-place attempt on a stopped server is expected to fail: not news
+                push.notes = [n for n in push.notes if not n.startswith("in-place reload failed")]
+            entry["push"] = asdict(push)
+            policy = push.policy_version
 
         if cfg.notebooks:
             with tl.phase("notebooks", "execute the debugging notebooks on this run") as ph:
@@ -584,7 +678,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "harness": preset.name,
         "tasks": [t.id for t in tasks],
         "captures": summary,
-        "steps": [{"step": s.step, "rewards": reward_summary(s.rollouts), "trajectories": s.stats, "drift": s.drift,
+        "steps": [{"step": s.step, "policy_version": s.policy, "rewards": reward_summary(s.rollouts), "trajectories": s.stats, "drift": s.drift,
                    "trajectories_file": str(s.trajectories) if s.trajectories else None} for s in steps],
         "training": training,
         "reward_before": reward_summary(steps[0].rollouts)["mean_reward"] if steps else None,
@@ -596,6 +690,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "run": str(cfg.out),
         "captures": str(cfg.captures / "sessions"),
         "flows": str(cfg.captures / "flows.mitm"),
+        "browse flows": f"{Path(sys.executable).with_name('mitmweb')} -nr {cfg.captures / 'flows.mitm'} "
+                        f"-s {paths.REPO_ROOT / 'addon' / 'polar.py'}",
         "rollouts": str(cfg.captures / r.ROLLOUTS_FILE),
         "trajectories": str(cfg.out / "trajectories"),
         "checkpoint": paths_out.get("checkpoint", ""),
@@ -632,6 +728,9 @@ def demo_command(
              "reference model would only cost a forward pass and 2 GB.")] = None,
     max_model_len: Annotated[int, typer.Option(help="vLLM context length.")] = 16384,
     tool_parser: Annotated[str, typer.Option(help="lenient (Hermes + Markdown JSON tool calls) or hermes.")] = "lenient",
+    server_during_train: Annotated[str, typer.Option(
+        help="keep vLLM running while training (in-place push), stop it (push = restart on the checkpoint), "
+             "or auto: stop it only when free memory is below the trainer's estimated peak.")] = "auto",
     gpu: Annotated[Optional[bool], typer.Option("--gpu/--cpu", help="Default: a GPU when paths.has_gpu().")] = None,
     notebooks: Annotated[bool, typer.Option(help="Execute the notebooks on the run at the end.")] = True,
     keep: Annotated[bool, typer.Option(help="Keep an existing run directory (finished samples are reused).")] = False,
@@ -639,12 +738,14 @@ def demo_command(
     """The main job: serve a model, run a harness through the proxy, train one GRPO step, push, run again."""
     if tool_parser not in ("lenient", "hermes"):
         raise typer.BadParameter("--tool-parser must be lenient or hermes")
+    if server_during_train not in ("auto", "keep", "stop"):
+        raise typer.BadParameter("--server-during-train must be auto, keep or stop")
     on_gpu = paths.has_gpu() if gpu is None else gpu
     cfg = DemoConfig(out=out, harness=harness, model=model, tasks=tasks, task_ids=list(task or []), n_tasks=n_tasks,
                      samples=samples, iterations=iterations, max_tokens=max_tokens or (1024 if on_gpu else 256),
                      timeout=timeout, concurrency=concurrency, lr=lr,
                      kl_coef=kl_coef if kl_coef is not None else (0.001 if iterations > 1 or on_gpu else 0.0), max_model_len=max_model_len,
-                     tool_parser=tool_parser, gpu=on_gpu, notebooks=notebooks, keep=keep)
+                     tool_parser=tool_parser, server_during_train=server_during_train, gpu=on_gpu, notebooks=notebooks, keep=keep)
     try:
         report = run_demo(cfg)
     except KeyboardInterrupt:
@@ -654,7 +755,7 @@ def demo_command(
             stop_children(signal.SIGKILL)
         console.print("[yellow]interrupted: everything the demo started was stopped[/yellow]")
         raise typer.Exit(130) from None
-    except (DemoError, FileNotFoundError, ValueError) as exc:
+    except (RuntimeError, FileNotFoundError, ValueError) as exc:  # DemoError, ServeError, a proxy that won't start
         console.print(f"[red]polar demo failed:[/red] {exc}")
         raise typer.Exit(1) from None
     print_report(report)
