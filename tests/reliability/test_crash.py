@@ -71,7 +71,8 @@ def test_kill_9_mid_run_then_restart(rel, upstream_proc, proxies, tmp_path):
 
     async def kill_when_busy(load) -> None:
         # Let every session complete a few calls, then kill while calls are in flight.
-        while sum(r.complete for r in load.results) < 3 * SESSIONS:
+        deadline = time.monotonic() + 30
+        while sum(r.complete for r in load.results) < 3 * SESSIONS and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         os.killpg(pgid, signal.SIGKILL)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import os
 import socket
@@ -68,8 +69,10 @@ HEADER_VALUES = st.sampled_from(["", "gzip", "br", "deflate", "identity", "Beare
 # Requests and answers
 # ------------------------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def seed_bodies(provider: str) -> list[dict]:
-    """Valid starting points: a small hand-built request and Pi's real first and second requests."""
+    """Valid starting points: a small hand-built request and Pi's real first and second requests
+    (cached: callers deep-copy before mutating)."""
     small = {"openai_chat": {"model": "m", "messages": [{"role": "user", "content": "hi #scenario:text"}]},
              "anthropic": {"model": "m", "max_tokens": 64,
                            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
