@@ -179,6 +179,7 @@ class Service:
             except ProcessLookupError:
                 pass
         self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
 
     def __enter__(self) -> "Service":
         return self.start()
