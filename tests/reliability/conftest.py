@@ -240,6 +240,7 @@ def proxies(mitm_confdir, tmp_path):
         kwargs.setdefault("upstream_timeout", 2.0)
         kwargs.setdefault("served_model", SERVED)
         capture_dir = capture_dir or tmp_path / f"captures-{len(started)}"
+        kwargs.setdefault("log_file", tmp_path / f"proxy-{len(started)}.log")  # kept with the test, even after kill -9
         proxy = ProxyProcess(upstream_url, capture_dir, confdir=mitm_confdir, **kwargs)
         started.append(proxy)
         return proxy.start()
