@@ -10,9 +10,12 @@ Phases (each timed; Ctrl-C or SIGTERM stops everything the demo started):
 4. ``rollout``    the harness (unmodified, Pi by default) on a few built-in coding tasks, several
                   samples each (one GRPO group per task), evaluated into rewards;
 5. ``trajectories`` prefix-merged sequences from the captured ids, drift causes, rewards attached;
-6. ``train``      one GRPO iteration (float32 on CPU, gradient checkpointing), a checkpoint;
-7. ``push``       the new weights into the running vLLM in place (the proxy holds calls meanwhile)
-                  and the proxy records the new policy version;
+6. ``train``      one GRPO iteration (``polar train`` as a child process: float32 on CPU, gradient
+                  checkpointing), a checkpoint. The 0.5B step peaks at ~12.6 GB (weights, gradients,
+                  AdamW moments); when free memory is short, vLLM is stopped meanwhile;
+7. ``push``       the new weights into the running vLLM in place (or a restart on the checkpoint
+                  when it was stopped), while the proxy holds calls; the served weights are checked
+                  against the checkpoint's probe, and the proxy records the new policy version;
 8. rollouts again with the new policy (phases 4-7 repeat ``--iterations`` times), the notebooks
    executed on the run, and a short report (also written to ``<out>/report.json``).
 
@@ -336,8 +339,8 @@ def count_params(model_dir: Path) -> int:
 def train_memory_estimate(model_dir: Path, kl: bool, dtype_bytes: int = 4) -> int:
     """Peak bytes of one AdamW step: weights, gradients, two moments (and a frozen reference for
     the KL term), plus activations with gradient checkpointing. Measured on the 0.5B in float32
-    (630M parameters, untied): 9.8 GB; this gives 11.6 GB."""
-    return count_params(model_dir) * dtype_bytes * (4 + (1 if kl else 0)) + int(1.5 * 2**30)
+    (630M parameters, untied; 7k tokens in one 8k bin, no KL): 12.6 GB peak RSS; this gives 12.8 GB."""
+    return count_params(model_dir) * dtype_bytes * (4 + (1 if kl else 0)) + int(2.5 * 2**30)
 
 
 def mem_available() -> int:

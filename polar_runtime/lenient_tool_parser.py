@@ -4,9 +4,9 @@
 Why: Qwen2.5-Coder-0.5B (the model the demo serves on CPU) sees the Hermes instructions in its chat
 template but answers a tool call as a Markdown JSON block, practically never with ``<tool_call>``.
 vLLM's ``hermes`` parser then returns it as plain text, the harness stops after one turn and every
-reward is zero. This parser keeps Hermes behaviour and additionally reads an answer that consists
-only of such JSON objects (optionally fenced) as tool calls, when every name is one of the request's
-tools. Token ids and logprobs are untouched: only how the answer text is presented changes.
+reward is zero. This parser keeps Hermes behaviour and additionally reads an answer that starts with
+such JSON objects (optionally fenced) as tool calls, when their names are among the request's tools
+(text after them is dropped, as Hermes drops text after ``</tool_call>``). Token ids and logprobs are untouched: only how the answer text is presented changes.
 
 Loaded by the vLLM server process (its own venv), never imported by Polar itself::
 
@@ -53,8 +53,9 @@ def tool_names(request: Any) -> set[str]:
 
 
 def parse_json_calls(text: str, names: set[str]) -> list[tuple[str, str]] | None:
-    """[(name, arguments JSON)] when ``text`` is nothing but tool-call objects (each optionally in a
-    code fence) naming known tools; None otherwise."""
+    """[(name, arguments JSON)] when ``text`` starts with tool-call objects (each optionally in a
+    code fence) naming known tools; None otherwise. Text after the calls is ignored, as vLLM's
+    Hermes parser ignores text after ``</tool_call>``."""
     calls: list[tuple[str, str]] = []
     pos, n = 0, len(text)
     while True:
@@ -63,30 +64,29 @@ def parse_json_calls(text: str, names: set[str]) -> list[tuple[str, str]] | None
         if pos >= n:
             break
         fenced = _FENCE_OPEN.match(text, pos)
-        if fenced:
-            pos = fenced.end()
-            while pos < n and text[pos].isspace():
-                pos += 1
-        obj, end = _decode_object(text, pos)
-        if obj is None:
-            return None
+        start = fenced.end() if fenced else pos
+        while start < n and text[start].isspace():
+            start += 1
+        if start >= n or text[start] != "{":
+            break  # trailing prose (or nothing more): done
+        obj, end = _decode_object(text, start)
+        if not isinstance(obj, dict) or obj.get("name") not in names:
+            break
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                break
+        if not isinstance(args, dict):
+            break
+        calls.append((obj["name"], json.dumps(args, ensure_ascii=False)))
         pos = end
         if fenced:
             while pos < n and text[pos].isspace():
                 pos += 1
             if text.startswith("```", pos):
                 pos += 3
-        if not isinstance(obj, dict) or obj.get("name") not in names:
-            return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                return None
-        if not isinstance(args, dict):
-            return None
-        calls.append((obj["name"], json.dumps(args, ensure_ascii=False)))
     return calls or None
 
 

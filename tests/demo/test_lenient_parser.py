@@ -25,10 +25,14 @@ CASES = [
     # two fenced calls
     ('```json\n{"name": "read", "arguments": {"path": "a"}}\n```\n```json\n{"name": "read", "arguments": {"path": "b"}}\n```',
      None, [["read", '{"path": "a"}'], ["read", '{"path": "b"}']]),
-    # not tool calls: text, an unknown tool name, JSON followed by prose, other code
+    # a call, a stray fence and prose after it (a real 0.5B answer): the call, the rest dropped
+    (WRITE + '\n```\n\nThis file is created with the text "hello world".', None,
+     [["write", '{"path": "hello.txt", "content": "hello world"}']]),
+    # not tool calls: text, an unknown tool name, prose before the JSON, arguments not an object, other code
     ("Sure, here it is: 42", "Sure, here it is: 42", []),
     ('{"name": "nope", "arguments": {}}', '{"name": "nope", "arguments": {}}', []),
-    (WRITE + " and then I am done", WRITE + " and then I am done", []),
+    ("Call this: " + WRITE, "Call this: " + WRITE, []),
+    ('```json\n{"name": "write", "arguments": [2, 3]}\n```', '```json\n{"name": "write", "arguments": [2, 3]}\n```', []),
     ("```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
 ]
 

@@ -1,0 +1,140 @@
+"""The three notebooks execute headless on the committed real capture and their plots render.
+
+The capture (tests/data/demo-run, see its README) was recorded once by ``polar demo`` through the
+real proxy, a real vLLM and the real Pi harness, with a real ``polar train`` metrics file. The
+notebooks run on a copy, so the frames' Parquet cache never lands in the checkout. Jupyter's config,
+data and runtime dirs are temporary (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from polar_runtime.paths import REPO_ROOT
+
+NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
+FIXTURE = REPO_ROOT / "tests" / "data" / "demo-run"
+#: For development: run the notebooks on another run directory instead of the fixture.
+RUN_OVERRIDE = os.environ.get("POLAR_TEST_NOTEBOOK_RUN")
+#: Plots each notebook draws (every one must come out as a non-empty PNG).
+PLOTS = {"01_captures_overview": 5, "02_trajectory_debugger": 1, "03_training": 3}
+
+
+def test_three_notebooks_are_committed_without_outputs() -> None:
+    names = [p.name for p in NOTEBOOKS]
+    assert names == ["01_captures_overview.ipynb", "02_trajectory_debugger.ipynb", "03_training.ipynb"]
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        nbformat.validate(nb)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [], f"{path.name}: committed with outputs (clear them)"
+                assert cell.execution_count is None, f"{path.name}: committed with execution counts"
+        tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+        assert len(tagged) == 1, f"{path.name}: needs exactly one cell tagged 'parameters'"
+        assert "POLAR_RUN_DIR" in tagged[0].source and nb.cells.index(tagged[0]) <= 1
+
+
+def test_fixture_is_small_and_real() -> None:
+    size = sum(p.stat().st_size for p in FIXTURE.rglob("*") if p.is_file())
+    assert size < 2 * 2**20, f"fixture is {size / 2**20:.2f} MiB"
+    sessions = list((FIXTURE / "captures" / "sessions").glob("*.jsonl"))
+    assert len(sessions) >= 3
+    records = [json.loads(line) for p in sessions for line in p.read_text().splitlines()]
+    import polars as pl
+
+    rollouts = pl.read_parquet(FIXTURE / "captures" / "rollouts.parquet")
+    assert set(rollouts["harness"]) == {"pi-chat"}  # Pi, through the OpenAI SDK (its user agent)
+    assert {r["session_id"] for r in records} == set(rollouts["session_id"])
+    assert max(sum(1 for r in records if r["session_id"] == s) for s in rollouts["session_id"]) > 2  # multi-turn
+    assert all(r["served_model"] == "qwen2.5-coder-0.5b-instruct" for r in records)
+    assert any(len(r["prompt_token_ids"]) > 1000 and r["sampled_token_ids"] for r in records)
+    assert (FIXTURE / "train" / "metrics.jsonl").read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if RUN_OVERRIDE:
+        return Path(RUN_OVERRIDE).resolve()
+    target = tmp_path_factory.mktemp("notebook-run") / "demo-run"
+    shutil.copytree(FIXTURE, target, ignore=shutil.ignore_patterns(".polar-cache"))
+    return target
+
+
+@pytest.fixture(scope="module")
+def executed(run_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Each notebook executed once on the run (lazily), shared by the tests below."""
+    cache: dict[str, nbformat.NotebookNode] = {}
+
+    def get(path: Path) -> nbformat.NotebookNode:
+        if path.stem not in cache:
+            cache[path.stem] = _execute(path, run_dir, tmp_path_factory.mktemp(path.stem))
+        return cache[path.stem]
+
+    return get
+
+
+def _execute(path: Path, run: Path, cwd: Path) -> nbformat.NotebookNode:
+    nb = nbformat.read(path, as_version=4)
+    os.environ["POLAR_RUN_DIR"] = str(run)
+    try:
+        NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    finally:
+        os.environ.pop("POLAR_RUN_DIR", None)
+    return nb
+
+
+def _pngs(nb: nbformat.NotebookNode) -> list[bytes]:
+    return [base64.b64decode(out["data"]["image/png"]) for cell in nb.cells if cell.cell_type == "code"
+            for out in cell.outputs if "image/png" in out.get("data", {})]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_executes_and_plots_render(path: Path, executed, tmp_path: Path) -> None:
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    nb = executed(path)
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors
+    pngs = _pngs(nb)
+    assert len(pngs) == PLOTS[path.stem], f"{path.name}: expected {PLOTS[path.stem]} plots, got {len(pngs)}"
+    for i, data in enumerate(pngs):
+        out = tmp_path / f"{path.stem}-{i}.png"
+        out.write_bytes(data)
+        img = mpimg.imread(io.BytesIO(data), format="png")
+        assert img.shape[0] > 100 and img.shape[1] > 200, f"{out}: {img.shape}"
+        rgb = np.asarray(img)[..., :3]
+        assert float(rgb.std()) > 0.01, f"{out}: a blank image"
+        assert (rgb.reshape(-1, 3) < 0.9).any(axis=1).mean() > 0.002, f"{out}: almost nothing drawn"
+
+
+def test_debugger_marks_calls_masks_and_drift(run_dir: Path, executed) -> None:
+    """The token-by-token HTML carries every token of the chosen session with its loss mask."""
+    import polars as pl
+
+    nb = executed(REPO_ROOT / "notebooks" / "02_trajectory_debugger.ipynb")
+    html = "".join(o["data"].get("text/html", "") for c in nb.cells if c.cell_type == "code"
+                   for o in c.outputs if "data" in o)
+    session = next(line.split(":", 1)[1].strip() for c in nb.cells if c.cell_type == "code" for o in c.outputs
+                   if o.get("name") == "stdout" for line in o["text"].splitlines() if line.startswith("session:"))
+    from polar_analysis import frames
+    from polar_analysis.trajectories import prefix_merge
+
+    traj, _ = prefix_merge.build(frames.calls(run_dir / "captures").filter(pl.col("session_id") == session))
+    n_tokens = int(traj["input_ids"].list.len().sum())
+    n_sampled = int(traj["loss_mask"].list.sum().sum())
+    assert html.count('class="tok"') == n_tokens
+    assert html.count("font-weight:bold;color:#000") == n_sampled
+    assert "merge into call" in html
+    if traj["n_calls"].max() > 1:
+        assert "drift cause" in html or "merge into call 1: exact" in html
