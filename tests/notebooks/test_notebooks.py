@@ -138,3 +138,39 @@ def test_debugger_marks_calls_masks_and_drift(run_dir: Path, executed) -> None:
     assert "merge into call" in html
     if traj["n_calls"].max() > 1:
         assert "drift cause" in html or "merge into call 1: exact" in html
+
+
+def test_debugger_marks_prefix_breaks_with_both_sides(tmp_path: Path, tiny_qwen_dir: Path) -> None:
+    """Pi does not rewrite its history, so the real capture has no prefix break. This capture does:
+    real Qwen2.5 ids (polar_analysis.synthetic) of a Claude-Code-like session whose system prompt
+    starts with a per-request billing header that the engine kept. Every break must be marked with
+    its drift cause and the text on both sides."""
+    import html as html_lib
+
+    from polar_analysis.alignment import ChatTemplateRenderer
+    from polar_analysis.synthetic import SyntheticSession, write_capture
+
+    def system(i: int) -> str:
+        return f"x-anthropic-billing-header: cc_version=2.1.332; cch={1000 + 7 * i:05x};\nYou are a coding agent."
+
+    keeps = ChatTemplateRenderer(tiny_qwen_dir, strip_billing_header=False)
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]
+    s = SyntheticSession(keeps, "cc-breaks", system=system(0), tools=tools, harness="claude-code", provider="anthropic")
+    s.user("Run echo hi")
+    for i in range(3):
+        s.messages[0]["content"] = system(i)
+        if i < 2:
+            s.generate(tool_calls=[("bash", {"command": f"echo {i}"})])
+            s.tool(f"{i}", s.messages[-1]["tool_calls"][0]["id"])
+        else:
+            s.generate(content="Done.")
+    write_capture(tmp_path / "capture", s.records)
+
+    nb = _execute(REPO_ROOT / "notebooks" / "02_trajectory_debugger.ipynb", tmp_path / "capture", tmp_path)
+    assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    html = html_lib.unescape("".join(o["data"].get("text/html", "") for c in nb.cells if c.cell_type == "code"
+                                     for o in c.outputs if "data" in o))
+    assert html.count("prefix break</b> before call") == 2
+    assert html.count("cause <b>system_changed</b>") == 2
+    assert "cch=003ef" in html and "cch=003f6" in html  # the header on both sides of the second break
+    assert html.count('class="tok"') == sum(len(r.prompt_token_ids) + len(r.sampled_token_ids) for r in s.records)
