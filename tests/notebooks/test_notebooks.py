@@ -56,6 +56,7 @@ def test_fixture_is_small_and_real() -> None:
     assert set(rollouts["harness"]) == {"pi-chat"}  # Pi, through the OpenAI SDK (its user agent)
     assert {r["session_id"] for r in records} == set(rollouts["session_id"])
     assert max(sum(1 for r in records if r["session_id"] == s) for s in rollouts["session_id"]) > 2  # multi-turn
+    assert {r["policy_version"] for r in records} == {0, 1}  # before and after the weight push
     assert all(r["served_model"] == "qwen2.5-coder-0.5b-instruct" for r in records)
     assert any(len(r["prompt_token_ids"]) > 1000 and r["sampled_token_ids"] for r in records)
     assert (FIXTURE / "train" / "metrics.jsonl").read_text().strip()
