@@ -189,6 +189,7 @@ class Call:
         self.finalized = False
         self.stream_done = False  # [DONE] seen, or an error emitted: ignore what follows
         self.cancelled = False  # the harness went away: a broken upstream read is our doing
+        self.relay_restore: tuple | None = None  # the request's own target and body while relayed
 
 
 class SSEStream:
@@ -219,15 +220,19 @@ class SSEStream:
         return [out] if out else []
 
     def _drain(self, final: bool = False) -> bytes:
+        # Scan from an offset and cut the consumed prefix once: deleting each event from the
+        # front moved the rest of the buffer every time (quadratic on a 60 kB first chunk).
         out = bytearray()
         buf = self.buf
+        pos = 0
         while True:
-            end, sep_len = _event_end(buf)
+            end, sep_len = _event_end(buf, pos)
             if end < 0:
                 break
-            event = bytes(buf[:end])
-            del buf[: end + sep_len]
-            out += self._event(event)
+            out += self._event(bytes(buf[pos:end]))
+            pos = end + sep_len
+        if pos:
+            del buf[:pos]
         if final and buf.strip():
             event = bytes(buf)
             buf.clear()
@@ -239,20 +244,23 @@ class SSEStream:
         if call.stream_done:
             return b""
         name = b""
-        data_lines = []
-        for line in event.splitlines():
-            if line.startswith(b"data:"):
-                data_lines.append(line[5:].lstrip(b" "))
-            elif line.startswith(b"event:"):
-                name = line[6:].strip()
-        if not data_lines:
-            return b""
-        payload = b"\n".join(data_lines)
+        if event.startswith(b"data:") and b"\n" not in event:  # the usual event: one data line
+            payload = event[5:].lstrip(b" ").rstrip(b"\r")
+        else:
+            data_lines = []
+            for line in event.splitlines():
+                if line.startswith(b"data:"):
+                    data_lines.append(line[5:].lstrip(b" "))
+                elif line.startswith(b"event:"):
+                    name = line[6:].strip()
+            if not data_lines:
+                return b""
+            payload = b"\n".join(data_lines)
         if name == RELAY_ERROR_EVENT:
             info = orjson.loads(payload)
             call.stream_done = True
             return self.addon._stream_failed(call, info.get("kind", "upstream_error"), info.get("message", ""))
-        if payload.strip() == b"[DONE]":
+        if payload == b"[DONE]" or payload.strip() == b"[DONE]":
             call.stream_done = True
             return self.addon._stream_finished(call)
         try:
@@ -276,10 +284,14 @@ class SSEStream:
             return self.addon._stream_failed(call, "upstream_error", f"could not translate the stream: {exc}")
 
 
-def _event_end(buf: bytearray) -> tuple[int, int]:
-    """Index and length of the first blank-line separator in ``buf`` (``\\n\\n`` or ``\\r\\n\\r\\n``)."""
-    a = buf.find(b"\n\n")
-    b = buf.find(b"\r\n\r\n")
+def _event_end(buf: bytearray, start: int = 0) -> tuple[int, int]:
+    """Index and length of the first blank-line separator at or after ``start`` (``\\n\\n`` or
+    ``\\r\\n\\r\\n``)."""
+    a = buf.find(b"\n\n", start)
+    # A CRLF separator can only come first if it starts before ``a``, and only if there is a
+    # ``\r`` at all (a one-byte find is a memchr; the four-byte search is many times slower).
+    stop = len(buf) if a < 0 else a + 3
+    b = buf.find(b"\r\n\r\n", start, stop) if buf.find(b"\r", start, stop) >= 0 else -1
     if a < 0 and b < 0:
         return -1, 0
     if b >= 0 and (a < 0 or b < a):
@@ -679,7 +691,10 @@ class Polar:
             await self._exchange(call, normalized)
         except Exception as exc:  # keep serving whatever happens in one call
             log.exception("polar: call failed")
-            if not call.finalized and flow.response is None and call.ticket is None:
+            if not call.finalized and flow.response is None and call.relay_restore is None:
+                if call.ticket is not None:  # failed before the flow was pointed at the relay
+                    self.tickets.pop(call.ticket, None)
+                    call.ticket = None
                 self._fail(call, 502, "upstream_error", f"proxy error: {exc!r}")
 
     async def _wait_open(self) -> bool:
@@ -904,16 +919,25 @@ class Polar:
         self._fail(call, status, kind, f"upstream answered {resp.status}: {message}", extra_headers=extra)
 
     def _to_relay(self, call: Call) -> None:
-        """Point the flow at the loopback relay, which serves this call's upstream stream."""
+        """Point the flow at the loopback relay, which serves this call's upstream stream.
+
+        The relay needs only the ticket, so the body is not sent again (a harness request can be
+        80 kB); ``responseheaders`` puts the harness's own request back for saved flows."""
         assert self.relay is not None and call.ticket is not None
-        req = call.flow.request
-        req.scheme = "http"
-        req.host = "127.0.0.1"
-        req.port = self.relay.port
-        req.headers[RELAY_TICKET_HEADER] = call.ticket
-        if "transfer-encoding" in req.headers:
-            del req.headers["transfer-encoding"]
-        req.headers["content-length"] = str(len(req.raw_content or b""))
+        data = call.flow.request.data
+        restore = (data.scheme, data.host, data.port, data.content, data.headers.fields)
+        data.scheme, data.host, data.port = b"http", "127.0.0.1", self.relay.port
+        data.content = b""
+        data.headers.fields = tuple(f for f in data.headers.fields if f[0].lower() not in _BODY_HEADERS) + (
+            (b"content-length", b"0"), (RELAY_TICKET_HEADER.encode(), call.ticket.encode()))
+        call.relay_restore = restore
+
+    def _from_relay(self, call: Call) -> None:
+        """The flow's request as the harness sent it (secrets already scrubbed)."""
+        if call.relay_restore is not None:
+            data = call.flow.request.data
+            data.scheme, data.host, data.port, data.content, data.headers.fields = call.relay_restore
+            call.relay_restore = None
 
     async def _pump(self, ticket: str, write: Any) -> bool:
         """Relay side: copy the upstream's SSE bytes; on stall or break, end with an error event."""
@@ -1078,6 +1102,7 @@ class Polar:
             if flow.response is not None and (flow.metadata.get("polar") or {}).get("passthrough"):
                 self._scrub(flow)  # already sent upstream: keep secrets out of saved flows
             return
+        self._from_relay(call)
         resp = flow.response
         resp.headers["content-type"] = "text/event-stream"
         resp.headers["cache-control"] = "no-cache"
@@ -1087,6 +1112,7 @@ class Polar:
         call = self.calls.get(flow.id)
         if call is None or call.finalized:
             return
+        self._from_relay(call)
         msg = flow.error.msg if flow.error else "flow error"
         rec = call.record
         rec.status, rec.error_kind, rec.error = "error", "client_disconnected", msg
@@ -1292,6 +1318,7 @@ class Polar:
 
 
 _SECRET_HEADER_BYTES = frozenset(h.encode() for h in SECRET_HEADERS)
+_BODY_HEADERS = frozenset((b"content-length", b"transfer-encoding", b"content-encoding"))
 #: Young-generation threshold while serving (CPython's default is 700).
 GC_GEN0_THRESHOLD = 10_000
 

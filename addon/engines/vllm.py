@@ -38,7 +38,7 @@ class VLLMEngine(Engine):
 
     def read_response(self, response: dict[str, Any], into: TokenData) -> None:
         if response.get("prompt_token_ids"):
-            into.prompt_token_ids = list(response["prompt_token_ids"])
+            into.prompt_token_ids = response["prompt_token_ids"]  # freshly parsed, ours: no copy
         choice = _choice0(response)
         if choice is None:
             return
@@ -47,7 +47,7 @@ class VLLMEngine(Engine):
 
     def read_chunk(self, chunk: dict[str, Any], into: TokenData) -> None:
         if chunk.get("prompt_token_ids") and not into.prompt_token_ids:
-            into.prompt_token_ids = list(chunk["prompt_token_ids"])
+            into.prompt_token_ids = chunk["prompt_token_ids"]
         choice = _choice0(chunk)
         if choice is None:
             return

@@ -46,7 +46,7 @@ DROPPED_FIELDS = (
     "verbosity",
 )
 #: Engine-only fields removed from answers (the engine adapter has read them already).
-ENGINE_RESPONSE_FIELDS = ("prompt_token_ids", "prompt_logprobs", "kv_transfer_params")
+ENGINE_RESPONSE_FIELDS = ("prompt_token_ids", "prompt_logprobs", "prompt_text", "kv_transfer_params")
 ENGINE_CHOICE_FIELDS = ("token_ids", "stop_reason")
 
 
