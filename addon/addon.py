@@ -264,7 +264,7 @@ class SSEStream:
             call.stream_done = True
             return self.addon._stream_finished(call)
         try:
-            chunk = orjson.loads(payload)
+            chunk = self.addon.engine.parse(payload, call.tokens)
         except orjson.JSONDecodeError:
             call.stream_done = True
             return self.addon._stream_failed(call, "upstream_error", f"malformed upstream chunk: {payload[:200]!r}")
@@ -646,7 +646,7 @@ class Polar:
             user_agent=headers.get("user-agent", ""),
             policy_version=self.policy_version,
             native_path=native_path,
-            native_request=body if isinstance(body, dict) else None,
+            native_request=(jsonutil.raw_json(raw) or body) if isinstance(body, dict) else None,
             stream_mode=ctx.options.polar_stream_mode,
             t_request_in=t_in,
             proxy_id=self.proxy_id,
@@ -794,7 +794,8 @@ class Polar:
                 last_error = f"upstream {up.url} {how}: {exc}"
                 continue
             chat = self._prepare(call, normalized, up, stream_upstream)
-            rec.normalized_request = chat
+            upstream_body = jsonutil.dumps(chat)
+            rec.normalized_request = jsonutil.raw_json(upstream_body) or chat  # written as sent
             rec.served_model = up.served_model or ""
             rec.upstream = up.url
             call.upstream = up
@@ -802,7 +803,7 @@ class Polar:
             rec.t_upstream_sent = time.time()
             try:
                 resp = await self.http.post(
-                    up.url + "/v1/chat/completions", data=jsonutil.dumps(chat),
+                    up.url + "/v1/chat/completions", data=upstream_body,
                     headers={"content-type": "application/json", "x-polar-session": rec.session_id,
                              "x-request-id": rec.call_id,
                              "accept": "text/event-stream" if stream_upstream else "application/json"},
@@ -855,7 +856,7 @@ class Polar:
             resp.release()
         rec.t_upstream_end = time.time()
         try:
-            answer = orjson.loads(raw)
+            answer = self.engine.parse(raw, call.tokens)
         except orjson.JSONDecodeError:
             self._fail(call, 502, "upstream_error", f"upstream sent malformed JSON: {raw[:200]!r}")
             return

@@ -9,12 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import orjson
+
 
 @dataclass
 class TokenData:
     """Token-level facts of one call, accumulated across stream chunks. Never re-derived."""
 
-    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)  # or a RawIds: the engine's own bytes
     sampled_token_ids: list[int] = field(default_factory=list)
     sampled_logprobs: list[float] = field(default_factory=list)
 
@@ -25,6 +27,12 @@ class Engine:
     def prepare(self, chat_request: dict[str, Any]) -> dict[str, Any]:
         """Add the engine's token-id / logprob request fields (in place, returned for chaining)."""
         raise NotImplementedError
+
+    def parse(self, payload: bytes, into: TokenData) -> dict[str, Any]:
+        """Parse an answer or a stream chunk (``orjson.JSONDecodeError`` if it is not JSON).
+
+        An adapter may first lift bulky id lists out of the bytes into ``into`` (kept verbatim)."""
+        return orjson.loads(payload)
 
     def read_response(self, response: dict[str, Any], into: TokenData) -> None:
         """Collect token data from a whole (non-streaming) chat.completion."""

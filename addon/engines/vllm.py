@@ -10,7 +10,42 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
+from ..jsonutil import RawIds
 from .base import Engine, TokenData
+
+_PROMPT_IDS_KEY = b'"prompt_token_ids":['
+_DIGITS_AND_COMMAS = b"0123456789,"
+
+
+def lift_prompt_ids(payload: bytes) -> tuple[bytes, RawIds | None]:
+    """``payload`` without its ``"prompt_token_ids":[...]`` member, and that list as raw bytes.
+
+    A long prompt is ten thousand and more ids; parsing them into Python ints and encoding them
+    again for the capture was most of the proxy's JSON work. The bytes are vLLM's own, so the
+    capture holds exactly what the engine sent. Only a plain top-level list of digits and commas
+    is lifted (inside a JSON string the key's quotes would be escaped, so the pattern cannot match
+    there); anything else is left to the normal parse.
+    """
+    i = payload.find(_PROMPT_IDS_KEY)
+    if i < 0:
+        return payload, None
+    start = i + len(_PROMPT_IDS_KEY)
+    end = payload.find(b"]", start)
+    if end < 0:
+        return payload, None
+    ids = payload[start:end]
+    if ids.translate(None, _DIGITS_AND_COMMAS) or ids.startswith(b",") or ids.endswith(b",") or b",," in ids:
+        return payload, None
+    before, after = payload[:i].rstrip(), payload[end + 1:].lstrip()
+    if before.endswith(b","):  # "...,"prompt_token_ids":[...]}" or "...,"prompt_token_ids":[...],..."
+        rest = before[:-1] + after
+    elif after.startswith(b","):  # "{"prompt_token_ids":[...],..."
+        rest = before + after[1:]
+    else:  # the only member
+        rest = before + after
+    return rest, RawIds(b"[" + ids + b"]", ids.count(b",") + 1 if ids else 0)
 
 
 def _choice0(obj: dict[str, Any]) -> dict[str, Any] | None:
@@ -35,6 +70,22 @@ class VLLMEngine(Engine):
         # Never let a harness ask for ids-as-strings: the capture wants the token texts untouched.
         chat_request.pop("return_tokens_as_token_ids", None)
         return chat_request
+
+    def parse(self, payload: bytes, into: TokenData) -> dict[str, Any]:
+        if into.prompt_token_ids:  # vLLM sends them once (the first chunk)
+            return orjson.loads(payload)
+        rest, ids = lift_prompt_ids(payload)
+        if ids is None:
+            return orjson.loads(payload)
+        try:
+            out = orjson.loads(rest)
+        except orjson.JSONDecodeError:  # the cut was not where we thought: parse it all
+            return orjson.loads(payload)
+        if not isinstance(out, dict) or "prompt_token_ids" in out:
+            return orjson.loads(payload)
+        if ids:
+            into.prompt_token_ids = ids
+        return out
 
     def read_response(self, response: dict[str, Any], into: TokenData) -> None:
         if response.get("prompt_token_ids"):
