@@ -260,7 +260,7 @@ class SSEStream:
             info = orjson.loads(payload)
             call.stream_done = True
             return self.addon._stream_failed(call, info.get("kind", "upstream_error"), info.get("message", ""))
-        if payload == b"[DONE]" or payload.strip() == b"[DONE]":
+        if payload[:1] != b"{" and payload.strip() == b"[DONE]":
             call.stream_done = True
             return self.addon._stream_finished(call)
         try:
@@ -285,18 +285,24 @@ class SSEStream:
 
 
 def _event_end(buf: bytearray, start: int = 0) -> tuple[int, int]:
-    """Index and length of the first blank-line separator at or after ``start`` (``\\n\\n`` or
-    ``\\r\\n\\r\\n``)."""
-    a = buf.find(b"\n\n", start)
-    # A CRLF separator can only come first if it starts before ``a``, and only if there is a
-    # ``\r`` at all (a one-byte find is a memchr; the four-byte search is many times slower).
-    stop = len(buf) if a < 0 else a + 3
-    b = buf.find(b"\r\n\r\n", start, stop) if buf.find(b"\r", start, stop) >= 0 else -1
-    if a < 0 and b < 0:
-        return -1, 0
-    if b >= 0 and (a < 0 or b < a):
-        return b, 4
-    return a, 2
+    """Where the first event at or after ``start`` ends, and the length of the blank line after it
+    (``\\n\\n``, ``\\r\\n\\r\\n`` or a mix); ``(-1, 0)`` while the event is incomplete.
+
+    Looks for single ``\\n`` bytes (a memchr): a two-byte search is ~50x slower, and a first
+    chunk carrying a 10k-token prompt's ids is 60 kB without one line break."""
+    n = len(buf)
+    i = buf.find(b"\n", start)
+    while i >= 0:
+        j = i + 1
+        if j < n and buf[j] == 13:  # \r
+            j += 1
+        if j >= n:
+            return -1, 0
+        if buf[j] == 10:  # \n: a blank line
+            end = i - 1 if i > start and buf[i - 1] == 13 else i
+            return end, j + 1 - end
+        i = buf.find(b"\n", j)
+    return -1, 0
 
 
 class Polar:
@@ -941,17 +947,28 @@ class Polar:
             call.relay_restore = None
 
     async def _pump(self, ticket: str, write: Any) -> bool:
-        """Relay side: copy the upstream's SSE bytes; on stall or break, end with an error event."""
+        """Relay side: copy the upstream's SSE bytes; on stall or break, end with an error event.
+
+        ``write(data, end)`` sends the relay's response head with the first write and the chunked
+        terminator with ``end``: what is already buffered goes to mitmproxy as one piece (one read
+        and one pass through its layers instead of three)."""
         call = self.tickets.pop(ticket, None)
         if call is None or call.upstream_response is None:
-            await write(relay_error_event("upstream_error", "polar: unknown relay ticket"))
+            await write(relay_error_event("upstream_error", "polar: unknown relay ticket"), True)
             return True
         resp = call.upstream_response
+        content = resp.content
         error: bytes | None = None
         try:
-            while True:
+            try:
+                data = content.read_nowait(-1)  # usually the whole answer under load
+            except (aiohttp.ClientError, OSError, RuntimeError):
+                data = b""  # readany below raises it again, with the salvage logic
+            end = bool(data) and content.at_eof()
+            await write(data, end)  # the head goes out now, whatever the upstream has sent so far
+            while not end:
                 try:
-                    data = await resp.content.readany()
+                    data = await content.readany()
                 except asyncio.TimeoutError:
                     if self.pool and call.upstream and not call.cancelled:
                         self.pool.mark_failed(call.upstream, "stream stalled")
@@ -960,29 +977,21 @@ class Polar:
                 except (aiohttp.ClientError, OSError) as exc:
                     if call.cancelled:
                         return False
-                    rest = _salvage(resp.content)
+                    rest = _salvage(content)
                     if rest:  # bytes that arrived together with the break: never drop sampled tokens
-                        try:
-                            await write(rest)
-                        except (ConnectionError, RuntimeError):
-                            return False
+                        await write(rest)
                     if self.pool and call.upstream:
                         self.pool.mark_failed(call.upstream, f"stream broken: {exc}")
                     error = relay_error_event("upstream_error", f"upstream stream broken: {exc}")
                     break
-                if not data:
-                    break
-                try:
-                    await write(data)
-                except (ConnectionError, RuntimeError):
-                    return False  # the harness side is gone; closing resp aborts the generation
+                end = not data or content.at_eof()
+                await write(data, end)
             call.record.t_upstream_end = time.time()
             if error is not None:
-                try:
-                    await write(error)
-                except (ConnectionError, RuntimeError):
-                    return False
+                await write(error, True)
             return True
+        except (ConnectionError, RuntimeError):
+            return False  # the harness side is gone; closing resp aborts the generation
         finally:
             resp.close()
             call.upstream_response = None

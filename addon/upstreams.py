@@ -181,11 +181,12 @@ def relay_error_event(kind: str, message: str) -> bytes:
 class StreamRelay:
     """A minimal HTTP/1.1 server on loopback that serves registered upstream streams by ticket.
 
-    ``pump(ticket, write)`` is supplied by the addon: it copies the upstream body with ``write``
-    and returns when done (having written an error event itself when the upstream failed).
+    ``pump(ticket, write)`` is supplied by the addon: it copies the upstream body with
+    ``write(data, end=False)`` and returns when done (having written an error event itself when
+    the upstream failed); False means the mitmproxy side went away.
     """
 
-    def __init__(self, pump: Callable[[str, Callable[[bytes], Awaitable[None]]], Awaitable[bool]]):
+    def __init__(self, pump: Callable[..., Awaitable[bool]]):
         self._pump = pump
         self._server: asyncio.base_events.Server | None = None
         self.port = 0
@@ -206,35 +207,50 @@ class StreamRelay:
                     head = await reader.readuntil(b"\r\n\r\n")
                 except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
                     return
-                lines = head.decode("latin-1").split("\r\n")
                 headers: dict[str, str] = {}
-                for line in lines[1:]:
+                for line in head.decode("latin-1").split("\r\n")[1:]:
                     name, sep, value = line.partition(":")
                     if sep:
                         headers[name.strip().lower()] = value.strip()
                 length = int(headers.get("content-length") or 0)
                 if length:
                     await reader.readexactly(length)
-                ticket = headers.get(RELAY_TICKET_HEADER, "")
-                close = headers.get("connection", "").lower() == "close"
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-                    b"transfer-encoding: chunked\r\n" + (b"connection: close\r\n" if close else b"") + b"\r\n"
-                )
-
-                async def write(data: bytes) -> None:
-                    if data:
-                        writer.write(b"%x\r\n%s\r\n" % (len(data), data))
-                        await writer.drain()
-
-                ok = await self._pump(ticket, write)
-                if not ok:  # the mitmproxy side went away: drop the connection
-                    return
-                writer.write(b"0\r\n\r\n")
-                await writer.drain()
-                if close:
+                out = _RelayAnswer(writer, close=headers.get("connection", "").lower() == "close")
+                if not await self._pump(headers.get(RELAY_TICKET_HEADER, ""), out.write):
+                    return  # the mitmproxy side went away: drop the connection
+                if not out.ended:
+                    await out.write(b"", True)
+                if out.close:
                     return
         except (ConnectionError, asyncio.IncompleteReadError):
             return
         finally:
             writer.close()
+
+
+class _RelayAnswer:
+    """One chunked answer of the relay: the head rides with the first write, the terminator with
+    the last, so an answer that is already complete leaves in a single ``send``."""
+
+    __slots__ = ("writer", "close", "pending", "ended")
+
+    def __init__(self, writer: asyncio.StreamWriter, close: bool):
+        self.writer = writer
+        self.close = close
+        self.ended = False
+        self.pending = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+                        b"transfer-encoding: chunked\r\n" + (b"connection: close\r\n" if close else b"") + b"\r\n")
+
+    async def write(self, data: bytes, end: bool = False) -> None:
+        if self.ended:
+            return
+        parts = [self.pending] if self.pending else []
+        self.pending = b""
+        if data:
+            parts.append(b"%x\r\n%s\r\n" % (len(data), data))
+        if end:
+            parts.append(b"0\r\n\r\n")
+            self.ended = True
+        if parts:
+            self.writer.write(b"".join(parts))
+            await self.writer.drain()

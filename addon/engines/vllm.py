@@ -16,7 +16,7 @@ from ..jsonutil import RawIds
 from .base import Engine, TokenData
 
 _PROMPT_IDS_KEY = b'"prompt_token_ids":['
-_DIGITS_AND_COMMAS = b"0123456789,"
+_DIGITS = b"0123456789"
 
 
 def lift_prompt_ids(payload: bytes) -> tuple[bytes, RawIds | None]:
@@ -36,7 +36,8 @@ def lift_prompt_ids(payload: bytes) -> tuple[bytes, RawIds | None]:
     if end < 0:
         return payload, None
     ids = payload[start:end]
-    if ids.translate(None, _DIGITS_AND_COMMAS) or ids.startswith(b",") or ids.endswith(b",") or b",," in ids:
+    commas = ids.translate(None, _DIGITS)  # only commas may remain; they also give the count
+    if commas != b"," * len(commas) or ids.startswith(b",") or ids.endswith(b",") or b",," in ids:
         return payload, None
     before, after = payload[:i].rstrip(), payload[end + 1:].lstrip()
     if before.endswith(b","):  # "...,"prompt_token_ids":[...]}" or "...,"prompt_token_ids":[...],..."
@@ -45,7 +46,7 @@ def lift_prompt_ids(payload: bytes) -> tuple[bytes, RawIds | None]:
         rest = before + after[1:]
     else:  # the only member
         rest = before + after
-    return rest, RawIds(b"[" + ids + b"]", ids.count(b",") + 1 if ids else 0)
+    return rest, RawIds(b"[" + ids + b"]", len(commas) + 1 if ids else 0)
 
 
 def _choice0(obj: dict[str, Any]) -> dict[str, Any] | None:
