@@ -23,6 +23,7 @@ import asyncio
 import gc
 import logging
 import math
+import os
 import time
 import uuid
 from collections import OrderedDict
@@ -34,6 +35,7 @@ import orjson
 
 from polar_proxy import jsonutil
 from mitmproxy import command, ctx, exceptions, http
+from mitmproxy.net.http import status_codes
 from mitmproxy.proxy import mode_specs
 
 from polar_analysis.schema import CallRecord, valid_session_id
@@ -189,6 +191,7 @@ class Call:
         self.finalized = False
         self.stream_done = False  # [DONE] seen, or an error emitted: ignore what follows
         self.cancelled = False  # the harness went away: a broken upstream read is our doing
+        self.native_size = 0  # bytes of the harness's request body
         self.relay_restore: tuple | None = None  # the request's own target and body while relayed
 
 
@@ -316,6 +319,9 @@ class Polar:
         self.timeout = 600.0
         self._timeout_obj: aiohttp.ClientTimeout | None = None
         self.pause_timeout = 0.0
+        self.stream_mode = "passthrough"
+        self.max_tokens_cap = 0
+        self.passthrough = False
         self.intercept_hosts: set[str] = set(DEFAULT_INTERCEPT_HOSTS)
         self.intercept_suffixes: tuple[str, ...] = ()
         self.policy_version: int | None = None
@@ -369,6 +375,10 @@ class Polar:
 
     def configure(self, updated: set[str]) -> None:
         o = ctx.options
+        # The options read on every call, kept as attributes (an option lookup is a few calls).
+        self.stream_mode = o.polar_stream_mode
+        self.max_tokens_cap = o.polar_max_tokens_cap
+        self.passthrough = o.polar_passthrough
         if "polar_upstream_timeout" in updated:
             self.timeout = _positive_float(o.polar_upstream_timeout, "polar_upstream_timeout")
         if "polar_pause_timeout" in updated:
@@ -567,7 +577,7 @@ class Polar:
             await self._control(flow)
             return
         if not self._intercepted(flow):
-            if not ctx.options.polar_passthrough:
+            if not self.passthrough:
                 self.stats["refused"] += 1
                 self._scrub(flow)
                 flow.response = http.Response.make(403, b"polar: host not intercepted\n", {"content-type": "text/plain"})
@@ -642,7 +652,7 @@ class Polar:
 
         sid = session.id
         rec = CallRecord(
-            call_id=uuid.uuid4().hex,
+            call_id=os.urandom(16).hex(),
             session_id=sid,
             session_source=session.source,
             call_index=self._next_call_index(sid),
@@ -653,7 +663,7 @@ class Polar:
             policy_version=self.policy_version,
             native_path=native_path,
             native_request=(jsonutil.raw_json(raw) or body) if isinstance(body, dict) else None,
-            stream_mode=ctx.options.polar_stream_mode,
+            stream_mode=self.stream_mode,
             t_request_in=t_in,
             proxy_id=self.proxy_id,
         )
@@ -666,6 +676,7 @@ class Polar:
         except ValueError:
             rec.sample_index = None
         call = Call(rec, provider, flow)
+        call.native_size = len(raw)
         self.stats["calls"] += 1
         flow.metadata["polar"] = {"session": sid, "provider": provider.name, "call_index": rec.call_index,
                                   "call_id": rec.call_id, "native_url": scrub_query_string(req.pretty_url)}
@@ -759,10 +770,10 @@ class Polar:
         requested = chat.pop("max_completion_tokens", None)
         requested = chat.get("max_tokens") or requested
         limits = [int(requested)] if requested else []
-        if ctx.options.polar_max_tokens_cap:
-            limits.append(ctx.options.polar_max_tokens_cap)
+        if self.max_tokens_cap:
+            limits.append(self.max_tokens_cap)
         if up.max_model_len:
-            est = (len(jsonutil.dumps(chat.get("messages") or [])) + len(jsonutil.dumps(chat.get("tools") or []))) // 4
+            est = call.native_size // 4  # the harness's body: messages and tools, ~4 bytes a token
             limits.append(max(min(MIN_MAX_TOKENS, up.max_model_len), up.max_model_len - est))
             limits.append(up.max_model_len)
         if limits:
@@ -781,7 +792,7 @@ class Polar:
         if self.pool is None or self.http is None:
             self._fail(call, 502, "upstream_refused", "polar: no upstream configured (polar_upstream)")
             return
-        stream_upstream = rec.stream and ctx.options.polar_stream_mode == "passthrough"
+        stream_upstream = rec.stream and self.stream_mode == "passthrough"
         tried: set[str] = set()
         resp: aiohttp.ClientResponse | None = None
         last_error = "no upstream"
@@ -843,7 +854,7 @@ class Polar:
         if stream_upstream:
             call.upstream_response = resp
             call.translator = call.provider.new_stream(rec.requested_model, call.normalized)
-            call.ticket = uuid.uuid4().hex
+            call.ticket = os.urandom(16).hex()
             self.tickets[call.ticket] = call
             self.stats["streamed"] += 1
             self._to_relay(call)
@@ -885,7 +896,7 @@ class Polar:
         headers = {"content-type": ctype}
         if ctype == "text/event-stream":
             headers["cache-control"] = "no-cache"
-        call.flow.response = http.Response.make(200, content, headers)
+        call.flow.response = make_response(200, content, headers)
 
     async def _upstream_status_error(self, call: Call, resp: aiohttp.ClientResponse) -> None:
         up = call.upstream
@@ -1047,7 +1058,7 @@ class Polar:
         if body is None:
             body = {"error": {"message": message, "type": kind, "code": status}}
         headers = {"content-type": "application/json", **(extra_headers or {})}
-        flow.response = http.Response.make(status, jsonutil.dumps(body), headers)
+        flow.response = make_response(status, jsonutil.dumps(body), headers)
         flow.marked = ":red_circle:"
 
     def _fail(self, call: Call, status: int, kind: str, message: str,
@@ -1331,6 +1342,16 @@ _SECRET_HEADER_BYTES = frozenset(h.encode() for h in SECRET_HEADERS)
 _BODY_HEADERS = frozenset((b"content-length", b"transfer-encoding", b"content-encoding"))
 #: Young-generation threshold while serving (CPython's default is 700).
 GC_GEN0_THRESHOLD = 10_000
+
+
+def make_response(status: int, content: bytes, headers: dict[str, str]) -> http.Response:
+    """``http.Response.make`` without its generic conversions (about half its cost on every
+    answer): the body is already encoded and the header values are ASCII."""
+    fields = tuple((k.encode(), v.encode("utf-8", "surrogateescape")) for k, v in headers.items())
+    now = time.time()
+    return http.Response(b"HTTP/1.1", status, status_codes.RESPONSES.get(status, "").encode(),
+                         http.Headers(fields + ((b"content-length", str(len(content)).encode()),)),
+                         content, None, now, now)
 
 
 def header_dict(headers: http.Headers) -> dict[str, str]:
