@@ -946,8 +946,9 @@ class Polar:
         restore = (data.scheme, data.host, data.port, data.content, data.headers.fields)
         data.scheme, data.host, data.port = b"http", "127.0.0.1", self.relay.port
         data.content = b""
-        data.headers.fields = tuple(f for f in data.headers.fields if f[0].lower() not in _BODY_HEADERS) + (
-            (b"content-length", b"0"), (RELAY_TICKET_HEADER.encode(), call.ticket.encode()))
+        # Only what the relay reads: mitmproxy assembles and the relay parses a short head.
+        data.headers.fields = ((b"host", b"127.0.0.1"), (b"content-length", b"0"),
+                               (_RELAY_TICKET_HEADER_BYTES, call.ticket.encode()))
         call.relay_restore = restore
 
     def _from_relay(self, call: Call) -> None:
@@ -1124,10 +1125,7 @@ class Polar:
                 self._scrub(flow)  # already sent upstream: keep secrets out of saved flows
             return
         self._from_relay(call)
-        resp = flow.response
-        resp.headers["content-type"] = "text/event-stream"
-        resp.headers["cache-control"] = "no-cache"
-        resp.stream = SSEStream(self, call)
+        flow.response.stream = SSEStream(self, call)  # the relay's head is already the harness's
 
     def error(self, flow: http.HTTPFlow) -> None:
         call = self.calls.get(flow.id)
@@ -1339,7 +1337,7 @@ class Polar:
 
 
 _SECRET_HEADER_BYTES = frozenset(h.encode() for h in SECRET_HEADERS)
-_BODY_HEADERS = frozenset((b"content-length", b"transfer-encoding", b"content-encoding"))
+_RELAY_TICKET_HEADER_BYTES = RELAY_TICKET_HEADER.encode()
 #: Young-generation threshold while serving (CPython's default is 700).
 GC_GEN0_THRESHOLD = 10_000
 

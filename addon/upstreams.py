@@ -207,16 +207,13 @@ class StreamRelay:
                     head = await reader.readuntil(b"\r\n\r\n")
                 except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
                     return
-                headers: dict[str, str] = {}
-                for line in head.decode("latin-1").split("\r\n")[1:]:
-                    name, sep, value = line.partition(":")
-                    if sep:
-                        headers[name.strip().lower()] = value.strip()
-                length = int(headers.get("content-length") or 0)
+                headers = _head_fields(head)
+                length = int(headers.get(b"content-length") or 0)
                 if length:
                     await reader.readexactly(length)
-                out = _RelayAnswer(writer, close=headers.get("connection", "").lower() == "close")
-                if not await self._pump(headers.get(RELAY_TICKET_HEADER, ""), out.write):
+                out = _RelayAnswer(writer, close=headers.get(b"connection", b"").lower() == b"close")
+                ticket = headers.get(_TICKET, b"").decode("ascii", "replace")
+                if not await self._pump(ticket, out.write):
                     return  # the mitmproxy side went away: drop the connection
                 if not out.ended:
                     await out.write(b"", True)
@@ -226,6 +223,19 @@ class StreamRelay:
             return
         finally:
             writer.close()
+
+
+_TICKET = RELAY_TICKET_HEADER.encode()
+
+
+def _head_fields(head: bytes) -> dict[bytes, bytes]:
+    """Lower-cased header names -> values of a request head (the request line skipped)."""
+    fields: dict[bytes, bytes] = {}
+    for line in head.split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep:
+            fields[name.strip().lower()] = value.strip()
+    return fields
 
 
 class _RelayAnswer:
