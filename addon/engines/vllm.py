@@ -73,7 +73,8 @@ class VLLMEngine(Engine):
         return chat_request
 
     def parse(self, payload: bytes, into: TokenData) -> dict[str, Any]:
-        if into.prompt_token_ids:  # vLLM sends them once (the first chunk)
+        known = into.prompt_token_ids
+        if known.__class__ is RawIds or known:  # vLLM sends them once (the first chunk)
             return orjson.loads(payload)
         rest, ids = lift_prompt_ids(payload)
         if ids is None:
