@@ -20,11 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import orjson
 from mitmproxy import contentviews, ctx
 from mitmproxy.contentviews.base import TViewLine
 
-from polar_analysis.schema import SESSIONS_SUBDIR, valid_session_id
+from polar_analysis.schema import SESSIONS_SUBDIR, read_capture_lines, valid_session_id
 
 VIEW_NAME = "Polar tokens"
 PROMPT_STYLE = "offset"  # loss mask 0
@@ -61,17 +60,7 @@ def _session_records(path: Path) -> dict[str, dict[str, Any]]:
     hit = _records.get(path)
     if hit and hit[0] == key:
         return hit[1]
-    out: dict[str, dict[str, Any]] = {}
-    with open(path, "rb") as fh:
-        for line in fh:
-            if not line.endswith(b"\n"):
-                continue
-            try:
-                rec = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and rec.get("call_id"):
-                out[rec["call_id"]] = rec
+    out = {rec["call_id"]: rec for rec in read_capture_lines(path) if rec.get("call_id")}
     _records[path] = (key, out)
     return out
 

@@ -27,6 +27,7 @@ import orjson
 from polar_proxy import jsonutil
 
 from polar_runtime import paths
+from polar_runtime.processes import kill_group
 
 ENTRY_SCRIPT = Path(__file__).resolve().parent / "polar.py"
 
@@ -260,19 +261,8 @@ class ProxyProcess:
 
     def stop(self, timeout: float = 10.0) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(5)
+        if proc is not None:
+            kill_group(proc, timeout)
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -15,8 +15,12 @@ filling missing fields with their defaults.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
+
+import orjson
 
 SCHEMA_VERSION = 1
 
@@ -122,3 +126,18 @@ TRAJECTORY_COLUMNS = {
     "merge_kind": "list[str]",  # per merge: exact | retokenized | prompt_changed | content_changed
     "policy_version": "int",
 }
+
+
+def read_capture_lines(path: str | Path) -> Iterator[dict[str, Any]]:
+    """The JSON objects of one capture file, in order. A torn last line (the proxy died while
+    writing it) or a line that is not a JSON object is skipped: what was written stays readable."""
+    with open(path, "rb") as fh:
+        for line in fh:
+            if not line.endswith(b"\n"):
+                continue
+            try:
+                rec = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(rec, dict):
+                yield rec

@@ -22,7 +22,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import threading
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Literal
 
 from polar_runtime import paths
+from polar_runtime.processes import kill_group
 
 Mode = Literal["base_url", "proxy"]
 MODES: tuple[Mode, ...] = ("base_url", "proxy")
@@ -573,21 +573,6 @@ class RunResult:
             with contextlib.suppress(OSError):
                 out.append(p.read_text(errors="replace")[-n:])
         return "\n".join(out)
-
-
-def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM the process group, then SIGKILL what is left after ``grace`` seconds."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    # Stragglers that outlived their leader (daemons a harness forked) still hold the group id.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 #: Harness processes running now (each leads its own process group), for ``terminate_all``.

@@ -35,10 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import orjson
 import polars as pl
 
-from polar_analysis.schema import SESSIONS_SUBDIR, valid_session_id
+from polar_analysis.schema import SESSIONS_SUBDIR, read_capture_lines, valid_session_id
 from polar_runtime.harnesses import Endpoint, Preset, Session, kill_group, run_invocation, terminate_all
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -283,22 +282,15 @@ def capture_stats(capture_dir: Path, session_id: str) -> tuple[int, int, int, in
     Torn or foreign lines are skipped (the loader's rule); counts are of ids as captured."""
     calls = errors = prompt = sampled = 0
     for path in session_capture_files(capture_dir, session_id):
-        with open(path, "rb") as fh:
-            for line in fh:
-                if not line.endswith(b"\n"):
-                    continue
-                try:
-                    rec = orjson.loads(line)
-                except orjson.JSONDecodeError:
-                    continue
-                if rec.get("record_type", "call") != "call" or rec.get("session_id") != session_id:
-                    continue
-                if rec.get("status", "ok") != "ok":
-                    errors += 1
-                    continue
-                calls += 1
-                prompt += len(rec.get("prompt_token_ids") or ())
-                sampled += len(rec.get("sampled_token_ids") or ())
+        for rec in read_capture_lines(path):
+            if rec.get("record_type", "call") != "call" or rec.get("session_id") != session_id:
+                continue
+            if rec.get("status", "ok") != "ok":
+                errors += 1
+                continue
+            calls += 1
+            prompt += len(rec.get("prompt_token_ids") or ())
+            sampled += len(rec.get("sampled_token_ids") or ())
     return calls, errors, prompt, sampled
 
 

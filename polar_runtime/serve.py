@@ -16,7 +16,6 @@ import atexit
 import json
 import os
 import re
-import signal
 import subprocess
 import time
 import urllib.error
@@ -26,6 +25,7 @@ from typing import Any
 
 from polar_runtime import models, paths
 from polar_runtime.net import free_port, port_in_use
+from polar_runtime.processes import kill_group
 
 DEFAULT_MODEL = models.QWEN05
 MAX_AUTO_KV_CACHE_GIB = 4.0
@@ -326,20 +326,7 @@ class VLLMServer:
         if proc is None:
             return
         atexit.unregister(self.stop)
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # children (the engine core) may outlive the API process
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        kill_group(proc, grace)  # the engine core, a child, may outlive the API process
 
     def restart(self, model_dir: str | os.PathLike[str] | None = None, timeout: float = START_TIMEOUT_S) -> None:
         """Stop and start again on the same port (optionally serving a new checkpoint dir)."""
