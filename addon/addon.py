@@ -322,6 +322,7 @@ class Polar:
         self.stream_mode = "passthrough"
         self.max_tokens_cap = 0
         self.passthrough = False
+        self.stream_at_once = True
         self.intercept_hosts: set[str] = set(DEFAULT_INTERCEPT_HOSTS)
         self.intercept_suffixes: tuple[str, ...] = ()
         self.policy_version: int | None = None
@@ -336,7 +337,7 @@ class Polar:
         self.session_calls: OrderedDict[str, int] = OrderedDict()
         self.registry: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.conn_proxy_auth: dict[str, str] = {}
-        self.stats = {"calls": 0, "errors": 0, "captured": 0, "capture_errors": 0, "streamed": 0,
+        self.stats = {"calls": 0, "errors": 0, "captured": 0, "capture_errors": 0, "streamed": 0, "streamed_at_once": 0,
                       "side_calls": 0, "passthrough": 0, "refused": 0, "waiting": 0}
         self.max_sessions = 100_000
 
@@ -366,6 +367,9 @@ class Polar:
         loader.add_option("polar_max_tokens_cap", int, 0,
                           "Upper bound for max_tokens sent upstream (0: only the context limit).")
         loader.add_option("polar_fsync", bool, False, "fsync the capture file after every record (slow).")
+        loader.add_option("polar_stream_at_once", bool, True,
+                          "A stream that has wholly arrived when the proxy first looks (the proxy is behind) "
+                          "is answered in one piece instead of through the relay (false: always relay).")
         loader.add_option("polar_pause", bool, False, "Hold new model calls (weights are being swapped).")
         loader.add_option("polar_pause_timeout", str, "0",
                           "Seconds a held call waits before an 'overloaded' error (0: wait for resume).")
@@ -379,6 +383,7 @@ class Polar:
         self.stream_mode = o.polar_stream_mode
         self.max_tokens_cap = o.polar_max_tokens_cap
         self.passthrough = o.polar_passthrough
+        self.stream_at_once = o.polar_stream_at_once
         if "polar_upstream_timeout" in updated:
             self.timeout = _positive_float(o.polar_upstream_timeout, "polar_upstream_timeout")
         if "polar_pause_timeout" in updated:
@@ -852,11 +857,14 @@ class Polar:
             return
         self.pool.mark_ok(up)
         if stream_upstream:
-            call.upstream_response = resp
             call.translator = call.provider.new_stream(rec.requested_model, call.normalized)
+            self.stats["streamed"] += 1
+            if self.stream_at_once and resp.content.is_eof():
+                self._answer_finished_stream(call, resp)
+                return
+            call.upstream_response = resp
             call.ticket = os.urandom(16).hex()
             self.tickets[call.ticket] = call
-            self.stats["streamed"] += 1
             self._to_relay(call)
             return
         try:
@@ -897,6 +905,22 @@ class Polar:
         if ctype == "text/event-stream":
             headers["cache-control"] = "no-cache"
         call.flow.response = make_response(200, content, headers)
+
+    def _answer_finished_stream(self, call: Call, resp: aiohttp.ClientResponse) -> None:
+        """The whole stream had arrived before the proxy got to it (it is behind: a loaded proxy,
+        a short answer): translate it at once and answer in one piece. Nothing is held back that
+        could have gone out earlier, and the relay hop is saved when the proxy needs it most."""
+        try:
+            data = resp.content.read_nowait(-1)
+        except (aiohttp.ClientError, OSError) as exc:  # the body broke: what arrived, then the error
+            data = _salvage(resp.content) + relay_error_event("upstream_error", f"upstream stream broken: {exc}")
+        finally:
+            resp.release()
+        call.record.t_upstream_end = time.time()
+        self.stats["streamed_at_once"] += 1
+        translate = SSEStream(self, call)
+        out = b"".join(translate(data)) + b"".join(translate(b""))
+        call.flow.response = make_response(200, out, {"content-type": "text/event-stream", "cache-control": "no-cache"})
 
     async def _upstream_status_error(self, call: Call, resp: aiohttp.ClientResponse) -> None:
         up = call.upstream

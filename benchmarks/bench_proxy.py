@@ -46,9 +46,12 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-TARGETS = ("direct", "mitmdump", "polar", "litellm")
+TARGETS = ("direct", "mitmdump", "polar", "polar_relay", "litellm")
 LABELS = {"direct": "directly (upstream)", "mitmdump": "bare mitmdump (reverse)", "polar": "Polar",
-          "litellm": "LiteLLM proxy"}
+          "polar_relay": "Polar, relay only", "litellm": "LiteLLM proxy"}
+#: Polar's variants: the default, and every stream through the relay (``polar_stream_at_once``
+#: off), which shows what the at-once shortcut is worth when the proxy falls behind.
+POLAR_VARIANTS = {"polar": {}, "polar_relay": {"polar_stream_at_once": False}}
 console = Console() if sys.stdout.isatty() else Console(width=150)
 app = typer.Typer(add_completion=False)
 
@@ -81,7 +84,7 @@ def build_plans(urls: dict[str, str], fixtures: list[common.Fixture], *, delay_m
 
 def _spec(target: str, base: str, fx: common.Fixture, stream: bool, directive: str | None) -> dict:
     kind = f"{fx.name}/{'stream' if stream else 'whole'}"
-    if target == "polar" or (target == "litellm" and fx.provider in ("openai_chat", "anthropic")):
+    if target in POLAR_VARIANTS or (target == "litellm" and fx.provider in ("openai_chat", "anthropic")):
         path, headers, body = common.native_request(fx, stream)
         if target == "litellm" and fx.provider == "openai_chat":
             body = {**body, "logprobs": True, "return_token_ids": True}  # what an RL framework asks for
@@ -174,6 +177,11 @@ def goals(s: dict[str, dict[str, Any]], top: int) -> list[tuple[str, str, bool |
         r = p["ttft_p50_ms"] / m["ttft_p50_ms"]
         rows.append(("Polar streamed time to first token p50 <= 1.5x bare mitmdump's",
                      f"{p['ttft_p50_ms']:.2f} / {m['ttft_p50_ms']:.2f} ms = {r:.2f}x", r <= 1.5))
+    rl = s.get("polar_relay")
+    if rl and m:
+        r = m["cpu_ms_per_call"] / rl["cpu_ms_per_call"]
+        rows.append(("  (Polar with every stream relayed: CPU per call vs bare mitmdump)",
+                     f"{m['cpu_ms_per_call']:.2f} / {rl['cpu_ms_per_call']:.2f} ms = {r:.2f}x", None))
     if p:
         rows.append(("Polar: zero errors", f"{p['errors']} errors", p["errors"] == 0))
     return rows
@@ -220,15 +228,19 @@ def main(
                 common.pin(svc.pid, proxy_cpus)
                 urls["mitmdump"] = svc.ready_url.rsplit("/", 1)[0]
                 pids["mitmdump"] = svc.pid
-            if "polar" in chosen:
+            polars: dict[str, Any] = {}
+            for variant, options in POLAR_VARIANTS.items():
+                if variant not in chosen:
+                    continue
                 from polar_proxy.process import ProxyProcess
 
-                polar = ProxyProcess(urls["direct"], tmp / "captures", confdir=confdir,
-                                     served_model=common.SERVED_MODEL).start()
-                services.append(polar)
-                common.pin(polar.proc.pid, proxy_cpus)
-                urls["polar"] = polar.url
-                pids["polar"] = polar.proc.pid
+                proxy = ProxyProcess(urls["direct"], tmp / f"captures-{variant}", confdir=confdir,
+                                     served_model=common.SERVED_MODEL, options=options).start()
+                services.append(proxy)
+                common.pin(proxy.proc.pid, proxy_cpus)
+                polars[variant] = proxy
+                urls[variant] = proxy.url
+                pids[variant] = proxy.proc.pid
             if "litellm" in chosen:
                 with console.status("starting LiteLLM (installs it once into $POLAR_HOME/venvs/litellm)"):
                     svc = common.litellm_proxy(urls["direct"], common.requested_models(fixtures), tmp).start()
@@ -267,13 +279,13 @@ def main(
                             m["cpu_ms_per_call"] = 1e3 * (common.cpu_seconds(pids[t]) - cpu0) / max(1, m["total"])
                             thr[t][c].append(m)
                             progress.advance(task)
-            polar_status = polar.control.status() if "polar" in urls else None
             summary = summarize(lat, ttfb, thr, n_mix)
-            if polar_status is not None:
-                summary["polar"]["captured"] = polar_status["captured"]
-                summary["polar"]["proxy_errors"] = polar_status["errors"]
-                summary["polar"]["capture_lines"] = sum(
-                    f.read_bytes().count(b"\n") for f in (tmp / "captures" / "sessions").glob("*.jsonl"))
+            for variant, proxy in polars.items():
+                st = proxy.control.status()
+                summary[variant].update(captured=st["captured"], proxy_errors=st["errors"],
+                                        streamed=st["streamed"], streamed_at_once=st["streamed_at_once"])
+                summary[variant]["capture_lines"] = sum(
+                    f.read_bytes().count(b"\n") for f in (tmp / f"captures-{variant}" / "sessions").glob("*.jsonl"))
         finally:
             for svc in reversed(services):
                 svc.stop()
@@ -305,10 +317,12 @@ def report(s: dict[str, dict[str, Any]], levels: list[int], rounds: int, trounds
     for target, v in s.items():
         for e in v["error_samples"]:
             console.print(f"[red]{target} error:[/] {e}")
-    if "polar" in s and "captured" in s["polar"]:
-        p = s["polar"]
-        console.print(f"Polar captured {p['captured']} calls ({p['capture_lines']} lines on disk), "
-                      f"proxy-side errors {p['proxy_errors']}")
+    for variant in POLAR_VARIANTS:
+        if variant in s and "captured" in s[variant]:
+            p = s[variant]
+            console.print(f"{LABELS[variant]} captured {p['captured']} calls ({p['capture_lines']} lines on disk), "
+                          f"proxy-side errors {p['proxy_errors']}; streamed calls answered at once (already "
+                          f"complete when read) {p['streamed_at_once']} of {p['streamed']}")
     g = Table(title="Goals")
     g.add_column("goal")
     g.add_column("measured")

@@ -18,6 +18,8 @@ by session id with ``"*"`` as default). The turn is the number of assistant mess
 Directives in the last user message override it: ``#scenario:NAME`` and ``#fault:KIND`` where KIND
 is ``500``, ``429``, ``hang``, ``hang_stream``, ``cut``, ``refuse`` or ``context``; the header
 ``x-scripted-fault`` does the same for direct calls. ``#delay:MS`` sleeps per token.
+``#send:burst`` sends a stream's head and every event in one piece (a stream that is complete
+before its reader looks, as a loaded proxy sees a fast engine).
 
 Prompt ids come from the real chat template when ``--tokenizer DIR`` is given, else from a cheap
 deterministic tokenization (crc32 of words), cached per message so the benchmark stays fast.
@@ -65,7 +67,7 @@ DEFAULT_SCRIPT = ["tool", "text"]
 
 FAULTS = ("500", "429", "hang", "hang_stream", "cut", "refuse", "context")
 
-_DIRECTIVE_RE = re.compile(r"#(scenario|fault|delay):([A-Za-z0-9_:.-]+)")
+_DIRECTIVE_RE = re.compile(r"#(scenario|fault|delay|send):([A-Za-z0-9_:.-]+)")
 _WORD_RE = re.compile(r"\s*\S+|\s+")
 EOS_TEXT = "<|im_end|>"
 SYSTEM_FINGERPRINT = "vllm-scripted"
@@ -366,7 +368,8 @@ class ScriptedUpstream:
         want_ids = bool(body.get("return_token_ids"))
         want_lp = bool(body.get("logprobs"))
         if body.get("stream"):
-            return await self.stream(request, body, reply, pieces, finish, prompt_ids, want_ids, want_lp, fault, delay)
+            return await self.stream(request, body, reply, pieces, finish, prompt_ids, want_ids, want_lp, fault, delay,
+                                     burst=directives.get("send") == "burst")
         if delay:
             await asyncio.sleep(delay * len(pieces))
         return _json(self.whole(body, reply, pieces, finish, prompt_ids, want_ids, want_lp))
@@ -438,8 +441,10 @@ class ScriptedUpstream:
                                "finish_reason": choice["finish_reason"]})
         return resp
 
-    async def stream(self, request, body, reply: Reply, pieces, finish, prompt_ids, want_ids, want_lp, fault, delay):
-        resp = web.StreamResponse(status=200, headers={"content-type": "text/event-stream; charset=utf-8"})
+    async def stream(self, request, body, reply: Reply, pieces, finish, prompt_ids, want_ids, want_lp, fault, delay,
+                     burst: bool = False):
+        headers = {"content-type": "text/event-stream; charset=utf-8"}
+        resp: Any = _Burst(headers) if burst else web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)
         rid, created = _request_id(), int(time.time())
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -464,7 +469,7 @@ class ScriptedUpstream:
                 request.transport.abort()
                 self.responses.append({"prompt_token_ids": prompt_ids, "token_ids": [q.token_id for q in pieces[:i]],
                                        "finish_reason": None, "cut": True})
-                return resp
+                return resp.response() if burst else resp
             delta: dict[str, Any] = {}
             if p.kind == "content":
                 delta["content"] = p.text
@@ -500,7 +505,26 @@ class ScriptedUpstream:
         self.responses.append({"prompt_token_ids": prompt_ids, "token_ids": [p.token_id for p in pieces],
                                "logprobs": [token_logprob(p.token_id, i) for i, p in enumerate(pieces)],
                                "finish_reason": finish})
-        return resp
+        return resp.response() if burst else resp
+
+
+class _Burst:
+    """Collects a stream's events; ``response()`` sends them with the head in one write."""
+
+    def __init__(self, headers: dict[str, str]):
+        self.headers, self.parts = headers, []
+
+    async def prepare(self, request: web.Request) -> None:
+        pass
+
+    async def write(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    async def write_eof(self) -> None:
+        pass
+
+    def response(self) -> web.Response:
+        return web.Response(body=b"".join(self.parts), status=200, headers=self.headers)
 
 
 def _lp_entry(token: str, token_id: int, position: int) -> dict[str, Any]:
