@@ -530,6 +530,11 @@ class Polar:
     # -- connection-level hooks --------------------------------------------------------------
     def client_disconnected(self, client: Any) -> None:
         self.conn_proxy_auth.pop(client.id, None)
+        # Calls of this connection still waiting on the upstream get no flow error until the
+        # upstream answers; their records are written now instead.
+        for call in [c for c in self.calls.values() if c.flow.client_conn.id == client.id]:
+            if not call.finalized:
+                self._client_gone(call, "client disconnected while the upstream was answering")
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
         """Regular mode CONNECT: remember the proxy user (session) of the tunnel, refuse or let through."""
@@ -849,6 +854,9 @@ class Polar:
         if resp is None:
             self._fail(call, 502, "upstream_refused", last_error)
             return
+        if call.finalized:  # the harness hung up while the upstream was working
+            resp.close()
+            return
         rec.t_upstream_first_byte = time.time()
         up = call.upstream
         assert up is not None
@@ -879,6 +887,8 @@ class Polar:
             return
         finally:
             resp.release()
+        if call.finalized:  # the harness hung up meanwhile: its record is written
+            return
         rec.t_upstream_end = time.time()
         try:
             answer = self.engine.parse(raw, call.tokens)
@@ -1089,6 +1099,8 @@ class Polar:
     def _fail(self, call: Call, status: int, kind: str, message: str,
               extra_headers: dict[str, str] | None = None) -> None:
         """Record the failure, then answer it in the harness's shape (record first: crash safety)."""
+        if call.finalized:  # already recorded (the harness hung up): nobody to answer
+            return
         rec = call.record
         rec.status, rec.error_kind, rec.error, rec.http_status = "error", kind, message, status
         self.stats["errors"] += 1
@@ -1155,8 +1167,12 @@ class Polar:
         call = self.calls.get(flow.id)
         if call is None or call.finalized:
             return
+        self._client_gone(call, flow.error.msg if flow.error else "flow error")
+
+    def _client_gone(self, call: Call, msg: str) -> None:
+        """The harness went away: record the call now (with what was sampled so far) and stop
+        reading the upstream; an exchange still waiting on the upstream sees ``finalized``."""
         self._from_relay(call)
-        msg = flow.error.msg if flow.error else "flow error"
         rec = call.record
         rec.status, rec.error_kind, rec.error = "error", "client_disconnected", msg
         rec.http_status = 499

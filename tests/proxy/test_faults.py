@@ -175,3 +175,30 @@ def test_client_gone_mid_stream(helpers, reverse_proxy, session_id):
     assert rec["status"] == "error" and rec["error_kind"] == "client_disconnected"
     assert 3 <= len(rec["sampled_token_ids"]) < 41 and len(rec["sampled_logprobs"]) == len(rec["sampled_token_ids"])
     assert reverse_proxy.control.status()["in_flight"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_client_gone_while_upstream_works(helpers, reverse_proxy, session_id, stream):
+    """The harness hangs up before the upstream answered at all: the record is written at once,
+    not when the upstream finally answers, and the late answer changes nothing."""
+    conn = http.client.HTTPConnection("127.0.0.1", reverse_proxy.port, timeout=10)
+    # whole: the upstream answers after 30 x 40 ms (within the proxy's 1.5 s timeout); stream: the
+    # upstream never sends the answer's head, and the proxy is still waiting for it.
+    text = "go #scenario:words:30 #delay:40" if not stream else "go #scenario:words:30 #fault:hang"
+    body = {"model": "m", "stream": stream, "messages": [{"role": "user", "content": text}]}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json",
+                                                                    "x-polar-session": session_id})
+    time.sleep(0.3)
+    t_gone = time.monotonic()
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    while not helpers.read_records(reverse_proxy.capture_dir, session_id) and time.monotonic() - t_gone < 5:
+        time.sleep(0.02)
+    assert time.monotonic() - t_gone < 1.5, "the record waited for the upstream"
+    rec = last_record(helpers, reverse_proxy, session_id)
+    assert rec["status"] == "error" and rec["error_kind"] == "client_disconnected" and rec["http_status"] == 499
+    time.sleep(1.2 if not stream else 0.2)  # the whole answer arrives meanwhile
+    assert len(helpers.read_records(reverse_proxy.capture_dir, session_id)) == 1
+    assert reverse_proxy.control.status()["in_flight"] == 0
+    ans = call(helpers, reverse_proxy, "openai_chat", "hi #scenario:text", stream, session_id)
+    assert ans.status == 200
