@@ -678,6 +678,8 @@ class Polar:
             proxy_id=self.proxy_id,
         )
         reg = self.registry.get(sid) or {}
+        if reg.get("harness") and not headers.get("x-polar-harness"):
+            rec.harness = reg["harness"]  # the runner knows; the user agent may only name an SDK
         rec.task_id = headers.get("x-polar-task") or reg.get("task_id")
         rec.group_id = headers.get("x-polar-group") or reg.get("group_id")
         sample = headers.get("x-polar-sample", reg.get("sample_index"))
@@ -1346,6 +1348,8 @@ class Polar:
                     if not valid_session_id(sid):
                         raise ValueError(f"invalid session id {sid!r}")
                     self.registry[sid] = {k: item.get(k) for k in ("task_id", "group_id", "sample_index")}
+                    if isinstance(item.get("harness"), str) and item["harness"].strip():
+                        self.registry[sid]["harness"] = item["harness"].strip()[:64]
                     self.registry.move_to_end(sid)
                 while len(self.registry) > self.max_sessions:
                     self.registry.popitem(last=False)

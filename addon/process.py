@@ -86,7 +86,8 @@ class ProxyControl:
         return self._call("POST", "policy_version", {"policy_version": version})
 
     def register_sessions(self, sessions: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-        """Tell the proxy task/group/sample ids of sessions: ``[{session_id, task_id, group_id, sample_index}]``."""
+        """Tell the proxy task/group/sample ids of sessions: ``[{session_id, task_id, group_id, sample_index}]``
+        (and ``harness``, the name records carry instead of the one read from the user agent)."""
         return self._call("POST", "sessions", {"sessions": list(sessions)})
 
     def sessions(self) -> dict[str, Any]:

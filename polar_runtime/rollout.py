@@ -379,11 +379,14 @@ class SessionRegistry:
                 return False
             time.sleep(0.2)
 
-    def register(self, session_id: str, task_id: str, group_id: str, sample_index: int) -> None:
+    def register(self, session_id: str, task_id: str, group_id: str, sample_index: int,
+                 harness: str | None = None) -> None:
         if self.control is None:
             return
-        answer = self.control.register_sessions(
-            [{"session_id": session_id, "task_id": task_id, "group_id": group_id, "sample_index": sample_index}])
+        item = {"session_id": session_id, "task_id": task_id, "group_id": group_id, "sample_index": sample_index}
+        if harness:
+            item["harness"] = harness
+        answer = self.control.register_sessions([item])
         if answer.get("http_status", 200) >= 400:
             raise RuntimeError(f"proxy refused session {session_id}: {answer}")
 
@@ -542,7 +545,7 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
         row["error"] = err
         return row
     try:
-        registry.register(sid, task.id, gid, i)
+        registry.register(sid, task.id, gid, i, harness=cfg.preset.name)
     except Exception as exc:  # noqa: BLE001 - an unreachable proxy fails this sample, visibly
         row["error"] = f"session registration failed: {exc}"
         return row
