@@ -1013,6 +1013,8 @@ class Polar:
             except (aiohttp.ClientError, OSError, RuntimeError):
                 data = b""  # readany below raises it again, with the salvage logic
             end = bool(data) and content.at_eof()
+            if end:  # set before the bytes go out: the record is written when mitmproxy reads [DONE]
+                call.record.t_upstream_end = time.time()
             await write(data, end)  # the head goes out now, whatever the upstream has sent so far
             while not end:
                 try:
@@ -1033,8 +1035,11 @@ class Polar:
                     error = relay_error_event("upstream_error", f"upstream stream broken: {exc}")
                     break
                 end = not data or content.at_eof()
+                if end:
+                    call.record.t_upstream_end = time.time()
                 await write(data, end)
-            call.record.t_upstream_end = time.time()
+            if call.record.t_upstream_end is None:
+                call.record.t_upstream_end = time.time()
             if error is not None:
                 await write(error, True)
             return True
@@ -1053,6 +1058,8 @@ class Polar:
             log.warning(f"polar: stream finish failed: {exc!r}")
             return self._stream_failed(call, "upstream_error", f"could not translate the end of the stream: {exc}")
         call.record.http_status = 200
+        if call.record.t_upstream_end is None:  # [DONE] read before the relay saw the body end
+            call.record.t_upstream_end = time.time()
         self._finalize(call)
         return out
 

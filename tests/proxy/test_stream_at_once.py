@@ -67,4 +67,5 @@ def test_paced_streams_still_go_through_the_relay(helpers, reverse_proxy, provid
     before = reverse_proxy.control.status()["streamed_at_once"]
     parsed, rec = _call(helpers, reverse_proxy, provider, "go #scenario:words:8 #delay:30")
     assert parsed.error is None and rec["status"] == "ok" and len(rec["sampled_token_ids"]) >= 8
+    assert rec["t_upstream_sent"] < rec["t_upstream_end"] <= rec["t_response_out"]
     assert reverse_proxy.control.status()["streamed_at_once"] == before
