@@ -10,6 +10,9 @@ normalized requests' messages:
   ``[fishing]``);
 - ``tool_args_reserialized``: a tool call came back with the same arguments, serialized
   differently (key order, whitespace);
+- ``tool_call_rerendered``: the model wrote its tool call in a form of its own (Markdown JSON,
+  other tags) that the engine's tool parser read; the history renders the same call in the chat
+  template's form;
 - ``reasoning_removed`` / ``reasoning_changed``: the sampled reasoning (think text) is missing or
   different in the history;
 - ``length_turn``: a ``finish_reason=length`` answer (often empty content) came back differently;
@@ -50,6 +53,7 @@ CAUSES = (
     "none",
     "retokenized",
     "tool_args_reserialized",
+    "tool_call_rerendered",
     "reasoning_removed",
     "reasoning_changed",
     "length_turn",
@@ -130,6 +134,12 @@ def _tool_calls(m: dict[str, Any]) -> list[tuple[str, Any, str]]:
         raw = fn.get("arguments")
         out.append((fn.get("name"), _args(raw), raw if isinstance(raw, str) else json.dumps(raw)))
     return out
+
+
+def _same_tool_calls(got: list[dict[str, Any]] | None, answer_msg: dict[str, Any]) -> bool:
+    """The calls the engine parsed from the answer are the ones the history sends back."""
+    sent = _tool_calls(answer_msg)
+    return bool(got) and [(g.get("name"), _args(g.get("arguments"))) for g in got] == [(n, v) for n, v, _ in sent]
 
 
 def _reasoning(m: dict[str, Any]) -> str:
@@ -233,11 +243,12 @@ def classify_pair(prev: Call, nxt: Call, template: TemplateInfo | None = None) -
                 drift.cause, drift.detail = "tool_args_reserialized", _first_line_diff(ta, tb)
                 return drift
             drift.detail = _first_line_diff(ta, tb)
+            if answer_msg is not None and _same_tool_calls(prev.tool_calls, answer_msg):
+                drift.cause = "tool_call_rerendered"
             return drift
         if answer_msg is not None:
             got = prev.tool_calls
-            sent = _tool_calls(answer_msg)
-            if got and [(g.get("name"), _args(g.get("arguments"))) for g in got] == [(n, v) for n, v, _ in sent]:
+            if _same_tool_calls(got, answer_msg):
                 drift.cause = "tool_args_reserialized"
             elif _message_text(answer_msg.get("content")).strip() == prev.output_text.strip() and not got:
                 drift.cause = "retokenized"

@@ -125,3 +125,18 @@ def test_subagent_is_a_new_conversation_and_summary_counts(tmp_path, renderer, t
     summary = drift.summarize(rep)
     assert summary.height == len(drift.CAUSES)
     assert dict(zip(summary["cause"], summary["calls"]))["none"] == 2
+
+
+def test_tool_call_written_as_markdown_json_is_rerendered(tmp_path, renderer, template, pi_chat, tok):
+    """A small model writes its call as a Markdown JSON block; the engine's (lenient) tool parser
+    reads it, and the history renders the call as <tool_call>: the same call, other ids."""
+    s = session(renderer, pi_chat).user("read f0.py")
+    args = {"path": "f0.py", "limit": 10}
+    markdown = '```json\n{"name": "read", "arguments": {"path": "f0.py", "limit": 10}}\n```'
+    s.generate(tool_calls=[("read", args)], sampled_ids=tok.encode(markdown) + [s.eot])
+    s.tool("content of f0", s.messages[-1]["tool_calls"][0]["id"])
+    s.generate(content="done")
+    rep = report(tmp_path, s.records, template)
+    assert causes(rep) == ["new_conversation", "tool_call_rerendered"]
+    row = rep.filter(cause="tool_call_rerendered").row(0, named=True)
+    assert row["prompt_divergence"] is None and "```json" in row["prev_text"] and "<tool_call>" in row["next_text"]
