@@ -46,8 +46,9 @@ DROPPED_FIELDS = (
     "verbosity",
 )
 #: Engine-only fields removed from answers (the engine adapter has read them already).
-ENGINE_RESPONSE_FIELDS = ("prompt_token_ids", "prompt_logprobs", "prompt_text", "kv_transfer_params")
-ENGINE_CHOICE_FIELDS = ("token_ids", "stop_reason")
+ENGINE_RESPONSE_FIELDS = ("prompt_token_ids", "prompt_logprobs", "prompt_text", "kv_transfer_params",
+                          "ec_transfer_params", "metrics")
+ENGINE_CHOICE_FIELDS = ("token_ids", "stop_reason", "routed_experts")
 
 
 def _path_only(path: str) -> str:

@@ -184,3 +184,38 @@ def test_polar_proxy_cli(upstream, tmp_path):
     assert "HTTPS_PROXY" in out and "NODE_EXTRA_CA_CERTS" in out and "mitmproxy-ca-cert.pem" in out
     assert proc.returncode == 0
     assert (tmp_path / "mitmproxy" / "mitmproxy-ca-cert.pem").exists()
+
+
+def _curl_http2() -> bool:
+    import shutil
+    import subprocess
+
+    if not shutil.which("curl"):
+        return False
+    return "HTTP2" in subprocess.run(["curl", "-V"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.skipif(not _curl_http2(), reason="needs a curl with HTTP/2")
+@pytest.mark.parametrize("text,stream", [("hi #scenario:text", False), ("hi #scenario:tool #send:burst", True),
+                                         ("hi #scenario:words:6 #delay:20", True)],
+                         ids=["whole", "stream-at-once", "stream-relayed"])
+def test_http2_client(helpers, regular_proxy, session_id, text, stream):
+    """A harness that negotiates HTTP/2 with the proxy (reqwest-based CLIs do over TLS) gets the
+    same answers, streamed or not, and the call is captured."""
+    import subprocess
+
+    body = json.dumps({"model": "gpt-x", "stream": stream, "messages": [{"role": "user", "content": text}]})
+    run = subprocess.run(
+        ["curl", "-sS", "--http2", "-x", f"http://{session_id}@127.0.0.1:{regular_proxy.port}",
+         "--cacert", str(regular_proxy.ca_cert), "-H", "content-type: application/json", "-d", body,
+         "-w", "\nPOLAR-HTTP-VERSION=%{http_version} STATUS=%{http_code}", "https://api.openai.com/v1/chat/completions"],
+        capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    out, _, info = run.stdout.rpartition("\nPOLAR-HTTP-VERSION=")
+    assert info == "2 STATUS=200", info
+    parsed = helpers.parsers["openai_chat"](out.encode(), stream)
+    assert parsed.error is None and (parsed.text or parsed.tool_calls)
+    assert "token_ids" not in out and "routed_experts" not in out  # engine fields stay in the capture
+    rec = helpers.read_records(regular_proxy.capture_dir, session_id)[-1]
+    assert rec["status"] == "ok" and rec["stream"] is stream and rec["sampled_token_ids"]
+    assert rec["session_source"] == "proxy_auth"
