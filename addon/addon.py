@@ -7,11 +7,14 @@ Per intercepted request (hooks named after mitmproxy events):
               then the upstream exchange, performed by the addon itself (aiohttp) so that refused
               connections, 5xx, 429 and timeouts become errors in the harness's own shape.
               Non-streaming and ``synthetic`` answers are set on the flow right there; a true
-              stream is handed to the loopback relay (see ``upstreams.StreamRelay``).
+              stream is handed to the loopback relay (see ``upstreams.StreamRelay``), unless it
+              has wholly arrived already (a proxy that is behind): then it is translated and
+              answered in one piece (``polar_stream_at_once``).
 ``responseheaders``  for relayed streams, installs the stream translator as
               ``flow.response.stream``: chat SSE in, the provider's SSE out, chunk by chunk, token
               ids and logprobs collected from every chunk.
-``error``     a client that went away mid-call still leaves a record with what was sampled.
+``error``     a client that went away mid-call still leaves a record with what was sampled;
+``client_disconnected`` does the same at once for calls still waiting on the upstream.
 
 Each call's record is written (one line, one ``os.write``) before the harness gets its last byte;
 nothing of a finished call stays in memory. Flows carry Polar annotations (metadata, comment).
