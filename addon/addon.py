@@ -31,7 +31,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import aiohttp
 import orjson
@@ -44,6 +44,7 @@ from mitmproxy.proxy import mode_specs
 from polar_analysis.schema import CallRecord, valid_session_id
 from polar_runtime import paths
 
+from . import sampling
 from .capture import CaptureError, CaptureWriter
 from .engines import ENGINES, TokenData, get_engine
 from .engines.base import Engine
@@ -324,6 +325,7 @@ class Polar:
         self.pause_timeout = 0.0
         self.stream_mode = "passthrough"
         self.max_tokens_cap = 0
+        self.sampling: dict[str, Any] = {}
         self.passthrough = False
         self.stream_at_once = True
         self.intercept_hosts: set[str] = set(DEFAULT_INTERCEPT_HOSTS)
@@ -369,6 +371,11 @@ class Polar:
                           "Seconds to wait for the upstream's next byte (connect, headers, each stream chunk).")
         loader.add_option("polar_max_tokens_cap", int, 0,
                           "Upper bound for max_tokens sent upstream (0: only the context limit).")
+        loader.add_option("polar_sampling", Optional[str], None,
+                          "Sampling parameters enforced on every call, whatever the harness sends, e.g. "
+                          "'temperature=1,top_p=1,top_k=-1,seed=7' (seed: a base, each call gets its own seed "
+                          "derived from it, the session and the call index). Unset: the harness's (or vLLM's "
+                          "generation-config defaults).")
         loader.add_option("polar_fsync", bool, False, "fsync the capture file after every record (slow).")
         loader.add_option("polar_stream_at_once", bool, True,
                           "A stream that has wholly arrived when the proxy first looks (the proxy is behind) "
@@ -394,6 +401,11 @@ class Polar:
         if "polar_engine" in updated:
             try:
                 self.engine = get_engine(o.polar_engine)
+            except ValueError as exc:
+                raise exceptions.OptionsError(str(exc)) from None
+        if "polar_sampling" in updated:
+            try:
+                self.sampling = sampling.parse(o.polar_sampling)
             except ValueError as exc:
                 raise exceptions.OptionsError(str(exc)) from None
         if "polar_max_tokens_cap" in updated and o.polar_max_tokens_cap < 0:
@@ -793,6 +805,8 @@ class Polar:
             limits.append(up.max_model_len)
         if limits:
             chat["max_tokens"] = max(1, min(limits))
+        if self.sampling:
+            sampling.apply(chat, self.sampling, call.record.session_id, call.record.call_index)
         if stream_upstream:
             chat["stream"] = True
             chat["stream_options"] = {**(chat.get("stream_options") or {}), "include_usage": True}

@@ -19,7 +19,7 @@ from rich.table import Table
 
 console = Console()
 
-SourceArg = typer.Argument(..., help="Capture directory, mitmproxy flow file, or calls Parquet.", show_default=False)
+SourceArg = typer.Argument(..., resolve_path=True, help="Capture directory, mitmproxy flow file, or calls Parquet.", show_default=False)
 ModelOpt = typer.Option(
     None,
     "--model",
@@ -130,7 +130,7 @@ def register(app: typer.Typer) -> None:
     @app.command("calls")
     def calls_cmd(
         source: Path = SourceArg,
-        out: Path = typer.Option(..., "--out", "-o", help="Parquet file to write (one row per model call)."),
+        out: Path = typer.Option(..., "--out", "-o", resolve_path=True, help="Parquet file to write (one row per model call)."),
     ) -> None:
         """Write the calls frame of a capture (token ids as list columns, nested JSON as strings)."""
         lf, report = _load(source)
@@ -145,7 +145,7 @@ def register(app: typer.Typer) -> None:
     def inspect_cmd(
         source: Path = SourceArg,
         model: Optional[str] = ModelOpt,
-        rewards: Optional[Path] = typer.Option(None, help="Rewards file (see `polar trajectories --help`)."),
+        rewards: Optional[Path] = typer.Option(None, resolve_path=True, help="Rewards file (see `polar trajectories --help`)."),
     ) -> None:
         """A readable summary: sessions, calls per harness/provider, tokens, errors, merging, rewards."""
         from polar_analysis import alignment, frames
@@ -201,7 +201,7 @@ def register(app: typer.Typer) -> None:
     def align_cmd(
         source: Path = SourceArg,
         model: Optional[str] = ModelOpt,
-        out: Optional[Path] = typer.Option(None, "--out", "-o", help="Parquet of the per-call alignment."),
+        out: Optional[Path] = typer.Option(None, "--out", "-o", resolve_path=True, help="Parquet of the per-call alignment."),
         show: int = typer.Option(10, help="Divergent calls to print."),
     ) -> None:
         """Re-render every normalized request with the chat template and compare with the server's ids."""
@@ -225,7 +225,7 @@ def register(app: typer.Typer) -> None:
     def drift_cmd(
         source: Path = SourceArg,
         model: Optional[str] = ModelOpt,
-        out: Optional[Path] = typer.Option(None, "--out", "-o", help="Parquet of the per-call drift report."),
+        out: Optional[Path] = typer.Option(None, "--out", "-o", resolve_path=True, help="Parquet of the per-call drift report."),
         show: int = typer.Option(15, help="Non-exact continuations to print."),
     ) -> None:
         """Why each call's prompt is not the previous prompt + sampled ids, classified by cause."""
@@ -248,10 +248,11 @@ def register(app: typer.Typer) -> None:
     def trajectories_cmd(
         source: Path = SourceArg,
         mode: Mode = typer.Option(Mode.prefix_merge, "--mode", help="per-request: one sequence per call; prefix-merge: the turns of a conversation in one sequence."),
-        out: Path = typer.Option(..., "--out", "-o", help="Trajectory Parquet (schema.TRAJECTORY_COLUMNS)."),
+        out: Path = typer.Option(..., "--out", "-o", resolve_path=True, help="Trajectory Parquet (schema.TRAJECTORY_COLUMNS)."),
         rewards: Optional[Path] = typer.Option(
             None,
             "--rewards",
+            resolve_path=True,
             help="Rewards per session: Parquet, JSONL or CSV with session_id and reward (optional status: "
             "ok | timeout | failed; optional task_id, group_id). Default: <capture>/rollouts.parquet "
             "written by `polar rollout`, when present.",
@@ -285,9 +286,9 @@ def register(app: typer.Typer) -> None:
 
     @app.command("flows")
     def flows_cmd(
-        files: list[Path] = typer.Argument(..., help="Saved mitmproxy flow files (mitmdump -w).", show_default=False),
-        out: Optional[Path] = typer.Option(None, "--out", "-o", help="Calls Parquet to write."),
-        capture: Optional[Path] = typer.Option(None, "--capture", help="Capture directory to take token ids from (joined by call_id)."),
+        files: list[Path] = typer.Argument(..., resolve_path=True, help="Saved mitmproxy flow files (mitmdump -w).", show_default=False),
+        out: Optional[Path] = typer.Option(None, "--out", "-o", resolve_path=True, help="Calls Parquet to write."),
+        capture: Optional[Path] = typer.Option(None, "--capture", resolve_path=True, help="Capture directory to take token ids from (joined by call_id)."),
     ) -> None:
         """Rebuild calls from saved mitmproxy flows (bodies + flow.metadata['polar'])."""
         from polar_analysis import frames

@@ -15,15 +15,15 @@ import typer
 def register(app: typer.Typer) -> None:
     @app.command("train")
     def train(
-        model: Path = typer.Option(..., "--model", help="Base model directory (Hugging Face format)."),
+        model: Path = typer.Option(..., "--model", resolve_path=True, help="Base model directory (Hugging Face format)."),
         trajectories: list[Path] = typer.Option(
-            ..., "--trajectories", "-t", help="Trajectory Parquet file(s) from `polar trajectories` (repeatable)."
+            ..., "--trajectories", "-t", resolve_path=True, help="Trajectory Parquet file(s) from `polar trajectories` (repeatable)."
         ),
-        out: Path = typer.Option(..., "--out", "-o", help="Run directory: checkpoints, metrics.jsonl, metrics.png."),
+        out: Path = typer.Option(..., "--out", "-o", resolve_path=True, help="Run directory: checkpoints, metrics.jsonl, metrics.png."),
         resume: Optional[str] = typer.Option(
             None, "--resume", help="Checkpoint or run directory to continue from; 'auto' = latest in --out."
         ),
-        ref_model: Optional[Path] = typer.Option(None, "--ref-model", help="KL reference (default: the base model)."),
+        ref_model: Optional[Path] = typer.Option(None, "--ref-model", resolve_path=True, help="KL reference (default: the base model)."),
         lr: float = typer.Option(1e-6, "--lr"),
         warmup_steps: int = typer.Option(0, "--warmup-steps"),
         lr_schedule: str = typer.Option("constant", "--lr-schedule", help="constant | linear | cosine"),
