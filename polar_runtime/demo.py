@@ -46,6 +46,7 @@ from typing import Annotated, Any, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -793,7 +794,7 @@ def demo_command(
         console.print("[yellow]interrupted: everything the demo started was stopped[/yellow]")
         raise typer.Exit(130) from None
     except (RuntimeError, FileNotFoundError, ValueError) as exc:  # DemoError, ServeError, a proxy that won't start
-        console.print(f"[red]polar demo failed:[/red] {exc}")
+        console.print(f"[red]polar demo failed:[/red] {escape(str(exc))}")
         raise typer.Exit(1) from None
     print_report(report)
 
