@@ -790,6 +790,22 @@ class Polar:
         up.max_model_len = card.get("max_model_len")
         if not up.served_model:
             raise aiohttp.ClientError("upstream serves no model")
+        up.sampling_server = await self._sampling_server(up)
+
+    async def _sampling_server(self, up: Upstream) -> dict[str, Any]:
+        """The server's sampling defaults and logprobs mode (vLLM dev mode's /server_info), once per
+        upstream; unknown when the engine or the server does not say."""
+        if self.engine.name != "vllm":
+            return {}
+        from .engines.vllm import server_sampling
+
+        assert self.http is not None
+        try:
+            async with self.http.get(up.url + "/server_info?config_format=json", timeout=self._client_timeout()) as resp:
+                info = orjson.loads(await resp.read()) if resp.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            info = None
+        return server_sampling(info)
 
     def _prepare(self, call: Call, normalized: NormalizedCall, up: Upstream, stream_upstream: bool) -> dict[str, Any]:
         chat = dict(normalized.chat_request)
@@ -807,6 +823,7 @@ class Polar:
             chat["max_tokens"] = max(1, min(limits))
         if self.sampling:
             sampling.apply(chat, self.sampling, call.record.session_id, call.record.call_index)
+        call.record.sampling = sampling.effective(chat, up.sampling_server, self.sampling)
         if stream_upstream:
             chat["stream"] = True
             chat["stream_options"] = {**(chat.get("stream_options") or {}), "include_usage": True}

@@ -63,3 +63,47 @@ def apply(chat: dict[str, Any], sampling: dict[str, Any], session_id: str, call_
     chat.update(sampling)
     if "seed" in sampling:
         chat["seed"] = call_seed(sampling["seed"], session_id, call_index)
+
+
+#: vLLM's defaults for a chat request's sampling fields when neither the request nor the server's
+#: generation config sets them (``ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS``, vLLM 0.32).
+NEUTRAL: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+#: generation_config.json keys vLLM turns into server-side sampling defaults (``get_diff_sampling_param``).
+GENERATION_CONFIG_KEYS = tuple(NEUTRAL)
+
+
+def effective(chat: dict[str, Any], server: dict[str, Any] | None, enforced: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The sampling parameters the engine applies to ``chat`` (what ``CallRecord.sampling`` holds).
+
+    Priority as in vLLM: the request's field, else the server's generation-config default, else
+    the neutral default. ``server`` is ``{"defaults": dict | None, "defaults_from": str,
+    "logprobs_mode": str | None}`` (see ``engines.vllm.server_sampling``); ``defaults: None``
+    means the server's defaults could not be read, so a field the request leaves out is None.
+    ``top_k`` <= 0 is normalized to 0 (no top-k), as vLLM does. ``enforced``: the proxy's
+    ``polar_sampling`` (its field names are recorded as ``enforced``).
+    """
+    server = server or {}
+    defaults = server.get("defaults")
+    out: dict[str, Any] = {}
+    for name, neutral in NEUTRAL.items():
+        value = chat.get(name)
+        if value is None:
+            value = neutral if defaults is not None and name not in defaults else (defaults or {}).get(name)
+        if value is not None:
+            value = FIELDS[name](value)
+            if name == "top_k" and value < 0:
+                value = 0
+        out[name] = value
+    out["seed"] = chat.get("seed")
+    out["enforced"] = sorted(enforced or ())
+    out["defaults_from"] = server.get("defaults_from") or "unknown"
+    out["logprobs_mode"] = server.get("logprobs_mode")
+    return out

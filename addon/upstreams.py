@@ -13,6 +13,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from polar_proxy import jsonutil
@@ -53,6 +54,8 @@ class Upstream:
     errors: int = 0
     served_model: str | None = None
     max_model_len: int | None = None
+    #: where the server's sampling defaults come from (engines.vllm.server_sampling); None: not asked yet
+    sampling_server: dict[str, Any] | None = None
     sessions: int = 0  # sessions currently pinned here
 
     @property

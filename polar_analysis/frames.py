@@ -40,7 +40,7 @@ import pyarrow as pa
 from polar_analysis.schema import CALL_FIELDS, JSON_COLUMNS, SESSIONS_SUBDIR, CallRecord
 
 #: Bump when the Parquet layout of the cache changes: older caches are converted again.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 CACHE_DIRNAME = ".polar-cache"
 
 _STR = pl.String
@@ -88,6 +88,7 @@ CALL_SCHEMA: dict[str, pl.DataType] = {
     "t_upstream_end": pl.Float64,
     "t_response_out": pl.Float64,
     "proxy_id": _STR,
+    "sampling": _STR,  # JSON object: the effective sampling parameters (schema.CallRecord.sampling)
     # not CallRecord fields: provenance and forward compatibility
     "extra_json": _STR,  # fields this version does not know, as one JSON object (or null)
     "source_file": _STR,
@@ -137,6 +138,8 @@ def normalize_record(data: Any) -> dict[str, Any]:
         if name in _TOKEN_LISTS:
             row[name] = _check_ints(name, value)
         elif name == "sampled_logprobs":
+            if value and None in value:  # a token without a logprob: NaN, never a made-up 0.0
+                value = [np.nan if v is None else v for v in value]
             try:
                 row[name] = np.asarray(value or [], dtype=np.float64)
             except (TypeError, ValueError):
@@ -610,7 +613,7 @@ def flow_to_record(flow: Any) -> dict[str, Any] | None:
 #: Columns a capture directory contributes to flow rows (by call_id).
 CAPTURE_FILL = ("prompt_token_ids", "sampled_token_ids", "sampled_logprobs", "output_text", "output_reasoning",
                 "output_tool_calls", "normalized_request", "served_model", "requested_model", "task_id", "group_id",
-                "sample_index", "t_upstream_sent", "t_upstream_first_byte", "t_upstream_end")
+                "sample_index", "t_upstream_sent", "t_upstream_first_byte", "t_upstream_end", "sampling")
 
 
 def fill_from_capture(flows: pl.DataFrame, calls_lf: pl.LazyFrame) -> pl.DataFrame:

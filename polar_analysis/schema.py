@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: Session ids come from headers, API keys and query strings: validate before using them as file names.
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -88,6 +88,16 @@ class CallRecord:
     t_upstream_end: float | None = None
     t_response_out: float | None = None  # last byte handed to the harness
     proxy_id: str = ""  # which proxy process wrote this (several proxies may share a directory)
+    #: The sampling parameters the engine *applied* to this call (request fields, else the server's
+    #: generation-config defaults, else the engine's neutral defaults): ``temperature``, ``top_p``,
+    #: ``top_k`` (0 = off), ``min_p``, ``repetition_penalty``, ``presence_penalty``,
+    #: ``frequency_penalty``, ``seed``; a value is None when it came from server defaults the proxy
+    #: could not read. Also ``enforced`` (set by ``polar_sampling``, whatever the harness sent),
+    #: ``defaults_from`` (``vllm`` neutral | a generation_config.json path | ``unknown``) and
+    #: ``logprobs_mode`` (``processed_logprobs``: returned logprobs are those of the distribution
+    #: sampled from; ``raw_logprobs``: before temperature/top-k/top-p; None: unknown).
+    #: None on records written before schema version 2.
+    sampling: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,14 +111,14 @@ class CallRecord:
 CALL_FIELDS = tuple(f.name for f in fields(CallRecord))
 
 #: Columns of the calls frame that hold nested JSON (kept as JSON strings in Parquet).
-JSON_COLUMNS = ("native_request", "normalized_request", "output_tool_calls")
+JSON_COLUMNS = ("native_request", "normalized_request", "output_tool_calls", "sampling")
 
 #: Trajectory Parquet columns (one row per training sequence), read by the trainer.
 TRAJECTORY_COLUMNS = {
     "trajectory_id": "str",  # f"{session_id}/{chain_index}.{segment_index}" (per-request: chain 0, segment = call order)
     "session_id": "str",  # one sample (one harness run)
     "task_id": "str",
-    "group_id": "str",  # GRPO group: samples of the same task in the same rollout step
+    "group_id": "str",  # GRPO group: samples of the same task in the same rollout step; null: the sample is a group of its own (zero advantage)
     "segment_index": "int",  # >0 after a prefix break within one chain
     "chain_index": "int",  # interleaved sub-agents become separate chains
     "input_ids": "list[int]",
@@ -125,6 +135,15 @@ TRAJECTORY_COLUMNS = {
     "merge_exact": "list[bool]",  # per merge: did the next prompt re-render the answer to the same ids
     "merge_kind": "list[str]",  # per merge: exact | retokenized | prompt_changed | content_changed
     "policy_version": "int",
+    # The distribution the sequence's tokens were sampled from, as the trainer reproduces it: logits
+    # divided by ``temperature``, then vLLM's top-k (0: off) and top-p (1: off). Null temperature with
+    # a ``sampling_issue`` (naming the call) when it cannot (unknown or unsupported parameters, raw
+    # logprobs of a processed distribution); the trainer refuses such rows. A frame without these
+    # columns (hand-made) is trained as plain sampling at temperature 1.
+    "temperature": "float",
+    "top_k": "int",
+    "top_p": "float",
+    "sampling_issue": "str",
 }
 
 

@@ -75,6 +75,9 @@ def serve_command(
     tool_parser: Annotated[str, typer.Option(
         help="vLLM tool-call parser: lenient (Hermes tags and Markdown JSON blocks, what `polar demo` uses), "
              "hermes or another vLLM parser name, or none.")] = serve.DEFAULT_TOOL_PARSER,
+    generation_config: Annotated[str, typer.Option(
+        help="Server-side sampling defaults for fields a request leaves out: vllm (neutral: T=1, no top-k/top-p), "
+             "auto (the model's generation_config.json) or a directory holding one.")] = serve.DEFAULT_GENERATION_CONFIG,
 ) -> None:
     """Start a real vLLM OpenAI-compatible server and keep it running until Ctrl-C / SIGTERM."""
     try:
@@ -87,6 +90,7 @@ def serve_command(
             kv_cache_gib=kv_cache_gib,
             threads=threads,
             tool_parser=tool_parser,
+            generation_config=generation_config,
         )
     except models.ModelError as exc:
         _error(str(exc))

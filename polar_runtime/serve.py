@@ -8,6 +8,14 @@ Weight reloads: with `VLLM_SERVER_DEV_MODE=1` (on by default here, loopback only
 `POST /collective_rpc`; calling the worker method `reload_weights` with `weights_path=<dir>`
 reloads a same-architecture checkpoint in place (no restart), after which `/reset_prefix_cache`
 drops KV blocks computed with the old weights. `restart()` is the fallback that always works.
+
+Sampling fidelity: the server always runs with `--logprobs-mode processed_logprobs`, so the
+logprobs it returns are those of the distribution it sampled from (after temperature, top-k and
+top-p; vLLM's default `raw_logprobs` are before them), and with an explicit `--generation-config`:
+`vllm` (default here: neutral sampling defaults, T=1 and no top-k/top-p, whatever the model's
+`generation_config.json` says, which every checkpoint copies) or `auto` (the model's file) or a
+directory. The proxy reads both back from `/server_info` and records each call's effective
+sampling parameters.
 """
 
 from __future__ import annotations
@@ -31,6 +39,11 @@ DEFAULT_MODEL = models.QWEN05
 MAX_AUTO_KV_CACHE_GIB = 4.0
 DEFAULT_MAX_MODEL_LEN = 32768
 START_TIMEOUT_S = 900.0
+#: Server-side sampling defaults: vLLM's neutral ones (a request without temperature/top-p/top-k
+#: samples from the plain distribution); "auto" would apply the model's generation_config.json.
+DEFAULT_GENERATION_CONFIG = "vllm"
+#: Returned logprobs after temperature/top-k/top-p: the behaviour logprobs of what was sampled.
+DEFAULT_LOGPROBS_MODE = "processed_logprobs"
 
 _ERROR_LINE = re.compile(
     r"^(?:\(\S+ pid=\d+\) ERROR [^\]]*\] )?((?:[\w.]+(?:Error|Exception)): .+|.*died unexpectedly.*)$", re.M
@@ -160,8 +173,12 @@ class VLLMServer:
         gpu: bool | None = None,
         threads: int | None = None,
         tool_parser: str = DEFAULT_TOOL_PARSER,
+        generation_config: str = DEFAULT_GENERATION_CONFIG,
+        logprobs_mode: str = DEFAULT_LOGPROBS_MODE,
     ) -> None:
         self.model_dir, default_name = resolve_model(model)
+        self.generation_config = generation_config
+        self.logprobs_mode = logprobs_mode
         self.tool_parser = tool_parser
         self.served_model_name = served_model_name or default_name
         self.host = host
@@ -214,6 +231,8 @@ class VLLMServer:
             "--host", self.host,
             "--port", str(self.port),
             "--max-model-len", str(self._max_len()),
+            "--logprobs-mode", self.logprobs_mode,
+            "--generation-config", self.generation_config,
         ]  # fmt: skip
         if self.gpu:
             cmd += ["--dtype", "bfloat16"]

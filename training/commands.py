@@ -49,7 +49,14 @@ def register(app: typer.Typer) -> None:
         ppo_epochs: int = typer.Option(1, "--ppo-epochs"),
         attention: str = typer.Option("position_ids", "--attention", help="position_ids | block_mask"),
         gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing"),
-        dtype: str = typer.Option("float32", "--dtype", help="float32 (fast on CPUs without bf16) | bfloat16"),
+        dtype: str = typer.Option(
+            "float32", "--dtype",
+            help="float32 (fast on CPUs without bf16) | bfloat16 (mixed precision: float32 master weights and "
+            "optimizer state, bf16 compute). float16 is refused.",
+        ),
+        attn_implementation: str = typer.Option(
+            "sdpa", "--attn-implementation", help="sdpa | eager | flash_attention_2 | flex_attention (checked at start-up)"
+        ),
         seed: int = typer.Option(0, "--seed"),
         push_to: Optional[str] = typer.Option(
             None, "--push-to", help="Base URL of the running vLLM to reload the new weights into."
@@ -81,6 +88,8 @@ def register(app: typer.Typer) -> None:
                 ppo_epochs=ppo_epochs,
                 attention=attention,
                 gradient_checkpointing=gradient_checkpointing,
+                compute_dtype=dtype,
+                attn_implementation=attn_implementation,
                 seed=seed,
                 adv=AdvantageConfig(
                     baseline=baseline, scale_std=std_scale, failure=failure, drop_zero_variance=drop_zero_variance
@@ -103,7 +112,6 @@ def register(app: typer.Typer) -> None:
             config=cfg,
             resume=resume,
             ref_model=str(ref_model) if ref_model else None,
-            dtype=dtype,
             push_to=push_to,
             proxy_control=proxy_control,
             show_progress=progress,

@@ -58,22 +58,35 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """FSDP2: shard each transformer block, then the root (embeddings, final norm, tied lm_head).
 
     ``model`` is the module whose ``forward`` training calls (a ``TokenLogprobs`` wrapper), so that
-    the root's parameters are gathered for exactly that call.
+    the root's parameters are gathered for exactly that call. ``param_dtype`` (bf16): mixed
+    precision, the sharded float32 master weights are cast for compute when gathered and gradients
+    are reduced in float32 (``MixedPrecisionPolicy``).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device().type, (dist.get_world_size(),))
+    kw = {}
+    if param_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     lm = getattr(model, "lm", model)
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
     for layer in decoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     return model
+
+
+def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    """FSDP2: whether the next backward reduce-scatters gradients (off for all but the last
+    micro-batch of an optimizer step: they accumulate unsharded locally). No-op without FSDP."""
+    fn = getattr(model, "set_requires_gradient_sync", None)
+    if fn is not None:
+        fn(enabled)
 
 
 def shard_microbatches(microbatches: list[MicroBatch], rank: int, world: int) -> list[MicroBatch]:

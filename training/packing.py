@@ -39,6 +39,9 @@ class PackedSequence:
     behaviour_logp: list[float]
     advantage: float
     trajectory_id: str = ""
+    temperature: float = 1.0  # the sampling distribution of its calls (trajectory columns)
+    top_k: int = 0
+    top_p: float = 1.0
 
     @property
     def length(self) -> int:
@@ -59,6 +62,9 @@ class MicroBatch:
     attention_mask: torch.Tensor | None = None  # [1, 1, L, L] additive, only for block_mask
     old_logp: torch.Tensor | None = None  # [K], filled when the trainer precomputes it
     ref_logp: torch.Tensor | None = None
+    temperature: torch.Tensor | None = None  # [K] float32, None when every token was sampled at T=1
+    top_k: torch.Tensor | None = None  # [K] long (0: off), None when no token used top-k
+    top_p: torch.Tensor | None = None  # [K] float32 (1: off), None when no token used top-p
     is_padding: bool = False  # a zero-weight filler so that every rank runs as many passes
 
     @property
@@ -108,10 +114,25 @@ def sequences_from_frame(frame: pl.DataFrame) -> list[PackedSequence]:
     if missing:
         raise ValueError(f"trajectory frame lacks columns {missing}")
     tid = frame["trajectory_id"].to_list() if "trajectory_id" in frame.columns else [str(i) for i in range(frame.height)]
+    if "sampling_issue" in frame.columns:
+        bad = [(t, why) for t, why in zip(tid, frame["sampling_issue"].to_list()) if why]
+        if bad:
+            more = f" (and {len(bad) - 1} more sequences)" if len(bad) > 1 else ""
+            raise ValueError(
+                f"{bad[0][0]}: {bad[0][1]}{more}. The trainer cannot reproduce the distribution these tokens were "
+                "sampled from; enforce the rollout's sampling (polar_sampling / polar rollout --temperature) and serve "
+                "with --logprobs-mode processed_logprobs, or drop these sequences"
+            )
+    n = frame.height
+    temps = frame["temperature"].to_list() if "temperature" in frame.columns else [1.0] * n
+    top_ks = frame["top_k"].to_list() if "top_k" in frame.columns else [0] * n
+    top_ps = frame["top_p"].to_list() if "top_p" in frame.columns else [1.0] * n
     out: list[PackedSequence] = []
     for i, (ids, mask, lps, adv) in enumerate(
         zip(frame["input_ids"].to_list(), frame["loss_mask"].to_list(), frame["logprobs"].to_list(), frame["advantage"].to_list())
     ):
+        if temps[i] is not None and not temps[i] > 0:
+            raise ValueError(f"{tid[i]}: sampling temperature {temps[i]} (greedy calls are not samples of a distribution)")
         if not (len(ids) == len(mask) == len(lps)):
             raise ValueError(f"{tid[i]}: input_ids/loss_mask/logprobs lengths differ ({len(ids)}/{len(mask)}/{len(lps)})")
         if adv is None or adv != adv:
@@ -127,6 +148,9 @@ def sequences_from_frame(frame: pl.DataFrame) -> list[PackedSequence]:
                 behaviour_logp=[float(lps[t]) for t in positions],
                 advantage=float(adv),
                 trajectory_id=tid[i],
+                temperature=1.0 if temps[i] is None else float(temps[i]),
+                top_k=int(top_ks[i] or 0),
+                top_p=1.0 if top_ps[i] is None else float(top_ps[i]),
             )
         )
     return out
@@ -201,6 +225,9 @@ def build_microbatches(
         adv: list[float] = []
         sidx: list[int] = []
         widx: list[int] = []
+        tk: list[float] = []
+        kk: list[int] = []
+        pk: list[float] = []
         for k in b:
             s = sequences[k]
             base = len(ids)
@@ -213,6 +240,9 @@ def build_microbatches(
                 adv.append(s.advantage)
                 sidx.append(k)
                 widx.append(offsets[k] + j)
+                tk.append(s.temperature)
+                kk.append(s.top_k)
+                pk.append(s.top_p)
         seq_lengths = [sequences[k].length for k in b]
         stats.bin_tokens.append(len(ids))
         micro.append(
@@ -227,6 +257,9 @@ def build_microbatches(
                 weights=weights_all[torch.tensor(widx, dtype=torch.long)] if widx else torch.zeros(0, dtype=torch.float64),
                 seq_lengths=seq_lengths,
                 attention_mask=block_diagonal_causal_mask(seq_lengths, mask_dtype) if attention == "block_mask" else None,
+                temperature=torch.tensor(tk, dtype=torch.float32) if any(t != 1.0 for t in tk) else None,
+                top_k=torch.tensor(kk, dtype=torch.long) if any(k > 0 for k in kk) else None,
+                top_p=torch.tensor(pk, dtype=torch.float32) if any(p < 1.0 for p in pk) else None,
             )
         )
     return micro, stats

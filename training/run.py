@@ -40,7 +40,7 @@ class TrainJob:
     config: Any  # TrainConfig
     resume: str | None = None  # checkpoint dir, run dir, or "auto" (latest in ``out``)
     ref_model: str | None = None  # default: the base model the policy descends from
-    dtype: str = "float32"
+    dtype: str | None = None  # compute dtype, overrides config.compute_dtype when set
     push_to: str | None = None  # base URL of a running vLLM to reload
     proxy_control: str | None = None  # base URL of the proxy's /_polar control API
     show_progress: bool = True

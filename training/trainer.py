@@ -46,6 +46,11 @@ class TrainConfig:
     num_minibatches: int = 1
     ppo_epochs: int = 1
     attention: Literal["position_ids", "block_mask"] = "position_ids"
+    #: transformers attention kernel: sdpa | eager | flash_attention_2 | flex_attention (checked at start-up)
+    attn_implementation: str = "sdpa"
+    #: compute dtype. float32, or bfloat16 = mixed precision: float32 master weights and AdamW state,
+    #: bf16 matmuls (autocast; FSDP2 MixedPrecisionPolicy under torchrun). float16 is refused (no loss scaling).
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
     gradient_checkpointing: bool = False
     seed: int = 0
     adv: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -56,6 +61,13 @@ class TrainConfig:
             raise ValueError(f"lr_schedule must be constant, linear or cosine, not {self.lr_schedule!r}")
         if self.attention not in ("position_ids", "block_mask"):
             raise ValueError(f"attention must be position_ids or block_mask, not {self.attention!r}")
+        if self.compute_dtype == "float16":
+            raise ValueError(
+                "compute_dtype float16 is refused: without loss scaling its gradients underflow; use bfloat16 "
+                "(mixed precision with float32 master weights) or float32"
+            )
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"compute_dtype must be float32 or bfloat16, not {self.compute_dtype!r}")
         if self.token_budget <= 0 or self.num_minibatches <= 0 or self.ppo_epochs <= 0:
             raise ValueError("token_budget, num_minibatches and ppo_epochs must be positive")
 
@@ -152,6 +164,47 @@ class Accumulated:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_attention_support(cfg: "TrainConfig") -> None:
+    """Refuse at start-up a packing/attention combination that would silently let packed sequences
+    attend to each other (the packed == unpacked test is the guard of what is accepted here).
+
+    ``attention="position_ids"`` relies on transformers detecting the position-id restarts: for
+    sdpa/eager/flex that is ``masking_utils.find_packed_sequence_indices`` (transformers >= 4.56),
+    which transformers only uses with torch >= 2.6; flash_attention_2 turns the restarts into varlen
+    boundaries itself. ``attention="block_mask"`` passes an explicit 4-D mask, which
+    flash_attention_2 cannot take.
+    """
+    import transformers
+    from packaging.version import Version
+
+    impl = cfg.attn_implementation
+    if impl not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, not {impl!r}")
+    if cfg.attention == "block_mask":
+        if impl == "flash_attention_2":
+            raise ValueError("attention=block_mask needs a kernel that takes a 4-D mask (sdpa or eager), not flash_attention_2")
+        return
+    if impl == "flash_attention_2":
+        return
+    torch_version = Version(torch.__version__.split("+")[0])
+    has_detection = False
+    try:
+        from transformers import masking_utils
+
+        has_detection = hasattr(masking_utils, "find_packed_sequence_indices")
+    except ImportError:
+        pass
+    if torch_version < Version("2.6") or not has_detection:
+        raise ValueError(
+            f"attention=position_ids with {impl} needs transformers' packed-sequence detection (transformers "
+            f">= 4.56 with torch >= 2.6; found transformers {transformers.__version__}, torch {torch.__version__}): "
+            "packed sequences would attend to each other. Use attention=block_mask"
+        )
+
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
+
+
 def load_model(model_dir: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> torch.nn.Module:
     """A causal LM from a Hugging Face directory (offline), on this process's device."""
     from transformers import AutoModelForCausalLM
@@ -165,11 +218,20 @@ def load_model(model_dir: str, dtype: str = "float32", attn_implementation: str 
 
 
 def load_models(
-    model_dir: str, cfg: "TrainConfig", ref_dir: str | None = None, dtype: str = "float32"
+    model_dir: str, cfg: "TrainConfig", ref_dir: str | None = None, dtype: str | None = None
 ) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-    """Policy and (when the KL term is on) the frozen reference (the trainer shards them under torchrun)."""
-    model = load_model(model_dir, dtype)
-    ref = load_model(ref_dir or model_dir, dtype) if cfg.loss.use_kl else None
+    """Policy and (when the KL term is on) the frozen reference (the trainer shards them under torchrun).
+
+    The policy's weights are always float32 (the master copy the optimizer updates); with
+    ``compute_dtype=bfloat16`` the reference, which is never updated, is kept in bf16. No reference
+    model is loaded when ``kl_coef == 0``.
+    """
+    if dtype is not None and dtype != cfg.compute_dtype:  # the old way of asking for bf16
+        cfg.compute_dtype = dtype
+        cfg.__post_init__()
+    check_attention_support(cfg)
+    model = load_model(model_dir, "float32", cfg.attn_implementation)
+    ref = load_model(ref_dir or model_dir, cfg.compute_dtype, cfg.attn_implementation) if cfg.loss.use_kl else None
     return model, ref
 
 
@@ -181,11 +243,19 @@ class GRPOTrainer:
     """
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, ref_model: torch.nn.Module | None = None):
-        self.model = model
         self.cfg = cfg
-        self.ref_model = ref_model
         if cfg.loss.use_kl and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model (or set kl_coef=0)")
+        low = {p.dtype for p in model.parameters() if p.dtype not in (torch.float32, torch.float64)}
+        if torch.float16 in low:
+            raise ValueError("float16 weights are refused (no loss scaling): train in float32 or bfloat16 mixed precision")
+        if low:
+            # bf16 weights: AdamW's lr 1e-6 updates would round to zero. Keep float32 master weights
+            # (and therefore float32 optimizer state) and compute in bf16.
+            model = model.float()
+            cfg.compute_dtype = "bfloat16"
+        self.model = model
+        self.ref_model = ref_model
         if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy = TokenLogprobs(model)
@@ -194,10 +264,12 @@ class GRPOTrainer:
             self.ref_policy.eval()
             for p in self.ref_policy.parameters():
                 p.requires_grad_(False)
+        self.compute_dtype = DTYPES[cfg.compute_dtype]
         if pdist.is_distributed():
-            pdist.shard_model(self.policy)
+            mp = self.compute_dtype if self.compute_dtype != torch.float32 else None
+            pdist.shard_model(self.policy, param_dtype=mp)
             if self.ref_policy is not None:
-                pdist.shard_model(self.ref_policy)
+                pdist.shard_model(self.ref_policy, param_dtype=mp)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         # Fused AdamW: one kernel per step and no full-size temporaries (the foreach path allocates
         # copies of all optimizer state; on a 0.5B model that took the peak from ~8.5 to ~11 GB).
@@ -257,14 +329,35 @@ class GRPOTrainer:
         return Prepared(frame=with_adv, per_sample=per_sample, minibatches=minibatches, stats=stats)
 
     # ---- one optimizer step ------------------------------------------------------------------
+    def autocast(self):
+        """bf16 compute over float32 master weights (single process; FSDP2 casts the gathered
+        parameters itself through its MixedPrecisionPolicy)."""
+        import contextlib
+
+        if self.compute_dtype == torch.float32 or pdist.is_distributed():
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=pdist.device().type, dtype=self.compute_dtype)
+
     @torch.no_grad()
     def fill_old_logprobs(self, microbatches: list[MicroBatch]) -> None:
         """The trainer's logprobs before any update on this rollout batch (TIS numerator)."""
         was_training = self.policy.training
         self.policy.eval()
-        for mb in microbatches:
-            mb.old_logp = policy_logprobs(self.policy, mb)[0].float().cpu()
+        with self.autocast():
+            for mb in microbatches:
+                mb.old_logp = policy_logprobs(self.policy, mb)[0].float().cpu()
         self.policy.train(was_training)
+
+    @torch.no_grad()
+    def fill_ref_logprobs(self, microbatches: list[MicroBatch]) -> None:
+        """The frozen reference's logprobs, once per rollout batch (they never change across
+        epochs and mini-batches); nothing without a KL term."""
+        if self.ref_policy is None or not self.cfg.loss.use_kl:
+            return
+        with self.autocast():
+            for mb in microbatches:
+                if mb.ref_logp is None:
+                    mb.ref_logp = self._ref_logprobs(mb).float().cpu()
 
     @torch.no_grad()
     def _ref_logprobs(self, mb: MicroBatch) -> torch.Tensor:
@@ -278,13 +371,22 @@ class GRPOTrainer:
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
         acc = Accumulated()
-        for mb in microbatches:
-            logp, ent = policy_logprobs(self.policy, mb, with_entropy=True)
+        last = len(microbatches) - 1
+        for i, mb in enumerate(microbatches):
+            # FSDP: reduce-scatter gradients only after the last micro-batch of the step
+            pdist.set_gradient_sync(self.policy, i == last)
+            with self.autocast():
+                logp, ent = policy_logprobs(self.policy, mb, with_entropy=True)
             dev = logp.device
             old = None
             if cfg.loss.use_tis:
                 old = mb.old_logp.to(dev) if mb.old_logp is not None else logp.detach()
-            ref = self._ref_logprobs(mb).to(dev) if cfg.loss.use_kl else None
+            ref = None
+            if cfg.loss.use_kl:
+                if mb.ref_logp is None:
+                    with self.autocast():
+                        mb.ref_logp = self._ref_logprobs(mb).float().cpu()
+                ref = mb.ref_logp.to(dev)
             out = grpo_token_loss(
                 logp,
                 mb.behaviour_logp.to(dev),
@@ -338,6 +440,8 @@ class GRPOTrainer:
         if self.cfg.loss.use_tis and updates > 1:
             for mbs in prep.minibatches:
                 self.fill_old_logprobs(mbs)
+        for mbs in prep.minibatches:
+            self.fill_ref_logprobs(mbs)
         batch_stats = advantage_stats(prep.per_sample)
         if "policy_version" in prep.frame.columns and prep.frame.height:
             batch_stats["data_policy_version"] = float(prep.frame["policy_version"].min() or 0)

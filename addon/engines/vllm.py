@@ -57,9 +57,54 @@ def _choice0(obj: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def _logprob_values(choice: dict[str, Any]) -> list[float]:
+def _logprob_values(choice: dict[str, Any]) -> list[float | None]:
+    """One value per returned token; a missing logprob stays None (the loader reads it as NaN and
+    the trajectory builders exclude the call, counted) instead of becoming a plausible 0.0."""
     lp = choice.get("logprobs") or {}
-    return [float(e.get("logprob", 0.0)) for e in (lp.get("content") or [])]
+    out: list[float | None] = []
+    for e in lp.get("content") or []:
+        v = e.get("logprob")
+        out.append(None if v is None else float(v))
+    return out
+
+
+def server_sampling(server_info: dict[str, Any] | None, read_file=None) -> dict[str, Any]:
+    """Where the server's sampling defaults come from, from vLLM's ``GET /server_info?config_format=json``
+    (served with ``VLLM_SERVER_DEV_MODE=1``, as ``polar serve`` does).
+
+    Returns ``{"defaults": dict | None, "defaults_from": str, "logprobs_mode": str | None}``, following
+    vLLM's ``ModelConfig.get_diff_sampling_param``: ``--generation-config vllm`` gives no defaults
+    (neutral sampling); ``auto`` reads ``generation_config.json`` of the model directory, a path that
+    file in the path; ``--override-generation-config`` is applied on top. ``defaults`` is None when
+    the info or the file cannot be read (the proxy then records those fields as unknown).
+    """
+    import json
+    from pathlib import Path
+
+    from ..sampling import GENERATION_CONFIG_KEYS
+
+    unknown = {"defaults": None, "defaults_from": "unknown", "logprobs_mode": None}
+    cfg = ((server_info or {}).get("vllm_config") or {})
+    mc = cfg.get("model_config") if isinstance(cfg, dict) else None
+    if not isinstance(mc, dict):
+        return unknown
+    mode = mc.get("logprobs_mode")
+    src = mc.get("generation_config") or "auto"
+    override = mc.get("override_generation_config") or {}
+    if src == "vllm":
+        config: dict[str, Any] | None = {}
+        where = "vllm"
+    else:
+        where = str(Path(mc.get("model") or "" if src == "auto" else src) / "generation_config.json")
+        try:
+            config = json.loads(read_file(where) if read_file else Path(where).read_text())
+        except FileNotFoundError:
+            config = {}  # vLLM treats a missing file as no defaults
+        except (OSError, ValueError):
+            return {**unknown, "logprobs_mode": mode}
+    config = {**config, **override}
+    defaults = {k: config[k] for k in GENERATION_CONFIG_KEYS if config.get(k) is not None}
+    return {"defaults": defaults, "defaults_from": where, "logprobs_mode": mode}
 
 
 class VLLMEngine(Engine):

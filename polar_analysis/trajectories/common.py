@@ -41,6 +41,10 @@ TRAJECTORY_SCHEMA: dict[str, pl.DataType] = {
     "merge_exact": pl.List(pl.Boolean),
     "merge_kind": pl.List(pl.String),
     "policy_version": pl.Int64,
+    "temperature": pl.Float64,
+    "top_k": pl.Int32,
+    "top_p": pl.Float64,
+    "sampling_issue": pl.String,
 }
 assert set(TRAJECTORY_COLUMNS) <= set(TRAJECTORY_SCHEMA), "every schema column must have a type"
 
@@ -56,7 +60,7 @@ MERGE_KINDS = (
 CALL_COLUMNS = (
     "call_id", "session_id", "task_id", "group_id", "call_index", "status", "finish_reason",
     "policy_version", "prompt_token_ids", "sampled_token_ids", "sampled_logprobs",
-    "normalized_request", "output_text", "output_reasoning", "output_tool_calls", "t_request_in",
+    "normalized_request", "output_text", "output_reasoning", "output_tool_calls", "t_request_in", "sampling",
 )
 
 
@@ -79,12 +83,29 @@ class Call:
     output_text: str = ""
     output_reasoning: str = ""
     output_tool_calls_json: str | None = None
+    sampling_json: str | None = None  # CallRecord.sampling (JSON), None on records before schema 2
+    has_logprobs: bool = True  # one finite logprob per sampled id (else excluded, counted)
     _request: Any = field(default=None, repr=False)
     _request_src: Any = field(default=None, repr=False)  # (Series, row): JSON read on first use
 
     @property
     def usable(self) -> bool:
-        return self.status == "ok" and self.sampled.size > 0
+        return self.status == "ok" and self.sampled.size > 0 and self.has_logprobs
+
+    @property
+    def label(self) -> str:
+        return f"call {self.call_id} (session {self.session_id}, call #{self.call_index})"
+
+    @property
+    def trainer_sampling(self) -> tuple[float | None, int, float, str | None]:
+        """(temperature, top_k, top_p, issue) of the distribution this call sampled from, as the
+        trainer must reproduce it; ``issue`` (naming the call) when it cannot."""
+        cached = self.__dict__.get("_trainer_sampling")
+        if cached is None:
+            cached = self.__dict__["_trainer_sampling"] = trainer_sampling(
+                orjson.loads(self.sampling_json) if self.sampling_json else None, self.label
+            )
+        return cached
 
     @property
     def request(self) -> dict[str, Any] | None:
@@ -110,7 +131,39 @@ def _list_arrays(series: pl.Series, dtype: Any) -> list[np.ndarray]:
 
 
 _SCALARS = ("call_id", "session_id", "task_id", "group_id", "call_index", "status", "finish_reason",
-            "policy_version", "output_text", "output_reasoning", "output_tool_calls")
+            "policy_version", "output_text", "output_reasoning", "output_tool_calls", "sampling")
+
+
+def trainer_sampling(sampling: dict[str, Any] | None, label: str) -> tuple[float | None, int, float, str | None]:
+    """See :attr:`Call.trainer_sampling`. The trainer divides logits by the temperature and applies
+    top-k/top-p as vLLM does; it does not reproduce min-p or penalties, greedy decoding, unknown
+    server defaults, or raw (pre-processing) logprobs of a non-plain distribution."""
+    if not sampling:
+        return None, 0, 1.0, f"{label}: no effective sampling parameters recorded (captured before schema version 2)"
+    unknown = [k for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                           "frequency_penalty") if sampling.get(k) is None]
+    if unknown:
+        return None, 0, 1.0, (f"{label}: sampling {', '.join(unknown)} unknown (the server's generation-config "
+                              "defaults could not be read)")
+    t, top_k, top_p = float(sampling["temperature"]), int(sampling["top_k"]), float(sampling["top_p"])
+    top_k = max(top_k, 0)
+    if t < 1e-5:
+        return None, 0, 1.0, f"{label}: greedy decoding (temperature {t:g}) is not a sample of a distribution"
+    others = []
+    if float(sampling["min_p"]) > 0:
+        others.append(f"min_p={sampling['min_p']}")
+    for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+        if float(sampling[name]) != neutral:
+            others.append(f"{name}={sampling[name]}")
+    if others:
+        return None, 0, 1.0, f"{label}: sampled with {', '.join(others)}, which the trainer does not reproduce"
+    plain = t == 1.0 and top_k == 0 and top_p >= 1.0
+    mode = sampling.get("logprobs_mode")
+    if not plain and mode != "processed_logprobs":
+        what = "raw (before temperature/top-k/top-p)" if mode == "raw_logprobs" else f"of unknown mode ({mode})"
+        return None, 0, 1.0, (f"{label}: sampled at temperature={t:g}, top_k={top_k}, top_p={top_p:g} but its logprobs "
+                              f"are {what}; serve with --logprobs-mode processed_logprobs")
+    return t, top_k, top_p, None
 
 
 def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
@@ -137,8 +190,9 @@ def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
     out = []
     for i in range(df.height):
         lp = logprobs[i]
-        if lp.size != sampled[i].size:  # no logprobs captured: zeros, flagged by the alignment report
-            lp = np.zeros(sampled[i].size, dtype=np.float64)
+        # A call without one finite logprob per sampled id is excluded from training (counted as
+        # skipped_no_logprobs), never trained on made-up values.
+        has_lp = lp.size == sampled[i].size and bool(np.isfinite(lp).all() if lp.size else True)
         out.append(
             Call(
                 call_id=get["call_id"][i],
@@ -155,6 +209,8 @@ def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
                 output_text=get["output_text"][i] or "",
                 output_reasoning=get["output_reasoning"][i] or "",
                 output_tool_calls_json=get["output_tool_calls"][i],
+                sampling_json=get["sampling"][i],
+                has_logprobs=has_lp,
                 _request_src=(requests, i),
             )
         )
@@ -272,6 +328,8 @@ class BuildStats:
     skipped_error: int = 0
     skipped_empty: int = 0  # status ok but no sampled ids
     skipped_error_sampled_tokens: int = 0  # sampled ids of error calls (not trained on, counted)
+    skipped_no_logprobs: int = 0  # status ok, sampled ids, but not one finite logprob per id
+    skipped_no_logprobs_sampled_tokens: int = 0
     sequences: int = 0
     chains: int = 0
     merges: int = 0
@@ -279,13 +337,15 @@ class BuildStats:
     break_reasons: Counter = field(default_factory=Counter)
     merge_kinds: Counter = field(default_factory=Counter)
     sampled_tokens: int = 0  # sampled ids of usable calls
-    covered_tokens: int = 0  # of those, present with loss mask 1 (verified id by id)
+    covered_tokens: int = 0  # of those, found with loss mask 1 in the output rows of their session
     sequence_tokens: int = 0
     template: str = ""
+    #: per session, the sampled ids of its usable calls (what coverage is counted against)
+    session_sampled: dict[str, list[np.ndarray]] = field(default_factory=dict, repr=False)
 
     @property
     def usable_calls(self) -> int:
-        return self.calls - self.skipped_error - self.skipped_empty
+        return self.calls - self.skipped_error - self.skipped_empty - self.skipped_no_logprobs
 
     @property
     def coverage(self) -> float:
@@ -305,7 +365,7 @@ class BuildStats:
         return self.usable_calls / self.sequences if self.sequences else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if not isinstance(v, Counter)}
+        d = {k: v for k, v in self.__dict__.items() if not isinstance(v, (Counter, dict))}
         d.update(
             break_reasons=dict(self.break_reasons),
             merge_kinds=dict(self.merge_kinds),
@@ -327,8 +387,79 @@ def count_skipped(call: Call, stats: BuildStats) -> bool:
     if call.sampled.size == 0:
         stats.skipped_empty += 1
         return True
+    if not call.has_logprobs:
+        stats.skipped_no_logprobs += 1
+        stats.skipped_no_logprobs_sampled_tokens += int(call.sampled.size)
+        return True
     stats.sampled_tokens += int(call.sampled.size)
+    stats.session_sampled.setdefault(call.session_id, []).append(call.sampled)
     return False
+
+
+def seqs_session_ids(seqs: list[Sequence]) -> list[str]:
+    return [seq.session_id for seq in seqs]
+
+
+def _multiset_overlap(a: np.ndarray, b: np.ndarray) -> int:
+    """Size of the multiset intersection of two id arrays."""
+    if a.size == 0 or b.size == 0:
+        return 0
+    ua, ca = np.unique(a, return_counts=True)
+    ub, cb = np.unique(b, return_counts=True)
+    _, ia, ib = np.intersect1d(ua, ub, assume_unique=True, return_indices=True)
+    return int(np.minimum(ca[ia], cb[ib]).sum())
+
+
+def covered_count(
+    sampled_by_session: dict[str, list[np.ndarray]], session_ids: list[str], ids: list[np.ndarray], masks: list[np.ndarray]
+) -> int:
+    """Sampled ids (per session, as a multiset) found with loss mask 1 in that session's output rows.
+
+    Computed from the output arrays, not from the pieces they were built from, so a token that a
+    builder loses or moves to another session lowers it."""
+    out_by_session: dict[str, list[np.ndarray]] = {}
+    for sid, a, m in zip(session_ids, ids, masks):
+        out_by_session.setdefault(sid, []).append(a[m.astype(bool)])
+    total = 0
+    for sid, arrays in sampled_by_session.items():
+        got = out_by_session.get(sid)
+        if arrays and got:
+            total += _multiset_overlap(np.concatenate(arrays), np.concatenate(got))
+    return total
+
+
+def capture_coverage(capture_dir: str | Any, trajectories: pl.DataFrame) -> pl.DataFrame:
+    """Per session: sampled ids in the raw capture lines (calls with status ok, sampled ids and one
+    finite logprob each: what a builder must keep) vs those with loss mask 1 in ``trajectories``.
+
+    Independent of the calls frame and the builders: a token lost anywhere between the JSONL lines
+    and the written Parquet lowers ``coverage``. Columns: session_id, sampled, covered, coverage."""
+    from pathlib import Path
+
+    from polar_analysis.schema import SESSIONS_SUBDIR, read_capture_lines
+
+    root = Path(capture_dir)
+    files = sorted((root / SESSIONS_SUBDIR).glob("*.jsonl")) if (root / SESSIONS_SUBDIR).is_dir() else sorted(root.glob("*.jsonl"))
+    sampled: dict[str, list[np.ndarray]] = {}
+    for f in files:
+        for rec in read_capture_lines(f):
+            if rec.get("record_type", "call") != "call" or rec.get("status", "ok") != "ok":
+                continue
+            toks, lps = rec.get("sampled_token_ids") or [], rec.get("sampled_logprobs") or []
+            if not toks or len(lps) != len(toks) or any(v is None for v in lps):
+                continue
+            sampled.setdefault(rec.get("session_id") or "", []).append(np.asarray(toks, dtype=np.int64))
+    got: dict[str, list[np.ndarray]] = {}
+    for sid, a, m in zip(trajectories["session_id"].to_list(), trajectories["input_ids"].to_list(),
+                         trajectories["loss_mask"].to_list()):
+        a, m = np.asarray(a, dtype=np.int64), np.asarray(m, dtype=bool)
+        got.setdefault(sid, []).append(a[m])
+    rows = []
+    for sid in sorted(sampled):
+        total = sum(x.size for x in sampled[sid])
+        covered = _multiset_overlap(np.concatenate(sampled[sid]), np.concatenate(got[sid])) if sid in got else 0
+        rows.append({"session_id": sid, "sampled": total, "covered": covered, "coverage": covered / total if total else 1.0})
+    return pl.DataFrame(rows, schema={"session_id": pl.String, "sampled": pl.Int64, "covered": pl.Int64, "coverage": pl.Float64})
 
 
 def _large_list(arrays: list[np.ndarray], dtype: Any, pl_dtype: pl.DataType) -> pl.Series:
@@ -356,8 +487,6 @@ def sequences_frame(seqs: list[Sequence], stats: BuildStats) -> pl.DataFrame:
                 call = seq.calls[cp]
                 mask[pos : pos + piece.size] = 1
                 logprobs[pos : pos + piece.size] = call.logprobs
-                if np.array_equal(input_ids[pos : pos + piece.size], call.sampled):
-                    stats.covered_tokens += int(piece.size)
             pos += piece.size
         ids.append(input_ids)
         masks.append(mask)
@@ -381,8 +510,18 @@ def sequences_frame(seqs: list[Sequence], stats: BuildStats) -> pl.DataFrame:
         rows["merge_exact"].append([k == "exact" for k in seq.merge_kinds])
         rows["merge_kind"].append(list(seq.merge_kinds))
         rows["policy_version"].append(min(versions) if versions else first.policy_version)
+        t, top_k, top_p, issue = first.trainer_sampling
+        for c in seq.calls[1:]:  # builders never merge calls of different distributions; guard anyway
+            if issue is None and c.trainer_sampling[:3] != (t, top_k, top_p):
+                issue = f"{c.label}: sampled from another distribution than {first.label} of the same sequence"
+            issue = issue or c.trainer_sampling[3]
+        rows["temperature"].append(t)
+        rows["top_k"].append(top_k)
+        rows["top_p"].append(top_p)
+        rows["sampling_issue"].append(issue)
         stats.sequence_tokens += int(input_ids.size)
     stats.sequences = len(seqs)
+    stats.covered_tokens = covered_count(stats.session_sampled, seqs_session_ids(seqs), ids, masks)
     cols: dict[str, pl.Series] = {}
     for name, dtype in TRAJECTORY_SCHEMA.items():
         if name == "input_ids":

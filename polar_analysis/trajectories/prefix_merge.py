@@ -22,7 +22,11 @@ after it). ``strict=True`` starts a new segment wherever a merge would not be ex
 cannot merge starts a new segment — of the chain whose conversation it continues (same first
 message, more messages), or of a new chain — so no sampled token is ever dropped; the break is
 counted with its cause (see ``drift.py``). A call with exactly the prompt of an open sequence's
-latest call is a parallel call or a retry: it starts a chain of its own.
+latest call is a parallel call or a retry: it starts a chain of its own; when several open sequences
+share the longest matching prompt (a retry next to the call it repeated), every one is tried and
+the mildest merge wins (exact first), so a continuation lands on the answer it actually re-sent.
+Calls sampled from different distributions (temperature, top-k, top-p) are never merged: the
+break is counted as ``sampling_changed``.
 
 What a non-exact merge costs the trainer: the later calls' sampled ids were generated after the
 history as the harness re-sent it, not after the merged sequence, so their behaviour logprobs
@@ -50,6 +54,7 @@ import polars as pl
 
 from polar_analysis.trajectories.common import (
     BuildStats,
+    MERGE_KINDS,
     Call,
     Sequence,
     TemplateInfo,
@@ -70,6 +75,8 @@ class Merge:
     kind: str  # one of common.MERGE_KINDS
     tail_start: int  # index in the next prompt where its mask-0 tail starts
 
+
+_KIND_RANK = {k: n for n, k in enumerate(MERGE_KINDS)}
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
@@ -200,17 +207,33 @@ class SessionMerger:
             kind = "prompt_changed"
         return Merge(index, seq, kind, tail)
 
+    def _best(self, cands: list[int], p: np.ndarray, s: int, lenient: bool, call: Call) -> tuple[Merge | None, Sequence]:
+        """Of the sequences whose latest prompt matches ``p`` up to ``s``, the best merge: every
+        candidate is tried (a retry or a parallel call shares the prompt of the call a later turn
+        continues), the mildest kind wins (exact first), recency breaks ties."""
+        order = sorted(cands, key=lambda i: -self._touched[i])
+        best: Merge | None = None
+        for i in order:
+            m = self._merge_at(i, p, s, lenient, call)
+            if m is not None and (best is None or _KIND_RANK[m.kind] < _KIND_RANK[best.kind]):
+                best = m
+                if _KIND_RANK[m.kind] == 0:
+                    break
+        return best, (best.seq if best is not None else self.sequences[order[0]])
+
     def find(self, call: Call) -> tuple[Merge | None, Sequence | None]:
         """(merge, best sequence): the merge to do, or None with the sequence it failed to extend."""
         p = call.prompt
-        best, best_len, best_t = None, -1, -1
+        cands: list[int] = []
+        best_len = -1
         for i, seq in enumerate(self.sequences):
             a = seq.calls[-1].prompt
             if a.size >= best_len and is_prefix(a, p):
-                if a.size > best_len or self._touched[i] > best_t:
-                    best, best_len, best_t = i, a.size, self._touched[i]
-        if best is not None:
-            return self._merge_at(best, p, best_len, False, call), self.sequences[best]
+                if a.size > best_len:
+                    cands, best_len = [], a.size
+                cands.append(i)
+        if cands:
+            return self._best(cands, p, best_len, False, call)
         if self._gen.size and self._hdr.size:
             g, h = self._gen, self._hdr
             for i, seq in enumerate(self.sequences):
@@ -219,10 +242,11 @@ class SessionMerger:
                 if hist < 0 or not np.array_equal(a[hist:], g) or hist + h.size > p.size:
                     continue
                 if hist >= best_len and is_prefix(a[:hist], p) and np.array_equal(p[hist : hist + h.size], h):
-                    if hist > best_len or self._touched[i] > best_t:
-                        best, best_len, best_t = i, hist, self._touched[i]
-            if best is not None:
-                return self._merge_at(best, p, best_len + h.size, True, call), self.sequences[best]
+                    if hist > best_len:
+                        cands, best_len = [], hist
+                    cands.append(i)
+            if cands:
+                return self._best(cands, p, best_len + h.size, True, call)
         return None, None
 
     # -- feeding ----------------------------------------------------------------------------------
@@ -231,14 +255,19 @@ class SessionMerger:
             return
         self._clock += 1
         merge, near = self.find(call)
-        if merge is not None and (not self.strict or merge.kind == "exact"):
+        same_dist = merge is not None and merge.seq.calls[-1].trainer_sampling[:3] == call.trainer_sampling[:3]
+        if merge is not None and same_dist and (not self.strict or merge.kind == "exact"):
             merge.seq.extend(call, call.prompt[merge.tail_start :], merge.kind)
             self._touched[merge.index] = self._clock
             self.stats.merges += 1
             self.stats.merge_kinds[merge.kind] += 1
             return
         chain = None
-        if merge is not None:  # strict mode: a merge that was not exact
+        if merge is not None and not same_dist:
+            # sampled from another distribution (temperature/top-k/top-p): the trainer applies one
+            # per sequence, so this call starts a new segment of the chain it continues
+            chain, reason = merge.seq.chain_index, "sampling_changed"
+        elif merge is not None:  # strict mode: a merge that was not exact
             chain, reason = merge.seq.chain_index, f"strict:{merge.kind}"
         elif near is not None and near.calls[-1].prompt.size == call.prompt.size:
             pass  # the same prompt again: a parallel call or a retry, a chain of its own
