@@ -51,6 +51,7 @@ class SyntheticSession:
         chat_template_kwargs: dict[str, Any] | None = None,
         policy_version: int | None = 0,
         t0: float = 1_760_000_000.0,
+        sampling: dict[str, Any] | None = None,
     ):
         self.r = renderer
         self.tok = renderer.tokenizer
@@ -64,6 +65,8 @@ class SyntheticSession:
         self.records: list[CallRecord] = []
         self.t = t0
         self.eot = self.tok.convert_tokens_to_ids("<|im_end|>")
+        #: CallRecord.sampling of every call: plain sampling as a rollout enforces it, unless given
+        self.sampling: dict[str, Any] = dict(PLAIN_SAMPLING, **(sampling or {}))
 
     # -- what the harness sends ----------------------------------------------------------------
     def user(self, content: Any) -> "SyntheticSession":
@@ -177,6 +180,7 @@ class SyntheticSession:
             t_upstream_end=self.t + 0.5,
             t_response_out=self.t + 0.501,
             proxy_id="synthetic",
+            sampling=dict(self.sampling),
         )
         self.records.append(rec)
         if echo and status == "ok":
@@ -189,6 +193,14 @@ class SyntheticSession:
                 msg.update(echo)
             self.messages.append(msg)
         return rec
+
+
+#: The effective sampling of a rollout's call (polar_sampling temperature=1, processed logprobs).
+PLAIN_SAMPLING: dict[str, Any] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+    "frequency_penalty": 0.0, "seed": None, "enforced": ["temperature", "top_k", "top_p"], "defaults_from": "vllm",
+    "logprobs_mode": "processed_logprobs",
+}
 
 
 def write_capture(capture_dir: str | Path, records: list[CallRecord], *, torn_tail: bool = False) -> Path:

@@ -15,6 +15,8 @@ Choices (all in :class:`AdvantageConfig`):
 * ``failure="zero_advantage"`` (default): failed or timed-out samples get advantage 0 and are left
   out of the group statistics (their reward says nothing about the policy's answer).
   ``failure="zero_reward"``: they count as reward 0 and take part like any other sample.
+* A sample whose ``group_id`` is null is a group of its own: it has no peers to compare with, so
+  its advantage is 0 (ungrouped samples are never pooled into one group).
 * Groups whose participating rewards are all equal (or that have fewer than two participants)
   have zero advantage everywhere; ``drop_zero_variance`` removes their rows from training.
 """
@@ -27,6 +29,8 @@ from typing import Literal
 import polars as pl
 
 SAMPLE_KEYS = ("group_id", "session_id")
+#: Prefix of the private group key of a sample whose group_id is null (it forms a group of one).
+UNGROUPED = "\x00ungrouped:"
 
 
 @dataclass
@@ -79,7 +83,9 @@ def compute_sample_advantages(trajectories: pl.DataFrame | pl.LazyFrame, cfg: Ad
     else:
         r = pl.when(ok).then(pl.col("reward")).otherwise(None)
         participates = ok
-    g = "group_id"
+    # A sample without a group_id is a group of its own (one participant: zero advantage), never
+    # pooled with the other ungrouped samples of the batch.
+    g = pl.coalesce(pl.col("group_id"), pl.lit(UNGROUPED) + pl.col("session_id"))
     stats = samples.with_columns(
         r.cast(pl.Float64).alias("_r"), participates.alias("_participates")
     ).with_columns(
@@ -130,6 +136,7 @@ def compute_advantages(trajectories: pl.DataFrame | pl.LazyFrame, cfg: Advantage
             ),
             on=list(SAMPLE_KEYS),
             how="inner" if cfg.drop_zero_variance else "left",
+            nulls_equal=True,  # a null group_id still identifies its sample with the session id
             maintain_order="left",
         )
         .collect()

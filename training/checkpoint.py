@@ -140,6 +140,7 @@ def save_checkpoint(
     probe_ids: list[int] | None = None,
     update_latest: bool = True,
     policy: torch.nn.Module | None = None,
+    probe_before: list[float] | None = None,
 ) -> Path:
     """Write ``out_dir`` atomically (collective under FSDP: call on every rank; rank 0 writes).
 
@@ -154,6 +155,8 @@ def save_checkpoint(
     probe = None
     if probe_ids:
         probe = {"ids": list(probe_ids), "logprobs": probe_logprobs(policy or model, list(probe_ids))}
+        if probe_before is not None:  # the parent weights' logprobs: a no-op reload must not verify
+            probe["logprobs_before"] = list(probe_before)
     if not pdist.is_main():
         return out
     tied = is_tied(model)

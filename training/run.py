@@ -130,6 +130,8 @@ def run_training(job: TrainJob, console=None) -> RunResult:
             if main:
                 _append_jsonl(metrics_path, m)
 
+        probe_ids = list(frame["input_ids"][0][:PROBE_TOKENS]) if frame.height else None
+        probe_before = ckpt.probe_logprobs(trainer.policy, probe_ids) if probe_ids else None  # collective
         history = trainer.fit(prep, on_micro=on_micro, on_step=on_step)
 
     if not history:  # nothing to learn from (no sampled tokens left): keep the current weights
@@ -148,7 +150,7 @@ def run_training(job: TrainJob, console=None) -> RunResult:
     }
     meta.update(job.extra_meta)
     state = trainer.state_dict()  # collective under FSDP
-    probe_ids = list(frame["input_ids"][0][:PROBE_TOKENS]) if frame.height else None
+    meta["compute_dtype"] = cfg.compute_dtype
     ckpt.save_checkpoint(
         ckpt_dir,
         trainer.model,
@@ -157,6 +159,7 @@ def run_training(job: TrainJob, console=None) -> RunResult:
         meta=meta,
         probe_ids=probe_ids,
         policy=trainer.policy,
+        probe_before=probe_before,
     )
     result = RunResult(checkpoint=ckpt_dir, step=trainer.step, history=history, pack_summary=summary)
     if main:

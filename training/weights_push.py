@@ -13,13 +13,16 @@ Sequence (``push_weights``):
    * otherwise a controlled restart of the server on the checkpoint (``server.restart(...)``),
      keeping its served model name and port.
 3. ``POST <proxy>/_polar/resume {"policy_version": N}``: the version is set and the gate reopened in
-   one step, so every call recorded from then on carries version N. The gate is reopened even when
-   the reload failed (without a new version), so held calls are never left hanging; the error is
-   raised afterwards.
+   one step, so every call recorded from then on carries version N. When the reload failed, the
+   gate is reopened (without a new version) only if the probe shows the previous weights are still
+   served; otherwise it stays closed and the push stops with an error that says so (a call must
+   never be recorded under a policy_version that does not match the served weights).
 
 After the reload the served weights are *verified*: the checkpoint carries a probe (token ids and
 the trainer's logprobs for them, see checkpoint.py) and the server's ``prompt_logprobs`` for the
-same ids must agree within ``tol``. An in-place reload that does not verify falls back to a
+same ids must agree within ``tol`` (following the dtypes in play: the trainer's compute dtype and
+the server's), and must have moved away from the previous weights' logprobs (also in the probe),
+so a reload that changed nothing fails. An in-place reload that does not verify falls back to a
 restart. vLLM 0.32's in-place reload is known to keep a stale ``lm_head`` when the *served* model
 has tied embeddings (its layer-wise reloader restores the old tensor), so such a server is
 restarted on the (untied) checkpoint directly; serve ``checkpoint.servable_copy(base)`` from the
@@ -156,8 +159,63 @@ def served_tied(base: str) -> bool:
     return bool(text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
 
 
+#: Largest |served - trained| probe logprob accepted, by the least precise dtype in play (the
+#: trainer's compute and the server's). float32 vs float32 differs by kernels only (~1e-5 measured);
+#: bf16 rounds every activation (8 mantissa bits).
+PROBE_TOL = {"float32": 2e-3, "float16": 0.05, "bfloat16": 0.3}
+_PRECISION = ("float32", "float16", "bfloat16")  # most to least precise
+
+
+def probe_tolerance(*dtypes: str | None) -> float:
+    known = [d.removeprefix("torch.") for d in dtypes if d]
+    worst = max((d for d in known if d in PROBE_TOL), key=_PRECISION.index, default="float32")
+    return PROBE_TOL[worst]
+
+
+def served_dtype(base: str) -> str | None:
+    """The dtype vLLM computes in (dev mode's /server_info), else the served directory's config."""
+    try:
+        info = _get_json(f"{base}/server_info?config_format=json", timeout=10)
+        dt = ((info.get("vllm_config") or {}).get("model_config") or {}).get("dtype")
+        if dt:
+            return str(dt).removeprefix("torch.")
+    except (OSError, ValueError, urllib.error.URLError):
+        pass
+    try:
+        _, root = served_model(base)
+        cfg = json.loads((Path(root) / "config.json").read_text()) if root else {}
+        dt = cfg.get("torch_dtype") or cfg.get("dtype")
+        return str(dt) if dt else None
+    except (OSError, ValueError, KeyError, urllib.error.URLError):
+        return None
+
+
+def served_probe_logprobs(base: str, ids: list[int]) -> list[float]:
+    name, _ = served_model(base)
+    body = {"model": name, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+    status, raw = _post(f"{base}/v1/completions", body, 120.0)
+    if status >= 300:
+        raise PushError(f"probe completion answered {status}: {raw[:300]!r}")
+    entries = json.loads(raw)["choices"][0]["prompt_logprobs"][1:]
+    out = []
+    for tok, entry in zip(ids[1:], entries):
+        got = entry.get(str(tok)) or next(iter(entry.values()))
+        out.append(float(got["logprob"]))
+    return out
+
+
+def _mean_abs(a: list[float], b: list[float]) -> float:
+    return sum(abs(x - y) for x, y in zip(a, b)) / max(min(len(a), len(b)), 1)
+
+
 def verify_served(base: str, checkpoint_dir: str, tol: float | None = None) -> float:
-    """Largest |served - trained| logprob over the checkpoint's probe; raises PushError above ``tol``."""
+    """Largest |served - trained| logprob over the checkpoint's probe; raises PushError above ``tol``.
+
+    ``tol`` defaults to the least precise of the trainer's compute dtype and the server's dtype
+    (:data:`PROBE_TOL`). When the probe also holds the previous weights' logprobs
+    (``logprobs_before``) the served ones must have moved towards the new weights: a reload that
+    changed nothing fails even when the update is smaller than ``tol``.
+    """
     from .checkpoint import read_meta
 
     meta = read_meta(checkpoint_dir)
@@ -165,21 +223,45 @@ def verify_served(base: str, checkpoint_dir: str, tol: float | None = None) -> f
     if not probe:
         return 0.0
     if tol is None:
-        tol = 2e-3 if meta.get("dtype", "float32") == "float32" else 0.1
-    name, _ = served_model(base)
-    ids = probe["ids"]
-    body = {"model": name, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
-    status, raw = _post(f"{base}/v1/completions", body, 120.0)
-    if status >= 300:
-        raise PushError(f"probe completion answered {status}: {raw[:300]!r}")
-    entries = json.loads(raw)["choices"][0]["prompt_logprobs"][1:]
-    worst = 0.0
-    for tok, expected, entry in zip(ids[1:], probe["logprobs"], entries):
-        got = entry.get(str(tok)) or next(iter(entry.values()))
-        worst = max(worst, abs(float(got["logprob"]) - float(expected)))
+        tol = probe_tolerance(meta.get("compute_dtype") or meta.get("dtype", "float32"), served_dtype(base))
+    ids, new = probe["ids"], probe["logprobs"]
+    served = served_probe_logprobs(base, ids)
+    worst = max((abs(a - b) for a, b in zip(served, new)), default=0.0)
     if worst > tol:
         raise PushError(f"served weights differ from {checkpoint_dir}: probe logprob off by {worst:.4g} > {tol}")
+    before = probe.get("logprobs_before")
+    if before:
+        expected = _mean_abs(new, before)
+        if expected > tol / 20:  # the update is visible above the numerical noise of these dtypes
+            if _mean_abs(served, before) <= _mean_abs(served, new):
+                raise PushError(
+                    f"served logprobs did not move from the previous version's towards {checkpoint_dir} "
+                    f"(mean |served - previous| {_mean_abs(served, before):.3g}, |served - new| "
+                    f"{_mean_abs(served, new):.3g}): the reload changed nothing"
+                )
     return worst
+
+
+def served_version_state(base: str | None, checkpoint_dir: str, tol: float | None = None) -> str:
+    """After a failed push: ``previous`` when the server provably still serves the previous weights
+    (probe ``logprobs_before``), ``new`` when it serves the checkpoint, else ``unknown``."""
+    from .checkpoint import read_meta
+
+    probe = read_meta(checkpoint_dir).get("probe") or {}
+    if not base or not probe.get("logprobs_before"):
+        return "unknown"
+    try:
+        served = served_probe_logprobs(base, probe["ids"])
+    except (OSError, ValueError, KeyError, PushError, urllib.error.URLError):
+        return "unknown"
+    meta = read_meta(checkpoint_dir)
+    tol = tol or probe_tolerance(meta.get("compute_dtype") or meta.get("dtype", "float32"), served_dtype(base))
+    d_old, d_new = _mean_abs(served, probe["logprobs_before"]), _mean_abs(served, probe["logprobs"])
+    if d_old <= tol and d_old < d_new:
+        return "previous"
+    if d_new <= tol and d_new < d_old:
+        return "new"
+    return "unknown"
 
 
 def reload_server(
@@ -238,14 +320,26 @@ def push_weights(
     t_pause = time.perf_counter()
     if ctl:
         pause_proxy(ctl, drain_timeout)
-    result: PushResult | None = None
     try:
         t0 = time.perf_counter()
         method, notes = reload_server(server, ckpt, allow_restart=allow_restart, verify=verify, tol=tol)
         result = PushResult(method, int(policy_version), ckpt, reload_s=time.perf_counter() - t0, notes=notes)
-    finally:
+    except BaseException as exc:
         if ctl:
-            ctl.resume(policy_version if result is not None else None)
+            # Reopen the gate only under a label that matches what is served: the previous version
+            # when the probe shows the old weights are still live; otherwise stop with the gate closed.
+            state = served_version_state(server_url(server), ckpt, tol)
+            if state != "previous":
+                raise PushError(
+                    f"push of {ckpt} as policy version {policy_version} failed ({type(exc).__name__}: {exc}) and the "
+                    f"served weights could not be shown to be the previous version's (they are {state}): the proxy's "
+                    "gate stays closed so that no call is recorded under a wrong policy_version. Serve a known "
+                    "checkpoint, then reopen with POST /_polar/resume {\"policy_version\": N}"
+                ) from exc
+            ctl.resume(None)
+        raise
+    if ctl:
+        ctl.resume(policy_version)
     result.paused_s = time.perf_counter() - t_pause if ctl else 0.0
     log.info("pushed %s as policy version %d via %s (%.1fs)", ckpt, policy_version, result.method, result.reload_s)
     return result

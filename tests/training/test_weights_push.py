@@ -21,6 +21,7 @@ class FakeEndpoints:
         self.drained = True
         self.served_logprobs: list[float] = []  # what /v1/completions reports for the probe
         self.root = "/nonexistent"
+        self.server_dtype: str | None = None  # answered on /server_info (dev mode) when set
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
@@ -54,6 +55,8 @@ class FakeEndpoints:
             def do_GET(self):
                 if self.path == "/v1/models":
                     return self._send(200, {"data": [{"id": "tiny", "root": fake.root}]})
+                if self.path.startswith("/server_info") and fake.server_dtype:
+                    return self._send(200, {"vllm_config": {"model_config": {"dtype": fake.server_dtype}}})
                 self._send(404, {})
 
             def do_POST(self):
@@ -110,12 +113,16 @@ class FakeServer:
             self.on_restart()
 
 
-def make_checkpoint(path: Path, probe=None) -> Path:
+def make_checkpoint(path: Path, probe=None, before=None, compute_dtype=None) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text("{}")
     meta = {"dtype": "float32"}
+    if compute_dtype:
+        meta["compute_dtype"] = compute_dtype
     if probe:
         meta["probe"] = {"ids": probe[0], "logprobs": probe[1]}
+        if before:
+            meta["probe"]["logprobs_before"] = before
     (path / ckpt.META_FILE).write_text(json.dumps(meta))
     return path
 
@@ -155,12 +162,46 @@ def test_tied_served_model_goes_straight_to_restart(fake, tmp_path):
     assert "tied" in res.notes[0]
 
 
-def test_failed_push_reopens_the_gate_without_a_new_version(fake, tmp_path):
+def test_failed_push_whose_served_weights_are_unknown_keeps_the_gate_closed(fake, tmp_path):
     server = FakeServer(None, reload_error=RuntimeError("boom"), restart_error=RuntimeError("no restart"))
-    with pytest.raises(RuntimeError, match="no restart"):
+    with pytest.raises(PushError, match="gate stays closed") as err:
         push_weights(make_checkpoint(tmp_path / "c"), server, fake.url, policy_version=2)
-    assert fake.names() == ["/_polar/pause", "/_polar/resume"]
-    assert fake.events[-1][1] == {}
+    assert "no restart" in str(err.value) and "policy version 2" in str(err.value)
+    assert fake.names() == ["/_polar/pause"]  # never reopened under a label that may be wrong
+
+
+def test_failed_push_reopens_the_gate_on_the_old_version_when_the_old_weights_are_served(fake, tmp_path):
+    ck = make_checkpoint(tmp_path / "c", probe=([5, 6, 7], [-1.0, -2.0]), before=[-1.5, -2.5])
+    fake.served_logprobs = [-1.5, -2.5]  # still the previous weights
+    server = FakeServer(fake, reload_error=RuntimeError("boom"), restart_error=RuntimeError("no restart"))
+    with pytest.raises(RuntimeError, match="no restart"):
+        push_weights(ck, server, fake.url, policy_version=2)
+    assert fake.names()[-1] == "/_polar/resume" and fake.events[-1][1] == {}
+
+
+def test_a_reload_that_changed_nothing_fails_verification(fake, tmp_path):
+    """The update (0.01 nats on average) is below the float32 tolerance, so only the comparison
+    with the previous weights' logprobs can tell that the server still serves those."""
+    ck = make_checkpoint(tmp_path / "c", probe=([5, 6, 7], [-1.501, -2.249]), before=[-1.5, -2.25])
+    fake.served_logprobs = [-1.5, -2.25]
+    with pytest.raises(PushError, match="did not move from the previous version"):
+        push_weights(ck, FakeServer(fake), None, policy_version=5, allow_restart=False)
+    fake.served_logprobs = [-1.501, -2.249]
+    assert push_weights(ck, FakeServer(fake), None, policy_version=5).method == "reload_weights"
+
+
+def test_probe_tolerance_follows_the_dtypes_in_play(fake, tmp_path):
+    from polar_training.weights_push import probe_tolerance
+
+    assert probe_tolerance("float32", "float32") == 2e-3
+    assert probe_tolerance("float32", "bfloat16") == probe_tolerance("bfloat16", None) == 0.3
+    ck = make_checkpoint(tmp_path / "c", probe=([5, 6, 7], [-1.5, -2.25]))
+    fake.served_logprobs = [-1.6, -2.25]  # 0.1 off: bf16 rounding on the server, not other weights
+    fake.server_dtype = "torch.bfloat16"
+    assert push_weights(ck, FakeServer(fake), None, policy_version=1).method == "reload_weights"
+    fake.server_dtype = "float32"  # the same gap between two float32 computations means other weights
+    with pytest.raises(PushError, match="off by 0.1"):
+        push_weights(ck, FakeServer(fake), None, policy_version=1, allow_restart=False)
 
 
 def test_undrained_proxy_abandons_the_push(fake, tmp_path):
