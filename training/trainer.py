@@ -52,6 +52,9 @@ class TrainConfig:
     #: bf16 matmuls (autocast; FSDP2 MixedPrecisionPolicy under torchrun). float16 is refused (no loss scaling).
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     gradient_checkpointing: bool = False
+    #: FSDP: reduce-scatter gradients after the "last" micro-batch of a step only (unsharded gradients
+    #: accumulate locally: less communication, full-size gradients per device) or after "every" one
+    grad_sync: Literal["last", "every"] = "last"
     seed: int = 0
     adv: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -68,6 +71,8 @@ class TrainConfig:
             )
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype must be float32 or bfloat16, not {self.compute_dtype!r}")
+        if self.grad_sync not in ("last", "every"):
+            raise ValueError(f"grad_sync must be last or every, not {self.grad_sync!r}")
         if self.token_budget <= 0 or self.num_minibatches <= 0 or self.ppo_epochs <= 0:
             raise ValueError("token_budget, num_minibatches and ppo_epochs must be positive")
 
@@ -374,7 +379,7 @@ class GRPOTrainer:
         last = len(microbatches) - 1
         for i, mb in enumerate(microbatches):
             # FSDP: reduce-scatter gradients only after the last micro-batch of the step
-            pdist.set_gradient_sync(self.policy, i == last)
+            pdist.set_gradient_sync(self.policy, i == last or cfg.grad_sync == "every")
             with self.autocast():
                 logp, ent = policy_logprobs(self.policy, mb, with_entropy=True)
             dev = logp.device

@@ -43,7 +43,10 @@ def test_polar_train_writes_checkpoint_metrics_plot_and_resumes(tiny_qwen_dir, m
     for key in ("loss", "kl", "entropy", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max",
                 "reward_mean", "advantage_std", "tokens_per_s", "grad_norm", "padding_waste"):  # fmt: skip
         assert all(key in r for r in rows), key
-    assert rows[0]["ratio_mean"] != 1.0 or rows[1]["ratio_mean"] != 1.0  # 2 mini-batches: off-policy after step 1
+    # 2 mini-batches per invocation: the first step of each is on its own old logprobs (ratio exactly 1),
+    # the second comes after an update (off-policy)
+    assert [rows[0]["ratio_mean"], rows[2]["ratio_mean"]] == pytest.approx([1.0, 1.0], abs=1e-6)
+    assert abs(rows[1]["ratio_mean"] - 1.0) > 1e-5 and abs(rows[3]["ratio_mean"] - 1.0) > 1e-5
     assert rows[0]["kl"] == 0.0 and rows[3]["kl"] > 0.0
 
     png = run / "metrics.png"
