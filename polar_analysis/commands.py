@@ -113,7 +113,8 @@ def _stats_table(stats) -> Table:
     t = Table(title=f"trajectories ({stats.mode})", title_justify="left", show_header=False)
     t.add_column("k")
     t.add_column("v", justify="right")
-    for k in ("calls", "usable_calls", "skipped_error", "skipped_empty", "skipped_error_sampled_tokens", "sessions",
+    for k in ("calls", "usable_calls", "skipped_error", "skipped_empty", "skipped_error_sampled_tokens",
+              "skipped_no_logprobs", "skipped_no_logprobs_sampled_tokens", "sessions",
               "chains", "sequences", "merges", "breaks", "sampled_tokens", "covered_tokens", "sequence_tokens"):
         t.add_row(k, str(d[k]))
     t.add_row("coverage", f"{stats.coverage:.4%}")
@@ -262,7 +263,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Rebuild training sequences from captured token ids (loss mask 1 exactly on sampled ids).
 
-        Rewards are attached per session from --rewards or <capture>/rollouts.parquet; sessions without one get a null reward. Coverage (sampled ids present with loss mask 1) is checked id by id and printed; below 100% the command exits 1.
+        Rewards are attached per session from --rewards or <capture>/rollouts.parquet; sessions without one get a null reward. Coverage (sampled ids present with loss mask 1) is checked against the calls and again against the raw capture lines, per session; below 100% the command exits 1.
         """
         from polar_analysis import alignment, rewards as rw
         from polar_analysis import trajectories
@@ -283,6 +284,20 @@ def register(app: typer.Typer) -> None:
         if stats.coverage < 1.0:
             console.print(f"[red]coverage {stats.coverage:.4%}: some sampled ids are not in any sequence[/red]")
             raise typer.Exit(1)
+        if source.is_dir():  # counted again from the raw capture lines, independently of the loader
+            from polar_analysis.trajectories.common import capture_coverage
+
+            cov = capture_coverage(source, df)
+            low = cov.filter(pl.col("coverage") < 1.0)
+            total = cov["covered"].sum() / max(cov["sampled"].sum(), 1)
+            console.print(f"coverage from the raw capture lines: {total:.4%} of {cov['sampled'].sum()} sampled ids")
+            if low.height:
+                console.print(_table(low, "sessions with sampled ids missing from the trajectories"))
+                raise typer.Exit(1)
+        issues = df["sampling_issue"].drop_nulls()
+        if issues.len():
+            console.print(f"[yellow]{issues.len()} sequences the trainer will refuse (it cannot reproduce their "
+                          f"sampling distribution), e.g. {issues[0]}[/yellow]")
 
     @app.command("flows")
     def flows_cmd(

@@ -49,6 +49,11 @@ def register(app: typer.Typer) -> None:
         ppo_epochs: int = typer.Option(1, "--ppo-epochs"),
         attention: str = typer.Option("position_ids", "--attention", help="position_ids | block_mask"),
         gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing"),
+        grad_sync: str = typer.Option(
+            "last", "--grad-sync",
+            help="FSDP: reduce gradients after the last micro-batch of a step (less traffic, full-size gradients "
+            "per device) or after every one (less memory).",
+        ),
         dtype: str = typer.Option(
             "float32", "--dtype",
             help="float32 (fast on CPUs without bf16) | bfloat16 (mixed precision: float32 master weights and "
@@ -88,6 +93,7 @@ def register(app: typer.Typer) -> None:
                 ppo_epochs=ppo_epochs,
                 attention=attention,
                 gradient_checkpointing=gradient_checkpointing,
+                grad_sync=grad_sync,
                 compute_dtype=dtype,
                 attn_implementation=attn_implementation,
                 seed=seed,

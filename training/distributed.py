@@ -171,7 +171,9 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def parity(model_dir: str, trajectories: str, out: str, token_budget: int = 256, seed: int = 0) -> dict[str, Any]:
+def parity(
+    model_dir: str, trajectories: str, out: str, token_budget: int = 256, seed: int = 0, dtype: str = "float32"
+) -> dict[str, Any]:
     """One mini-batch's loss and full gradients, single- or multi-process (see the module doc)."""
     import polars as pl
 
@@ -179,13 +181,14 @@ def parity(model_dir: str, trajectories: str, out: str, token_budget: int = 256,
 
     init_from_env()
     torch.manual_seed(seed)
-    cfg = TrainConfig(token_budget=token_budget, seed=seed)
+    cfg = TrainConfig(token_budget=token_budget, seed=seed, compute_dtype=dtype)
     model, ref = load_models(model_dir, cfg)
     trainer = GRPOTrainer(model, cfg, ref_model=ref)
     prep = trainer.prepare(pl.read_parquet(trajectories))
     acc = trainer.accumulate(prep.minibatches[0])
     grads = full_gradients(trainer.policy)
-    result = {"loss": acc.loss, "n_tokens": acc.sums.get("n_tokens", 0.0), "world": rank_and_world()[1], "grads": grads}
+    result = {"loss": acc.loss, "n_tokens": acc.sums.get("n_tokens", 0.0), "world": rank_and_world()[1], "grads": grads,
+              "param_dtypes": sorted({str(p.dtype) for p in trainer.policy.parameters()})}
     if is_main():
         torch.save(result, out)
     if dist.is_initialized():
@@ -205,8 +208,9 @@ def _main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--token-budget", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", help="compute dtype: float32 | bfloat16 (mixed precision)")
     a = ap.parse_args()
-    r = parity(a.model, a.trajectories, a.out, a.token_budget, a.seed)
+    r = parity(a.model, a.trajectories, a.out, a.token_budget, a.seed, a.dtype)
     if is_main():
         print(f"world={r['world']} loss={r['loss']:.8f} sampled_tokens={int(r['n_tokens'])} grads={len(r['grads'])}")
 

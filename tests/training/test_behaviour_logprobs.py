@@ -86,5 +86,5 @@ def test_every_token_trained_in_the_context_it_was_sampled_in_matches_vllm(polic
                 checked += e - s
             else:
                 skipped += e - s
-    assert k == trainer.numel()
+        assert k == trainer.numel()
     assert checked > 200 and skipped > 0  # both kinds occur in this capture

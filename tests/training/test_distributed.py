@@ -13,7 +13,10 @@ from polar_training.distributed import parity
 
 
 @pytest.mark.slow
-def test_two_process_fsdp2_matches_one_process(small_qwen_dir, make_frame, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_process_fsdp2_matches_one_process(small_qwen_dir, make_frame, tmp_path, dtype):
+    """float32: equal to float tolerance. bfloat16: FSDP2's MixedPrecisionPolicy (bf16 compute,
+    float32 reduction) against single-process autocast, both over float32 master weights."""
     traj = tmp_path / "traj.parquet"
     # 7 samples of uneven length: the ranks get different bin counts (padding micro-batches).
     make_frame(groups=1, samples=7, min_len=10, max_len=60, seed=11, vocab=2048, sequences_per_sample=2).write_parquet(traj)
@@ -24,19 +27,26 @@ def test_two_process_fsdp2_matches_one_process(small_qwen_dir, make_frame, tmp_p
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "polar_training.distributed", "parity",
         "--model", str(small_qwen_dir), "--trajectories", str(traj), "--out", str(tmp_path / "two.pt"),
-        "--token-budget", budget,
+        "--token-budget", budget, "--dtype", dtype,
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "world=2" in proc.stdout
 
-    one = parity(str(small_qwen_dir), str(traj), str(tmp_path / "one.pt"), token_budget=int(budget))
+    one = parity(str(small_qwen_dir), str(traj), str(tmp_path / "one.pt"), token_budget=int(budget), dtype=dtype)
     two = torch.load(tmp_path / "two.pt", weights_only=False)
     assert one["world"] == 1 and two["world"] == 2
     assert two["n_tokens"] == one["n_tokens"] > 0
-    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-8)
+    assert one["param_dtypes"] == two["param_dtypes"] == ["torch.float32"]  # master weights
+    bf16 = dtype == "bfloat16"
+    assert two["loss"] == pytest.approx(one["loss"], rel=2e-2 if bf16 else 1e-5, abs=1e-8)
     assert abs(one["loss"]) > 1e-4
     assert one["grads"].keys() == two["grads"].keys()
     for name, g in one["grads"].items():
+        assert g.dtype == two["grads"][name].dtype == torch.float32
         assert g.abs().max() > 0 or "embed" in name, name
-        assert torch.allclose(two["grads"][name], g, atol=1e-6, rtol=1e-4), (name, (two["grads"][name] - g).abs().max())
+        if bf16:  # bf16 rounding of activations: compare directions and norms, not elements
+            cos = torch.nn.functional.cosine_similarity(two["grads"][name].flatten(), g.flatten(), dim=0)
+            assert cos > 0.98 or g.abs().max() == 0, (name, cos)
+        else:
+            assert torch.allclose(two["grads"][name], g, atol=1e-6, rtol=1e-4), (name, (two["grads"][name] - g).abs().max())
