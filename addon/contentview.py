@@ -148,7 +148,8 @@ def render_call(meta: dict[str, Any], rec: dict[str, Any] | None, source: Path |
     logprobs = list(rec.get("sampled_logprobs") or [])
     yield kv("served model", rec.get("served_model") or "?")
     yield kv("tokens from", f"{source}" + ("" if tok is not None else "  (no tokenizer built: ids shown)"))
-    mean = sum(logprobs) / len(logprobs) if logprobs else float("nan")
+    known = [v for v in logprobs if v is not None]
+    mean = sum(known) / len(known) if known else float("nan")
     yield kv("prompt ids", f"{len(prompt)}  (loss_mask 0, {PROMPT_STYLE} style)")
     yield kv("sampled ids", f"{len(sampled)}  (loss_mask 1, {SAMPLED_STYLE} style)  mean logprob {mean:.3f}")
     yield []

@@ -23,14 +23,16 @@ def _read(obj: dict[str, Any], choice: dict[str, Any] | None, into: TokenData) -
     triples = meta.get("output_token_logprobs")
     if triples:
         for item in triples:
-            into.sampled_logprobs.append(float(item[0]) if item[0] is not None else 0.0)
+            into.sampled_logprobs.append(float(item[0]) if item[0] is not None else None)  # never a made-up 0.0
             into.sampled_token_ids.append(int(item[1]))
         return
     # Fall back to plain ids (and OpenAI-style logprobs) when meta_info carries no triples.
     ids = choice.get("token_ids") or meta.get("output_ids") or []
     into.sampled_token_ids.extend(ids)
     lp = choice.get("logprobs") or {}
-    into.sampled_logprobs.extend(float(e.get("logprob", 0.0)) for e in (lp.get("content") or []))
+    into.sampled_logprobs.extend(
+        None if e.get("logprob") is None else float(e["logprob"]) for e in (lp.get("content") or [])
+    )
 
 
 class SGLangEngine(Engine):
