@@ -540,6 +540,8 @@ def print_report(report: dict[str, Any]) -> None:
             f"peak RSS {tr['peak_rss_gib']:.1f} GiB  "
             f"-> pushed as policy v{tr['push']['policy_version']} via {tr['push']['method']} in "
             f"{tr['push']['reload_s']:.1f} s ({'; '.join(tr['push']['notes']) or 'verified'})")
+    if report.get("skipped_steps"):
+        console.print(f"skipped updates (every group's samples scored alike): {report['skipped_steps']}")
     before, after = report["reward_before"], report["reward_after"]
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     console.print(f"[bold]reward before/after: {fmt(before)} -> {fmt(after)}[/bold]")
