@@ -199,10 +199,9 @@ class Ledger:
         """The longest earlier call whose messages are a prefix of ``messages`` and whose answer
         comes next, re-sent unchanged. Otherwise the reason none does."""
         s = self.session(sid)
-        if not any(m.get("role") == "assistant" for m in messages):
-            return Match(None)
+        has_assistant = any(m.get("role") == "assistant" for m in messages)
         if not s.entries:
-            return Match(None, NO_EARLIER_CALL)
+            return Match(None, NO_EARLIER_CALL if has_assistant else None)
         n = len(messages)
         best_fail: Match | None = None
         best_fail_len = -1
@@ -227,6 +226,8 @@ class Ledger:
                 return Match(entry)
             if k > best_fail_len:
                 best_fail, best_fail_len = fail, k
+        if not has_assistant:  # nothing to splice; unless an earlier answer was left out, the prompt is exact
+            return best_fail if best_fail is not None and best_fail.cause == ANSWER_DROPPED else Match(None)
         return best_fail or Match(None, HISTORY_EDITED)
 
 
@@ -316,7 +317,7 @@ def splice(match: Match, messages: list[dict[str, Any]], rendered: list[int], eo
     has_assistant = any(m.get("role") == "assistant" for m in messages)
     entry = match.entry
     if entry is None:
-        if not has_assistant:
+        if not has_assistant and match.cause is None:
             return Splice(list(rendered), "exact")
         return Splice(list(rendered), "rendered", match.cause, match.detail)
     k = len(entry.messages)  # messages[k] is the re-sent answer

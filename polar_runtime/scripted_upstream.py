@@ -147,7 +147,10 @@ class Tokenizer:
             out += self._cached(orjson.dumps(tools, option=orjson.OPT_SORT_KEYS))
         for m in messages:  # <|im_start|> role ... <|im_end|>, like ChatML
             out += [CHEAP_SPECIAL["<|im_start|>"], _cheap_id(str(m.get("role")))]
-            out += self._cached(orjson.dumps(m, option=orjson.OPT_SORT_KEYS))
+            if isinstance(m.get("content"), str) and set(m) <= {"role", "content"}:  # plain text: its words
+                out += [p.token_id for p in self.pieces(m["content"], "content")]
+            else:
+                out += self._cached(orjson.dumps(m, option=orjson.OPT_SORT_KEYS))
             out.append(CHEAP_SPECIAL["<|im_end|>"])
         if add_generation_prompt:
             out += [CHEAP_SPECIAL["<|im_start|>"], _cheap_id("assistant")]

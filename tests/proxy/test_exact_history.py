@@ -84,3 +84,112 @@ def test_resent_answers_are_spliced_as_sampled(helpers, exact_proxy, session_id,
     assert r1["rendered_prompt_diff"] is None
     assert r2["sampled_logprobs"] and len(r2["sampled_logprobs"]) == len(r2["sampled_token_ids"])
     assert r3["finish_reason"] == "tool_calls"
+
+
+def test_ledger_is_rebuilt_from_the_capture_after_kill_9(helpers, scripted, confdir, tmp_path, session_id) -> None:
+    from addon.process import ProxyProcess
+
+    cap = tmp_path / "cap"
+    proxy = ProxyProcess(scripted.url, cap, confdir=confdir, upstream_timeout=5,
+                         options={"polar_exact_history": True}).start()
+    h = Harness(helpers, proxy, session_id)
+    h.messages.append({"role": "user", "content": "go #scenario:tool"})
+    first = h.ask()
+    h.messages += [h.answer_message(first)]
+    h.messages += _tool_results(h.messages[-1])
+    second = h.ask(h.messages + [{"role": "user", "content": "more #scenario:text"}])
+    assert second.text
+    os.killpg(proxy.proc.pid, signal.SIGKILL)  # no shutdown hook runs: the ledger lives in the capture
+    proxy.proc.wait(10)
+    proxy.proc = None
+    proxy = ProxyProcess(scripted.url, cap, confdir=confdir, upstream_timeout=5,
+                         options={"polar_exact_history": True}).start()
+    try:
+        h.proxy = proxy
+        h.messages += [{"role": "user", "content": "more #scenario:text"}, h.answer_message(second),
+                       {"role": "user", "content": "last #scenario:text"}]
+        h.ask()
+        recs = h.records()
+        assert [r["history"] for r in recs] == ["exact", "exact", "exact"]
+        assert "exact history: spliced after call 1" in recs[2]["translation_notes"]
+        lead = recs[1]["prompt_token_ids"] + recs[1]["sampled_token_ids"]
+        assert recs[2]["prompt_token_ids"][: len(lead)] == lead
+        status = proxy.control.status() if hasattr(proxy.control, "status") else None
+        if isinstance(status, dict) and status.get("exact_history"):
+            assert status["exact_history"]["ledger_rebuilt"] == 1
+    finally:
+        proxy.stop()
+
+
+def test_edited_history_falls_back_and_says_why(helpers, exact_proxy, session_id) -> None:
+    h = Harness(helpers, exact_proxy, session_id)
+    h.messages.append({"role": "user", "content": "first #scenario:text"})
+    a1 = h.ask()
+    h.messages += [h.answer_message(a1), {"role": "user", "content": "second #scenario:text"}]
+    a2 = h.ask()
+    # compaction: the earlier turns are replaced by a summary
+    compacted = [h.messages[0], {"role": "user", "content": "Summary: we said hello twice."},
+                 h.answer_message(a2), {"role": "user", "content": "go on #scenario:text"}]
+    h.ask(compacted)
+    # a system prompt that changed
+    changed = [{"role": "system", "content": "You are another agent."}] + h.messages[1:] + [
+        h.answer_message(a2), {"role": "user", "content": "go on #scenario:text"}]
+    h.ask(changed)
+    # the harness dropped its earlier answer
+    dropped = h.messages[:2] + [{"role": "user", "content": "second #scenario:text"}]
+    h.ask(dropped)
+    recs = h.records()
+    assert [(r["history"], r["history_cause"]) for r in recs] == [
+        ("exact", None), ("exact", None), ("rendered", "history_edited"), ("rendered", "history_edited"),
+        ("rendered", "answer_dropped")]
+    for r in recs[2:]:
+        assert r["rendered_prompt_diff"] is None  # rendered: what vLLM got is the template's rendering
+
+
+def test_changed_tool_arguments_are_not_spliced(helpers, exact_proxy, session_id) -> None:
+    h = Harness(helpers, exact_proxy, session_id)
+    h.messages.append({"role": "user", "content": "do it #scenario:tool"})
+    a1 = h.ask()
+    msg = h.answer_message(a1)
+    edited = json.loads(json.dumps(msg))
+    edited["tool_calls"][0]["function"]["arguments"] = json.dumps({"command": "rm -rf /"})
+    h.ask(h.messages + [edited] + _tool_results(edited) + [{"role": "user", "content": "next #scenario:text"}])
+    # JSON-equal arguments with other whitespace and key order, and another tool-call id: spliced
+    same = json.loads(json.dumps(msg))
+    same["tool_calls"][0]["id"] = "call_harness_1"
+    same["tool_calls"][0]["function"]["arguments"] = json.dumps(a1.tool_calls[0]["arguments"], indent=2)
+    h.ask(h.messages + [same] + _tool_results(same) + [{"role": "user", "content": "next #scenario:text"}])
+    recs = h.records()
+    assert (recs[1]["history"], recs[1]["history_cause"]) == ("rendered", "answer_changed")
+    assert any("tool_arguments" in n for n in recs[1]["translation_notes"])
+    assert recs[2]["history"] == "exact"
+
+
+def test_truncated_turn_is_closed_with_the_end_of_turn_id(helpers, exact_proxy, scripted, session_id) -> None:
+    h = Harness(helpers, exact_proxy, session_id)
+    h.messages.append({"role": "user", "content": "write #scenario:length"})
+    a1 = h.ask()
+    h.messages += [h.answer_message(a1), {"role": "user", "content": "you were cut #scenario:text"}]
+    h.ask()
+    r1, r2 = h.records()
+    assert r1["finish_reason"] == "length" and r1["sampled_token_ids"]
+    eot = scripted.upstream.tok.eos_id
+    lead = r1["prompt_token_ids"] + r1["sampled_token_ids"] + [eot]
+    assert r2["history"] == "exact" and r2["prompt_token_ids"][: len(lead)] == lead
+
+
+def test_interleaved_sub_agents_each_continue_their_own_chain(helpers, exact_proxy, session_id) -> None:
+    main = Harness(helpers, exact_proxy, session_id)
+    sub = Harness(helpers, exact_proxy, session_id)
+    sub.messages = [{"role": "system", "content": "You are a sub-agent that reads files."}]
+    main.messages.append({"role": "user", "content": "main task #scenario:tool"})
+    sub.messages.append({"role": "user", "content": "sub task #scenario:tools2"})
+    for turn in range(2):
+        for agent in (main, sub):
+            ans = agent.ask()
+            msg = agent.answer_message(ans)
+            agent.messages += [msg] + _tool_results(msg) + [{"role": "user", "content": f"go {turn} #scenario:tool"}]
+    recs = main.records()
+    assert [r["history"] for r in recs] == ["exact"] * 4
+    notes = [next((n for n in r["translation_notes"] if "spliced after" in n), None) for r in recs]
+    assert notes == [None, None, "exact history: spliced after call 0", "exact history: spliced after call 1"]
