@@ -873,7 +873,8 @@ class Polar:
                 if self.exact is not None:  # render, splice, generate, derender (exact_history.py)
                     resp = await self.exact.post(up.url, chat, rec, stream=stream_upstream, max_model_len=up.max_model_len,
                                                  timeout=self._client_timeout(), headers={"x-polar-session": rec.session_id})
-                    break
+                    if resp is not None:
+                        break
                 resp = await self.http.post(
                     up.url + "/v1/chat/completions", data=upstream_body,
                     headers={"content-type": "application/json", "x-polar-session": rec.session_id,

@@ -34,6 +34,7 @@ import logging
 import time
 from array import array
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -67,10 +68,11 @@ SCALE_OUT_HINT = ("polar_exact_history needs vLLM's render/generate/derender end
 class ExactError(Exception):
     """The upstream answered a step with an error: (status, body) go to the harness as usual."""
 
-    def __init__(self, status: int, body: bytes):
+    def __init__(self, status: int, body: bytes, step: str = ""):
         super().__init__(f"HTTP {status}")
         self.status = status
         self.body = body
+        self.step = step
 
 
 class FeedReader:
@@ -165,7 +167,8 @@ class ExactHistory:
         self.capture_path = capture_path  # session id -> Path of its capture file
         self.ledger = Ledger(max_sessions=max_sessions, loader=self._load)
         self.pending: dict[str, Pending] = {}
-        self.probed_eot: dict[str, int | None] = {}  # upstream URL -> its end-of-turn id (None: unknown)
+        self.probed_eot: dict[str, int | None] = {}
+        self.unavailable: dict[str, str] = {}  # upstream URL -> why it has no render/generate/derender  # upstream URL -> its end-of-turn id (None: unknown)
         self.stats = {"exact": 0, "spliced": 0, "rendered": 0, "render_ms": 0.0, "derender_ms": 0.0}
 
     def _load(self, sid: str) -> list[dict[str, Any]]:
@@ -179,26 +182,32 @@ class ExactHistory:
 
     # -- the exchange ----------------------------------------------------------------------------
     async def post(self, base_url: str, chat: dict[str, Any], rec: Any, *, stream: bool, timeout: Any,
-                   max_model_len: int | None, headers: dict[str, str]) -> ExactResponse:
+                   max_model_len: int | None, headers: dict[str, str]) -> ExactResponse | None:
         """Render, splice, generate (and derender): a chat answer for the addon, or an error
-        response with the upstream's status. Connection errors and timeouts raise as aiohttp's."""
+        response with the upstream's status; None when this upstream lacks the endpoints (the
+        addon then takes the normal path). Connection errors and timeouts raise as aiohttp's."""
+        if base_url in self.unavailable:
+            rec.translation_notes.append(f"exact history unavailable: {self.unavailable[base_url]}")
+            return None
         try:
             return await self._post(base_url, chat, rec, stream=stream, timeout=timeout,
                                     max_model_len=max_model_len, headers=headers)
         except ExactError as exc:
-            body = exc.body
-            if exc.status in (403, 404, 405, 501):
-                body = jsonutil.dumps({"error": {"message": f"{SCALE_OUT_HINT} ({exc.status}: "
-                                                             f"{body[:300].decode('utf-8', 'replace')})",
-                                                 "type": "BadRequestError", "code": exc.status}})
-            return ExactResponse(exc.status, body)
+            if exc.status in (403, 404, 405, 501) and exc.step == RENDER_PATH:
+                # no token-in/token-out here (vLLM without --enable-scale-out, another server):
+                # this upstream gets the normal path, and the records say so
+                self.unavailable[base_url] = f"{exc.status} {exc.body[:200].decode('utf-8', 'replace')}"
+                log.warning(f"polar: exact history off for {base_url}: {SCALE_OUT_HINT}")
+                self.pending.pop(rec.call_id, None)
+                return None
+            return ExactResponse(exc.status, exc.body)
 
     async def _call(self, url: str, body: Any, timeout: Any, headers: dict[str, str]) -> Any:
         async with self.http.post(url, data=jsonutil.dumps(body), timeout=timeout,
                                   headers={"content-type": "application/json", **headers}) as resp:
             raw = await resp.read()
             if resp.status != 200:
-                raise ExactError(resp.status, raw)
+                raise ExactError(resp.status, raw, urlsplit(url).path)
         return orjson.loads(raw)
 
     async def _post(self, base_url: str, chat: dict[str, Any], rec: Any, *, stream: bool, timeout: Any,

@@ -193,3 +193,16 @@ def test_interleaved_sub_agents_each_continue_their_own_chain(helpers, exact_pro
     assert [r["history"] for r in recs] == ["exact"] * 4
     notes = [next((n for n in r["translation_notes"] if "spliced after" in n), None) for r in recs]
     assert notes == [None, None, "exact history: spliced after call 0", "exact history: spliced after call 1"]
+
+
+def test_an_upstream_without_the_endpoints_gets_the_normal_path(helpers, proxy_factory, session_id) -> None:
+    with ServerThread(max_model_len=8192) as plain:
+        plain.upstream.scale_out = False  # vLLM started without --enable-scale-out: 403 on render
+        proxy = proxy_factory(plain.url, options={"polar_exact_history": True})
+        h = Harness(helpers, proxy, session_id)
+        h.messages.append({"role": "user", "content": "hi #scenario:text"})
+        a1 = h.ask()
+        h.ask(h.messages + [h.answer_message(a1), {"role": "user", "content": "again #scenario:text"}])
+        recs = h.records()
+        assert [r["status"] for r in recs] == ["ok", "ok"] and [r["history"] for r in recs] == [None, None]
+        assert any("exact history unavailable" in n for n in recs[1]["translation_notes"])
