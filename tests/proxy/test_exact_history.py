@@ -206,3 +206,96 @@ def test_an_upstream_without_the_endpoints_gets_the_normal_path(helpers, proxy_f
         recs = h.records()
         assert [r["status"] for r in recs] == ["ok", "ok"] and [r["history"] for r in recs] == [None, None]
         assert any("exact history unavailable" in n for n in recs[1]["translation_notes"])
+
+
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_anthropic_messages_history_is_spliced(helpers, exact_proxy, session_id, stream) -> None:
+    """The ledger works on the normalized call: an Anthropic harness re-sending content blocks
+    (text, tool_use; thinking left out) gets its own sampled ids back."""
+    def ask(messages: list[dict[str, Any]]) -> Any:
+        body = {"model": "claude-x", "max_tokens": 512, "system": "You are a coding agent.", "tools": ANTHROPIC_TOOLS,
+                "messages": messages, "stream": stream}
+        r = helpers.request(exact_proxy.url + "/v1/messages", body,
+                            headers={"x-session-id": session_id, "anthropic-version": "2023-06-01"})
+        assert r.status == 200, r.body[:300]
+        return helpers.parsers["anthropic"](r.body, stream)
+
+    def blocks(ans: Any) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [{"type": "text", "text": ans.text}] if ans.text else []
+        return out + [{"type": "tool_use", "id": t["id"], "name": t["name"], "input": t["arguments"]}
+                      for t in ans.tool_calls]
+
+    messages = [{"role": "user", "content": "make a file #scenario:tools2"}]
+    a1 = ask(messages)
+    assert len(a1.tool_calls) == 2
+    messages += [{"role": "assistant", "content": blocks(a1)},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": t["id"], "content": "done"}
+                                              for t in a1.tool_calls] + [{"type": "text", "text": "#scenario:text"}]}]
+    a2 = ask(messages)
+    messages += [{"role": "assistant", "content": blocks(a2)}, {"role": "user", "content": "thanks #scenario:text"}]
+    ask(messages)
+    recs = helpers.read_records(exact_proxy.capture_dir, session_id)
+    assert [r["history"] for r in recs] == ["exact", "exact", "exact"], [r["history_cause"] for r in recs]
+    lead = recs[1]["prompt_token_ids"] + recs[1]["sampled_token_ids"]
+    assert recs[2]["prompt_token_ids"][: len(lead)] == lead
+
+
+def _fn_tools() -> list[dict[str, Any]]:
+    return [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+             "parameters": t["function"]["parameters"]} for t in TOOLS]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_responses_and_google_histories_are_spliced(helpers, exact_proxy, session_id, stream) -> None:
+    """OpenAI Responses (function_call items re-sent) and Google generateContent (functionCall parts)."""
+    # Responses
+    sid = session_id + "-resp"
+
+    def ask_responses(items: list[dict[str, Any]]) -> Any:
+        body = {"model": "gpt-x", "instructions": "You are a coding agent.", "input": items, "tools": _fn_tools(),
+                "stream": stream}
+        r = helpers.request(exact_proxy.url + "/v1/responses", body, headers={"x-session-id": sid})
+        assert r.status == 200, r.body[:300]
+        return helpers.parsers["openai_responses"](r.body, stream)
+
+    items: list[dict[str, Any]] = [{"role": "user", "content": "make a file #scenario:tool"}]
+    a1 = ask_responses(items)
+    items += [{"type": "function_call", "call_id": t["id"], "name": t["name"], "arguments": json.dumps(t["arguments"])}
+              for t in a1.tool_calls]
+    items += [{"type": "function_call_output", "call_id": t["id"], "output": "done"} for t in a1.tool_calls]
+    items.append({"role": "user", "content": "report #scenario:text"})
+    a2 = ask_responses(items)
+    items += [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": a2.text}]},
+              {"role": "user", "content": "bye #scenario:text"}]
+    ask_responses(items)
+    recs = helpers.read_records(exact_proxy.capture_dir, sid)
+    assert [r["history"] for r in recs] == ["exact"] * 3, [r["history_cause"] for r in recs]
+
+    # Google generateContent
+    gsid = session_id + "-google"
+    method = "streamGenerateContent?alt=sse" if stream else "generateContent"
+
+    def ask_google(contents: list[dict[str, Any]]) -> Any:
+        body = {"contents": contents, "systemInstruction": {"parts": [{"text": "You are a coding agent."}]},
+                "tools": [{"functionDeclarations": [{"name": t["function"]["name"],
+                                                     "description": t["function"]["description"],
+                                                     "parameters": t["function"]["parameters"]} for t in TOOLS]}]}
+        r = helpers.request(exact_proxy.url + f"/v1beta/models/gemini-x:{method}", body,
+                            headers={"x-session-id": gsid, "x-goog-api-key": "k"})
+        assert r.status == 200, r.body[:300]
+        return helpers.parsers["google"](r.body, stream)
+
+    contents: list[dict[str, Any]] = [{"role": "user", "parts": [{"text": "make a file #scenario:tool"}]}]
+    g1 = ask_google(contents)
+    parts = ([{"text": g1.text}] if g1.text else []) + [
+        {"functionCall": {"name": t["name"], "args": t["arguments"]}} for t in g1.tool_calls]
+    contents += [{"role": "model", "parts": parts},
+                 {"role": "user", "parts": [{"functionResponse": {"name": t["name"], "response": {"ok": True}}}
+                                            for t in g1.tool_calls] + [{"text": "#scenario:text"}]}]
+    ask_google(contents)
+    grecs = helpers.read_records(exact_proxy.capture_dir, gsid)
+    assert [r["history"] for r in grecs] == ["exact"] * 2, [(r["history_cause"], r["translation_notes"]) for r in grecs]
