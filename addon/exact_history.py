@@ -496,10 +496,6 @@ def _must_hold(text: str, tools: bool) -> bool:
 
 def _safe_len(text: str) -> int:
     """How much of ``text`` can go out: not a tail that could be the start of a marker."""
-    for i in range(1, max(len(m) for m in HOLD_MARKERS)):
-        tail = text[-i:] if i <= len(text) else None
-        if tail is None:
-            break
     cut = len(text)
     for m in HOLD_MARKERS:
         for j in range(len(m) - 1, 0, -1):
