@@ -109,19 +109,21 @@ class FeedReader:
         return self._eof and not self._chunks
 
     def read_nowait(self, n: int = -1) -> bytes:
-        if not self._chunks and self._exc is not None:
-            raise self._exc
         out = b"".join(self._chunks)
         self._chunks.clear()
         return out
 
     async def readany(self) -> bytes:
+        """Buffered bytes; at the end b""; a failure (timeout, broken upstream) raises once the
+        bytes before it were read, as aiohttp's reader does."""
         while not self._chunks and not self._eof and self._exc is None:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+        if not self._chunks and self._exc is not None:
+            raise self._exc
         return self.read_nowait()
 
 

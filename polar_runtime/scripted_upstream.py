@@ -504,6 +504,10 @@ class ScriptedUpstream:
         await resp.prepare(request)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         for i, p in enumerate(pieces):
+            if fault == "cut" and i == len(pieces) // 2:  # the connection breaks mid-generation
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
             if delay:
                 await asyncio.sleep(delay)
             d = {"request_id": body.get("request_id"), "usage": None,

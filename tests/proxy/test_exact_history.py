@@ -299,3 +299,17 @@ def test_responses_and_google_histories_are_spliced(helpers, exact_proxy, sessio
     ask_google(contents)
     grecs = helpers.read_records(exact_proxy.capture_dir, gsid)
     assert [r["history"] for r in grecs] == ["exact"] * 2, [(r["history_cause"], r["translation_notes"]) for r in grecs]
+
+
+def test_a_generation_cut_mid_stream_ends_in_an_error_and_keeps_what_was_sampled(helpers, exact_proxy,
+                                                                                  session_id) -> None:
+    h = Harness(helpers, exact_proxy, session_id, stream=True)
+    body = {"model": "gpt-x", "stream": True,
+            "messages": [{"role": "user", "content": "talk #scenario:words:20 #fault:cut"}]}
+    r = helpers.request(exact_proxy.url + "/v1/chat/completions", body, headers={"x-session-id": session_id})
+    assert r.status == 200
+    parsed = helpers.parsers["openai_chat"](r.body, True)
+    assert parsed.error is not None
+    (rec,) = h.records()
+    assert rec["status"] == "error" and rec["error_kind"] == "upstream_error"
+    assert len(rec["sampled_token_ids"]) == 10 and rec["history"] == "exact"
