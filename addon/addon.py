@@ -48,6 +48,7 @@ from . import sampling
 from .capture import CaptureError, CaptureWriter
 from .engines import ENGINES, TokenData, get_engine
 from .engines.base import Engine
+from .exact_history import ExactHistory
 from .providers.base import NormalizedCall, Provider, ProviderError, StreamTranslator
 from .sessions import (
     SECRET_HEADERS,
@@ -338,6 +339,7 @@ class Polar:
         self._drained = asyncio.Event()
         self._drained.set()
         self.calls: dict[str, Call] = {}  # in flight, by flow id
+        self.exact: ExactHistory | None = None  # polar_exact_history: token-in/token-out via the ledger
         self.tickets: dict[str, Call] = {}
         self.session_calls: OrderedDict[str, int] = OrderedDict()
         self.registry: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -386,6 +388,10 @@ class Polar:
         loader.add_option("polar_policy_version", int, -1,
                           "Policy (weights) version recorded with each call (-1: unknown).")
         loader.add_option("polar_proxy_id", str, "", "Identifier of this proxy in capture records (default: random).")
+        loader.add_option("polar_exact_history", bool, False,
+                          "Exact multi-turn history: prompt the model with its own sampled ids for every answer "
+                          "the harness re-sends (vLLM render/generate/derender; vLLM needs --enable-scale-out). "
+                          "Off: the chat template re-renders each answer from its text.")
 
     def configure(self, updated: set[str]) -> None:
         o = ctx.options
@@ -455,6 +461,14 @@ class Polar:
             if not valid_session_id(o.polar_proxy_id):
                 raise exceptions.OptionsError("polar_proxy_id must match the session-id pattern")
             self.proxy_id = o.polar_proxy_id
+        if "polar_exact_history" in updated or "polar_engine" in updated:
+            if o.polar_exact_history and self.engine.name != "vllm":
+                raise exceptions.OptionsError(f"polar_exact_history needs vLLM's render/generate/derender "
+                                              f"endpoints; engine {self.engine.name!r} has none")
+            if not o.polar_exact_history:
+                self.exact = None
+            elif self.http is not None and self.exact is None:
+                self.exact = self._new_exact()
         if "polar_served_model" in updated and self.pool is not None:
             for up in self.pool.upstreams:
                 up.served_model = None  # re-resolve on next call
@@ -490,9 +504,15 @@ class Polar:
         )
         self.relay = StreamRelay(self._pump)
         await self.relay.start()
+        if ctx.options.polar_exact_history:
+            self.exact = self._new_exact()
         _tune_gc()
         log.info(f"polar: proxy {self.proxy_id} upstreams={self.pool.urls if self.pool else []} "
                  f"capture={self.writer.root if self.writer else None} relay=127.0.0.1:{self.relay.port}")
+
+    def _new_exact(self) -> ExactHistory:
+        assert self.http is not None
+        return ExactHistory(self.http, capture_path=lambda sid: self.writer.path_for(sid) if self.writer else None)
 
     async def done(self) -> None:
         if self.relay is not None:
@@ -540,6 +560,8 @@ class Polar:
             "stream_mode": ctx.options.polar_stream_mode,
             "capture_dir": str(self.writer.root) if self.writer else None,
             "upstreams": self.pool.status() if self.pool else [],
+            "exact_history": dict(self.exact.stats, ledger_sessions=len(self.exact.ledger.sessions),
+                                  ledger_rebuilt=self.exact.ledger.rebuilt) if self.exact else None,
         }
 
     # -- connection-level hooks --------------------------------------------------------------
@@ -865,6 +887,11 @@ class Polar:
             self.pool.acquire(up)
             rec.t_upstream_sent = time.time()
             try:
+                if self.exact is not None:  # render, splice, generate, derender (exact_history.py)
+                    resp = await self.exact.post(up.url, chat, rec, stream=stream_upstream, max_model_len=up.max_model_len,
+                                                 timeout=self._client_timeout(), headers={"x-polar-session": rec.session_id})
+                    if resp is not None:
+                        break
                 resp = await self.http.post(
                     up.url + "/v1/chat/completions", data=upstream_body,
                     headers={"content-type": "application/json", "x-polar-session": rec.session_id,
@@ -1165,6 +1192,8 @@ class Polar:
                 f"logprobs/ids length mismatch: {len(t.sampled_logprobs)} vs {len(t.sampled_token_ids)}")
         call.acc.fill(rec)
         rec.t_response_out = time.time()
+        if self.exact is not None:
+            self.exact.observe(rec)
         if self.writer is not None:
             try:
                 self.writer.write(rec)
@@ -1399,6 +1428,8 @@ class Polar:
                 sid = args.get("session_id") or args.get("session")
                 self.registry.pop(sid, None)
                 self.session_calls.pop(sid, None)
+                if self.exact is not None:
+                    self.exact.forget(sid)
                 if self.pool:
                     self.pool.forget_session(sid)
                 self._json(flow, 200, {"forgotten": sid})

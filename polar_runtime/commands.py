@@ -78,6 +78,9 @@ def serve_command(
     generation_config: Annotated[str, typer.Option(
         help="Server-side sampling defaults for fields a request leaves out: vllm (neutral: T=1, no top-k/top-p), "
              "auto (the model's generation_config.json) or a directory holding one.")] = serve.DEFAULT_GENERATION_CONFIG,
+    scale_out: Annotated[bool, typer.Option(
+        help="Serve vLLM's render/generate/derender endpoints (--enable-scale-out), which the proxy's "
+             "exact-history mode needs.")] = True,
 ) -> None:
     """Start a real vLLM OpenAI-compatible server and keep it running until Ctrl-C / SIGTERM."""
     try:
@@ -91,6 +94,7 @@ def serve_command(
             threads=threads,
             tool_parser=tool_parser,
             generation_config=generation_config,
+            scale_out=scale_out,
         )
     except models.ModelError as exc:
         _error(str(exc))

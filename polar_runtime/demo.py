@@ -19,9 +19,15 @@ Phases (each timed; Ctrl-C or SIGTERM stops everything the demo started):
 8. rollouts again with the new policy (phases 4-7 repeat ``--iterations`` times), the notebooks
    executed on the run, and a short report (also written to ``<out>/report.json``).
 
-On CPU the default run is small on purpose (2 tasks x 2 samples, answers capped at 256 tokens):
-the 0.5B model decodes ~7 tokens/s on two cores. Knobs scale it up (``--harness``, ``--model``,
-``--tasks``, ``--samples``, ``--iterations``, ``--max-tokens``).
+On CPU the default run is small on purpose (2 tasks x 4 samples, answers capped at 256 tokens):
+the 0.5B model decodes ~7 tokens/s on two cores. The two default tasks (hello-file, make-dir) are
+the built-in ones the base model solves sometimes but not always (docs/tasks.md has the measured
+table): a group whose samples all score alike has zero advantages, and a step without any group
+with reward variance is skipped (no update, no push) instead of spending minutes to change nothing.
+Sampling is plain sampling at temperature 1 (the distribution the trainer computes logprobs from),
+enforced by the proxy (``polar_sampling``) and seeded per call, so a rerun samples the same tokens.
+Knobs scale it up (``--harness``, ``--model``, ``--tasks``, ``--samples``, ``--iterations``,
+``--max-tokens``, ``--temperature``, ``--seed``).
 
 Tool calls: Qwen2.5-Coder-0.5B writes tool calls as Markdown JSON blocks instead of Hermes
 ``<tool_call>`` tags, so by default vLLM loads the ``polar_lenient`` tool parser plugin
@@ -67,7 +73,7 @@ class DemoConfig:
     tasks: str = "coding"
     task_ids: list[str] = field(default_factory=list)
     n_tasks: int = 2
-    samples: int = 2
+    samples: int = 4
     iterations: int = 1
     max_tokens: int = 256
     temperature: float = 1.0  # plain sampling at this temperature, enforced by the proxy (polar_sampling)
@@ -80,6 +86,7 @@ class DemoConfig:
     kv_cache_gib: float = 1.0  # ~43k tokens of 0.5B KV in float32: plenty for a few harness runs
     server_during_train: str = "auto"  # keep | stop | auto (stop when memory is short)
     tool_parser: str = "lenient"
+    exact_history: bool = True  # proxy option polar_exact_history (vLLM serves render/generate/derender)
     gpu: bool = False
     notebooks: bool = True
     keep: bool = False  # keep an existing run directory instead of replacing it
@@ -540,6 +547,8 @@ def print_report(report: dict[str, Any]) -> None:
             f"peak RSS {tr['peak_rss_gib']:.1f} GiB  "
             f"-> pushed as policy v{tr['push']['policy_version']} via {tr['push']['method']} in "
             f"{tr['push']['reload_s']:.1f} s ({'; '.join(tr['push']['notes']) or 'verified'})")
+    if report.get("skipped_steps"):
+        console.print(f"skipped updates (every group's samples scored alike): {report['skipped_steps']}")
     before, after = report["reward_before"], report["reward_after"]
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     console.print(f"[bold]reward before/after: {fmt(before)} -> {fmt(after)}[/bold]")
@@ -620,7 +629,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             flows = cfg.captures / "flows.mitm"
             proxy = ProxyProcess(server.base_url, cfg.captures, mode="reverse", served_model=served,
                                  options={"polar_max_tokens_cap": cfg.max_tokens, "save_stream_file": str(flows),
-                                          "polar_sampling": r.sampling_spec(cfg.temperature, cfg.seed)},
+                                          "polar_sampling": r.sampling_spec(cfg.temperature, cfg.seed),
+                                          "polar_exact_history": cfg.exact_history},
                                  log_file=cfg.out / "logs" / "proxy.log", startup_timeout=180.0)
             stack.enter_context(proxy)
             proxy.control.set_policy_version(0)
@@ -751,7 +761,7 @@ def demo_command(
     tasks: Annotated[str, typer.Option(help="Tasks JSONL file or a built-in set (coding).")] = "coding",
     task: Annotated[Optional[list[str]], typer.Option("--task", help="Only these task ids (repeatable).")] = None,
     n_tasks: Annotated[int, typer.Option("--n-tasks", help="The first N tasks of the file (0: all).")] = 2,
-    samples: Annotated[int, typer.Option(help="Samples per task (one GRPO group).")] = 2,
+    samples: Annotated[int, typer.Option(help="Samples per task (one GRPO group).")] = 4,
     iterations: Annotated[int, typer.Option(help="Rollout -> train -> push iterations (then a final rollout).")] = 1,
     max_tokens: Annotated[Optional[int], typer.Option(help="Cap on every answer's tokens (default 256 CPU, 1024 GPU).")] = None,
     temperature: Annotated[float, typer.Option(help="Sampling temperature the proxy enforces on every call "
@@ -773,6 +783,9 @@ def demo_command(
     gpu: Annotated[Optional[bool], typer.Option("--gpu/--cpu", help="Default: a GPU when paths.has_gpu().")] = None,
     notebooks: Annotated[bool, typer.Option(help="Execute the notebooks on the run at the end.")] = True,
     keep: Annotated[bool, typer.Option(help="Keep an existing run directory (finished samples are reused).")] = False,
+    exact_history: Annotated[bool, typer.Option(
+        help="Exact multi-turn history (proxy option polar_exact_history): the model is prompted with its own "
+             "sampled ids for every answer the harness re-sends.")] = True,
 ) -> None:
     """The main job: serve a model, run a harness through the proxy, train one GRPO step, push, run again."""
     if server_during_train not in ("auto", "keep", "stop"):
@@ -783,7 +796,8 @@ def demo_command(
                      temperature=temperature, seed=None if seed is None or seed < 0 else seed,
                      timeout=timeout, concurrency=concurrency, lr=lr,
                      kl_coef=kl_coef if kl_coef is not None else (0.001 if iterations > 1 or on_gpu else 0.0), max_model_len=max_model_len,
-                     tool_parser=tool_parser, server_during_train=server_during_train, gpu=on_gpu, notebooks=notebooks, keep=keep)
+                     tool_parser=tool_parser, server_during_train=server_during_train, gpu=on_gpu, notebooks=notebooks, keep=keep,
+                     exact_history=exact_history)
     try:
         report = run_demo(cfg)
     except KeyboardInterrupt:
