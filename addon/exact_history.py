@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from . import jsonutil
+from . import jsonutil, sampling
 from .ledger import (
     Answer,
     Entry,
@@ -240,6 +240,7 @@ class ExactHistory:
         self.pending[rec.call_id] = Pending(context, digests, rendered)
 
         params = dict(rendered_req["sampling_params"])
+        rec.sampling = sampling.confirm_from_render(rec.sampling, params)
         if max_model_len:
             room = max_model_len - len(sp.ids)
             if room < 1:

@@ -107,3 +107,17 @@ def effective(chat: dict[str, Any], server: dict[str, Any] | None, enforced: dic
     out["defaults_from"] = server.get("defaults_from") or "unknown"
     out["logprobs_mode"] = server.get("logprobs_mode")
     return out
+
+
+def confirm_from_render(recorded: dict[str, Any] | None, params: dict[str, Any]) -> dict[str, Any] | None:
+    """Overwrite the recorded effective sampling with the ``sampling_params`` vLLM's render endpoint
+    says it will apply (exact-history mode): the server's own answer, defaults included."""
+    if recorded is None:
+        return None
+    out = dict(recorded)
+    for name, kind in FIELDS.items():
+        if params.get(name) is not None:
+            value = kind(params[name])
+            out[name] = 0 if name == "top_k" and value < 0 else value
+    out["confirmed_by"] = "render"
+    return out

@@ -69,3 +69,24 @@ def test_enforced_sampling_reaches_the_upstream_and_the_capture(helpers, upstrea
     assert [r["normalized_request"]["seed"] for r in recs] == seeds
     assert seeds == [sampling.call_seed(11, session_id, r["call_index"]) for r in recs] and seeds[0] != seeds[1]
     assert all(r["native_request"]["temperature"] == 0.3 for r in recs)  # the harness's own request is kept as sent
+
+
+@pytest.mark.slow
+def test_effective_sampling_is_recorded_and_confirmed_by_render_in_exact_mode(helpers, upstream, proxy_factory,
+                                                                               session_id) -> None:
+    """Every record carries the effective sampling of its call. The scripted upstream has no
+    /server_info, so fields the request leaves out are unknown (None) on the normal path; in
+    exact-history mode vLLM's render states what it applies, defaults included."""
+    body = {"model": "m", "temperature": 0.5, "messages": [{"role": "user", "content": "hi #scenario:text"}]}
+    plain = proxy_factory(upstream.url)
+    exact = proxy_factory(upstream.url, options={"polar_exact_history": True})
+    for proxy, sid in ((plain, session_id + "-plain"), (exact, session_id + "-exact")):
+        ans = helpers.request(proxy.url + "/v1/chat/completions", body, headers={"x-polar-session": sid})
+        assert ans.status == 200, ans.body[:300]
+    (rec,) = helpers.read_records(plain.capture_dir, session_id + "-plain")
+    assert rec["sampling"]["temperature"] == 0.5 and rec["sampling"]["top_p"] is None
+    assert rec["sampling"]["defaults_from"] == "unknown" and rec["sampling"]["enforced"] == []
+    (rec,) = helpers.read_records(exact.capture_dir, session_id + "-exact")
+    assert rec["sampling"]["confirmed_by"] == "render"
+    assert {k: rec["sampling"][k] for k in ("temperature", "top_p", "min_p", "repetition_penalty")} == {
+        "temperature": 0.5, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
