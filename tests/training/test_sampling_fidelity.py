@@ -39,12 +39,13 @@ def policy(tiny_qwen_dir):
     return AutoModelForCausalLM.from_pretrained(str(tiny_qwen_dir), dtype=torch.float32, local_files_only=True).eval()
 
 
-def _capture(vllm_tiny, tmp_path, spec: str, harness_sampling: dict) -> tuple[pl.DataFrame, list[dict]]:
+def _capture(vllm_tiny, tmp_path, spec: str, harness_sampling: dict, exact: bool = False) -> tuple[pl.DataFrame, list[dict]]:
     from polar_proxy.process import ProxyProcess
 
     cap = tmp_path / "captures"
+    options = {"polar_sampling": spec, **({"polar_exact_history": True} if exact else {})}
     proxy = ProxyProcess(vllm_tiny.base_url, cap, confdir=tmp_path / "mitm", upstream_timeout=300,
-                         options={"polar_sampling": spec}).start()
+                         options=options).start()
     try:
         for i, prompt in enumerate(PROMPTS):
             _post(proxy.url + "/v1/chat/completions",
@@ -72,16 +73,19 @@ def _trainer_vs_vllm(policy, frame: pl.DataFrame, plain: bool = False) -> tuple[
 
 
 @pytest.mark.parametrize(
-    "spec, expect",
+    "spec, expect, exact",
     [
-        ("temperature=0.7,top_p=1,top_k=-1,min_p=0,seed=5", {"temperature": 0.7, "top_p": 1.0, "top_k": 0}),
-        ("temperature=0.7,top_p=0.9,top_k=-1,min_p=0,seed=6", {"temperature": 0.7, "top_p": 0.9, "top_k": 0}),
-        ("temperature=0.7,top_p=0.9,top_k=20,min_p=0,seed=7", {"temperature": 0.7, "top_p": 0.9, "top_k": 20}),
+        ("temperature=0.7,top_p=1,top_k=-1,min_p=0,seed=5", {"temperature": 0.7, "top_p": 1.0, "top_k": 0}, False),
+        ("temperature=0.7,top_p=0.9,top_k=-1,min_p=0,seed=6", {"temperature": 0.7, "top_p": 0.9, "top_k": 0}, False),
+        ("temperature=0.7,top_p=0.9,top_k=20,min_p=0,seed=7", {"temperature": 0.7, "top_p": 0.9, "top_k": 20}, False),
+        ("temperature=0.7,top_p=0.9,top_k=-1,min_p=0,seed=8", {"temperature": 0.7, "top_p": 0.9, "top_k": 0}, True),
     ],
-    ids=["T0.7", "T0.7-top_p0.9", "T0.7-top_p0.9-top_k20"],
+    ids=["T0.7", "T0.7-top_p0.9", "T0.7-top_p0.9-top_k20", "exact-history-T0.7-top_p0.9"],
 )
-def test_trainer_reproduces_vllm_processed_logprobs(vllm_tiny, policy, tmp_path, spec, expect):
-    frame, records = _capture(vllm_tiny, tmp_path, spec, {"temperature": 0.2, "top_p": 0.5})
+def test_trainer_reproduces_vllm_processed_logprobs(vllm_tiny, policy, tmp_path, spec, expect, exact):
+    frame, records = _capture(vllm_tiny, tmp_path, spec, {"temperature": 0.2, "top_p": 0.5}, exact)
+    if exact:  # generated through render/generate: the render's own sampling_params confirm the record
+        assert all(r["sampling"].get("confirmed_by") == "render" and r["history"] for r in records)
     assert len(records) == len(PROMPTS)
     for rec in records:  # (1) the effective parameters, as vLLM applied them, in one field
         s = rec["sampling"]
