@@ -41,8 +41,8 @@ from mitmproxy import command, ctx, exceptions, http
 from mitmproxy.net.http import status_codes
 from mitmproxy.proxy import mode_specs
 
-from polar_analysis.schema import CallRecord, valid_session_id
-from polar_runtime import paths
+from polar_core.schema import CallRecord, valid_session_id
+from polar_core import paths
 
 from .capture import CaptureError, CaptureWriter
 from .engines import ENGINES, TokenData, get_engine

@@ -49,7 +49,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from polar_runtime import paths
+from polar_core import paths
+from polar_training.config import LossConfig, TrainConfig
 
 # Reports are tables: when the output is not a terminal (CI logs, `| tee`) rich would assume 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 120)
@@ -72,8 +73,8 @@ class DemoConfig:
     max_tokens: int = 256
     timeout: float = 300.0
     concurrency: int = 2
-    lr: float = 1e-6
-    kl_coef: float = 0.001
+    lr: float = TrainConfig.lr
+    kl_coef: float = LossConfig.kl_coef
     max_model_len: int = 16384
     kv_cache_gib: float = 1.0  # ~43k tokens of 0.5B KV in float32: plenty for a few harness runs
     server_during_train: str = "auto"  # keep | stop | auto (stop when memory is short)
@@ -359,14 +360,14 @@ class TrainResult:
 
 
 def train_step(cfg: DemoConfig, model_dir: Path, trajectories: Path) -> TrainResult:
-    """One GRPO iteration as a ``polar train`` child process: its memory (policy, gradients, AdamW
+    """One GRPO iteration as a ``python -m polar_training`` child process: its memory (policy, gradients, AdamW
     state: ~8 GB for the 0.5B in float32) is returned to the system before the next rollout, and
     its peak RSS is measured. Ctrl-C reaches it too (same process group)."""
     from polar_training import checkpoint as ckpt
     from polar_training.plots import read_metrics
 
     run = cfg.out / "train"
-    cmd = [sys.executable, "-m", "polar_analysis.cli", "train", "--model", str(model_dir), "-t", str(trajectories),
+    cmd = [sys.executable, "-m", "polar_training", "--model", str(model_dir), "-t", str(trajectories),
            "-o", str(run), "--lr", repr(cfg.lr), "--kl-coef", repr(cfg.kl_coef),
            "--token-budget", str(max(4096, cfg.max_model_len // 2)), "--dtype", "bfloat16" if cfg.gpu else "float32"]
     if not cfg.gpu:
@@ -724,9 +725,9 @@ def demo_command(
     max_tokens: Annotated[Optional[int], typer.Option(help="Cap on every answer's tokens (default 256 CPU, 1024 GPU).")] = None,
     timeout: Annotated[float, typer.Option(help="Hard timeout per harness run, seconds.")] = 300.0,
     concurrency: Annotated[int, typer.Option(help="Harness runs at once (vLLM batches them).")] = 2,
-    lr: Annotated[float, typer.Option(help="Learning rate of the GRPO step.")] = 1e-6,
+    lr: Annotated[float, typer.Option(help="Learning rate of the GRPO step.")] = DemoConfig.lr,
     kl_coef: Annotated[Optional[float], typer.Option(
-        help="KL coefficient. Default: 0.001 (the recipe's) when there are several iterations or a GPU; 0 for a "
+        help=f"KL coefficient. Default: {DemoConfig.kl_coef:g} (the recipe's) when there are several iterations or a GPU; 0 for a "
              "single CPU iteration, whose one update starts at the reference, so the KL term is exactly 0 and its "
              "reference model would only cost a forward pass and 2 GB.")] = None,
     max_model_len: Annotated[int, typer.Option(help="vLLM context length.")] = 16384,
@@ -747,7 +748,7 @@ def demo_command(
     cfg = DemoConfig(out=out, harness=harness, model=model, tasks=tasks, task_ids=list(task or []), n_tasks=n_tasks,
                      samples=samples, iterations=iterations, max_tokens=max_tokens or (1024 if on_gpu else 256),
                      timeout=timeout, concurrency=concurrency, lr=lr,
-                     kl_coef=kl_coef if kl_coef is not None else (0.001 if iterations > 1 or on_gpu else 0.0), max_model_len=max_model_len,
+                     kl_coef=kl_coef if kl_coef is not None else (DemoConfig.kl_coef if iterations > 1 or on_gpu else 0.0), max_model_len=max_model_len,
                      tool_parser=tool_parser, server_during_train=server_during_train, gpu=on_gpu, notebooks=notebooks, keep=keep)
     try:
         report = run_demo(cfg)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 
 import polars as pl
 
-from polar_analysis.schema import SESSIONS_SUBDIR, read_capture_lines, valid_session_id
+from polar_core.schema import SESSIONS_SUBDIR, read_capture_lines, valid_session_id
 from polar_runtime.harnesses import Endpoint, Preset, Session, kill_group, run_invocation, terminate_all
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -430,7 +430,7 @@ def open_stack(
     exit, also on errors and Ctrl-C.
     """
     from polar_proxy.process import ProxyControl, ProxyProcess
-    from polar_runtime import paths
+    from polar_core import paths
 
     with contextlib.ExitStack() as stack:
         if proxy:

@@ -17,7 +17,7 @@ from mitmproxy import io
 from mitmproxy.http import HTTPFlow
 
 from polar_proxy import contentview as cv
-from polar_runtime.paths import REPO_ROOT
+from polar_core.paths import REPO_ROOT
 
 FIXTURE = REPO_ROOT / "tests" / "data" / "demo-run" / "captures"
 MITMDUMP = Path(sys.executable).with_name("mitmdump")
@@ -123,7 +123,7 @@ def test_polar_flows_reads_the_saved_flows_into_the_capture_frame(capture: Path,
     from typer.testing import CliRunner
 
     from polar_analysis import frames
-    from polar_analysis.cli import app
+    from polar_runtime.cli import app
 
     out = tmp_path / "flows.parquet"
     res = CliRunner().invoke(app, ["flows", str(capture / "flows.mitm"), "--capture", str(capture), "-o", str(out)])

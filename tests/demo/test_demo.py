@@ -22,7 +22,7 @@ import pytest
 from polar_runtime import demo
 from polar_runtime import harnesses as h
 from polar_runtime import rollout as r
-from polar_runtime.paths import REPO_ROOT
+from polar_core.paths import REPO_ROOT
 
 
 def _alive(pid: int) -> bool:
@@ -86,7 +86,7 @@ def test_reduced_demo_end_to_end(tmp_path: Path, tiny_qwen_dir: Path) -> None:
     if not pi.installed():
         pytest.fail("Pi is not installed: run `polar harness install pi` (setup does)")
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "polar_analysis.cli", "demo", "--model", "tiny-qwen", "--n-tasks", "1",
+    cmd = [sys.executable, "-m", "polar_runtime.cli", "demo", "--model", "tiny-qwen", "--n-tasks", "1",
            "--samples", "2", "--max-tokens", "16", "--timeout", "300", "--max-model-len", "8192", "--server-during-train", "keep", "--out", str(out)]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)

@@ -111,7 +111,7 @@ def test_inference_venv_tokenizes_like_the_main_venv(tiny_qwen_dir, qwen05_dir, 
     silently changes the ids the server returns (SmolLM2's GGUF said "LlamaTokenizer")."""
     import subprocess
 
-    from polar_runtime.paths import vllm_python
+    from polar_core.paths import vllm_python
 
     if not vllm_python().exists():
         pytest.skip("inference venv not installed (scripts/setup.sh)")

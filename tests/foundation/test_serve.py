@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from polar_runtime import paths
-from polar_runtime.net import free_port, port_in_use
+from polar_core import paths
+from polar_core.net import free_port, port_in_use
 from polar_runtime.serve import ServeError, VLLMServer, VLLMStartError, auto_kv_cache_gib, cpu_bind_spec
 
-POLAR = [sys.executable, "-m", "polar_analysis.cli"]
+POLAR = [sys.executable, "-m", "polar_runtime.cli"]
 
 
 def test_cpu_bind_spec():

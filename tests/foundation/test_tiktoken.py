@@ -10,7 +10,8 @@ import tiktoken
 import tiktoken.load
 import tiktoken.registry
 
-from polar_runtime import models, paths
+from polar_core import paths
+from polar_runtime import models
 
 
 @pytest.mark.parametrize("name", models.TIKTOKEN_ENCODINGS)

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 import pytest
 
-from polar_analysis.schema import SESSIONS_SUBDIR
+from polar_core.schema import SESSIONS_SUBDIR
 from polar_runtime import harnesses as h
 from polar_runtime import rollout as r
 

@@ -30,7 +30,7 @@ TASKS = [
     {"id": "slow-broken", "instruction": "Say hi.", "timeout": 3, "evaluator": "no-such-evaluator-polar"},
     {"id": "crash-eval", "instruction": "Say hi.", "evaluator": "python3 -c 'raise SystemExit(\"evaluator crashed\")'"},
 ]
-POLAR = [sys.executable, "-m", "polar_analysis.cli"]
+POLAR = [sys.executable, "-m", "polar_runtime.cli"]
 
 
 def polar_rollout(capture_dir: Path, tasks: Path, upstream: str, *extra: str) -> subprocess.CompletedProcess:

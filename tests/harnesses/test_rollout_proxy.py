@@ -16,7 +16,7 @@ import polars as pl
 import pytest
 
 from polar_proxy.process import ProxyProcess
-from polar_runtime.scripted_upstream import Script, ServerThread
+from polar_testing.scripted_upstream import Script, ServerThread
 
 from .conftest import check_token_fields, read_calls
 
@@ -42,7 +42,7 @@ def test_rollout_through_a_running_proxy(mode, tmp_path):
          ProxyProcess(up.url, tmp_path / "captures", mode="reverse" if mode == "base_url" else "regular",
                       confdir=tmp_path / "mitmproxy", served_model="scripted-model",
                       log_file=tmp_path / "proxy.log") as px:
-        cmd = [sys.executable, "-m", "polar_analysis.cli", "rollout", "--tasks", str(tasks), "--proxy", px.url,
+        cmd = [sys.executable, "-m", "polar_runtime.cli", "rollout", "--tasks", str(tasks), "--proxy", px.url,
                "--mode", mode, "--harness", "generic", "--command", CURL[mode], "--samples", "2",
                "--timeout", "60", "--ca-cert", str(px.ca_cert)]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})

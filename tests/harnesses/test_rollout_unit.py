@@ -16,7 +16,7 @@ import orjson
 import polars as pl
 import pytest
 
-from polar_analysis.schema import CallRecord, valid_session_id
+from polar_core.schema import CallRecord, valid_session_id
 from polar_runtime import rollout as r
 from polar_runtime.harnesses import Endpoint, get_preset
 

@@ -18,7 +18,7 @@ import pytest
 from polar_proxy.process import ProxyProcess
 from polar_runtime import harnesses as h
 from polar_runtime import rollout as r
-from polar_runtime.scripted_upstream import Script, ServerThread
+from polar_testing.scripted_upstream import Script, ServerThread
 
 from .conftest import MATRIX, check_token_fields, dump, harness_log_tail, merge_observation, require_installed, run_one
 

@@ -19,7 +19,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from polar_runtime.paths import REPO_ROOT
+from polar_core.paths import REPO_ROOT
 
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
 FIXTURE = REPO_ROOT / "tests" / "data" / "demo-run"

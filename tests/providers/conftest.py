@@ -11,7 +11,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 import pytest
-from polar_runtime.paths import harness_request_fixtures
+from polar_core.paths import harness_request_fixtures
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = harness_request_fixtures()

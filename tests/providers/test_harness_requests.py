@@ -10,7 +10,7 @@ import re
 import pytest
 
 from polar_proxy.providers import PROVIDERS, detect_provider
-from polar_runtime.paths import models_dir
+from polar_core.paths import models_dir
 
 ROLES_1 = ["system", "user"]
 ROLES_2 = ["system", "user", "assistant", "tool"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from polar_proxy.providers import PROVIDERS, NormalizedCall, detect_provider
-from polar_runtime.paths import polar_home
+from polar_core.paths import polar_home
 
 pytestmark = pytest.mark.slow
 

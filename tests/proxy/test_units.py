@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mitmproxy.test import tflow
 
-from polar_analysis.schema import CallRecord
+from polar_core.schema import CallRecord
 from polar_proxy.addon import Call, ChatAccumulator, Polar, SSEStream, synthetic_chunks
 from polar_proxy.capture import CaptureError, CaptureWriter
 from polar_proxy.engines import get_engine

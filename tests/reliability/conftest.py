@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from polar_proxy.process import ProxyProcess
-from polar_runtime.net import free_port
+from polar_core.net import free_port
 
 SERVED = "scripted-model"
 
@@ -173,7 +173,7 @@ class Load:
 
 
 class UpstreamProcess:
-    """``python -m polar_runtime.scripted_upstream`` on a free loopback port (stopped by the fixture)."""
+    """``python -m polar_testing.scripted_upstream`` on a free loopback port (stopped by the fixture)."""
 
     def __init__(self, port: int | None = None, max_model_len: int = 65536):
         self.port = port or free_port()
@@ -187,7 +187,7 @@ class UpstreamProcess:
 
     def start(self, timeout: float = 30.0) -> "UpstreamProcess":
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "polar_runtime.scripted_upstream", "--port", str(self.port),
+            [sys.executable, "-m", "polar_testing.scripted_upstream", "--port", str(self.port),
              "--served-model-name", SERVED, "--max-model-len", str(self.max_model_len)],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout

@@ -306,7 +306,7 @@ def test_bare_mitmdump_with_the_addon_listens_on_loopback(upstream_proc, tmp_pat
     import urllib.request
 
     from polar_proxy.process import ENTRY_SCRIPT, mitmdump_path
-    from polar_runtime.net import free_port
+    from polar_core.net import free_port
 
     port = free_port()
     proc = subprocess.Popen([mitmdump_path(), "-s", str(ENTRY_SCRIPT), "--mode", f"reverse:{upstream_proc.url}",

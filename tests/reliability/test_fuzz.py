@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from polar_runtime.paths import harness_request_fixtures
+from polar_core.paths import harness_request_fixtures
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = harness_request_fixtures()

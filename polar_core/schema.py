@@ -15,7 +15,7 @@ filling missing fields with their defaults.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -141,3 +141,43 @@ def read_capture_lines(path: str | Path) -> Iterator[dict[str, Any]]:
                 continue
             if isinstance(rec, dict):
                 yield rec
+
+
+# -- the harness field: who made the call, from its headers ------------------------------------
+
+_HARNESS_MARKERS = (
+    ("claude-cli", "claude-code"),
+    ("claude-code", "claude-code"),
+    ("codex", "codex"),
+    ("qwencode", "qwen-code"),
+    ("qwen-code", "qwen-code"),
+    ("geminicli", "gemini-cli"),
+    ("gemini-cli", "gemini-cli"),
+    ("opencode", "opencode"),
+    ("pi-coding-agent", "pi"),
+    ("anthropic/js", "anthropic-sdk-js"),
+    ("anthropic/python", "anthropic-sdk-python"),
+    ("openai/js", "openai-sdk-js"),
+    ("openai/python", "openai-sdk-python"),
+    ("google-genai-sdk", "google-genai-sdk"),
+    ("curl/", "curl"),
+    ("python-urllib", "python-urllib"),
+    ("aiohttp", "aiohttp"),
+)
+
+
+def harness_name(headers: Mapping[str, str]) -> str:
+    """A short harness name: ``x-polar-harness`` if set, else derived from the user agent.
+
+    Pi talks through the provider SDKs, so it shows up as the SDK unless the runner says otherwise.
+    """
+    explicit = headers.get("x-polar-harness")
+    if explicit:
+        return explicit.strip()[:64]
+    if headers.get("originator", "").startswith("codex"):
+        return "codex"
+    ua = headers.get("user-agent", "").lower()
+    for marker, name in _HARNESS_MARKERS:
+        if marker in ua:
+            return name
+    return ua.split("/", 1)[0][:32] if ua else ""

@@ -24,7 +24,7 @@ before its reader looks, as a loaded proxy sees a fast engine).
 Prompt ids come from the real chat template when ``--tokenizer DIR`` is given, else from a cheap
 deterministic tokenization (crc32 of words), cached per message so the benchmark stays fast.
 
-Run: ``python -m polar_runtime.scripted_upstream --port N [--tokenizer DIR]``.
+Run: ``python -m polar_testing.scripted_upstream --port N [--tokenizer DIR]``.
 """
 
 from __future__ import annotations

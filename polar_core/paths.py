@@ -1,6 +1,8 @@
 """Where Polar keeps what it builds: one cache root, overridable with POLAR_HOME.
 
 The cache lives outside the checkout so every clone (and CI) reuses venvs, models and harnesses.
+Only locations live here (and ``model_dir_for``, which finds a built model by name); building
+them is the runtime's job (``polar_runtime.models``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,17 @@ def polar_home() -> Path:
 
 def models_dir() -> Path:
     return polar_home() / "models"
+
+
+def model_dir_for(name: str | None) -> Path | None:
+    """A built model directory for a served/requested model name (or a path), if there is one."""
+    if not name:
+        return None
+    p = Path(name).expanduser()
+    if p.is_dir() and (p / "tokenizer_config.json").exists():
+        return p
+    candidates = [models_dir() / name, models_dir() / name.rsplit("/", 1)[-1], models_dir() / name.lower().rsplit("/", 1)[-1]]
+    return next((c for c in candidates if (c / "tokenizer_config.json").exists()), None)
 
 
 def harnesses_dir() -> Path:
