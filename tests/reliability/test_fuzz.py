@@ -245,8 +245,8 @@ def inproc(upstream_proc, tmp_path_factory):
     try:
         yield p
     finally:
-        assert not p.addon.calls, "calls left in flight"
-        assert p.addon.stats["capture_errors"] == 0
+        assert not p.addon.state.calls, "calls left in flight"
+        assert p.addon.state.stats["capture_errors"] == 0
         p.close()
 
 
