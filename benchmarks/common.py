@@ -27,6 +27,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from polar_core.net import OPENER, free_port  # noqa: F401 - free_port: common.free_port() in the benchmarks
 from polar_core.paths import harness_request_fixtures
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,20 +113,13 @@ def rss_bytes(pid: int) -> int:
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with opener.open(url, timeout=timeout) as resp:
+        with OPENER.open(url, timeout=timeout) as resp:
             return 200 <= resp.status < 500
     except urllib.error.HTTPError as exc:
         return exc.code < 500
     except (OSError, ValueError):
         return False
-
-
-def free_port() -> int:
-    from polar_core.net import free_port as fp
-
-    return fp()
 
 
 class Service:

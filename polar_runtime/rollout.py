@@ -404,7 +404,7 @@ class Stack:
 
 def served_model_of(upstream: str, timeout: float = 10.0) -> str:
     """The first model an OpenAI-compatible server lists (``GET /v1/models``)."""
-    from polar_runtime.serve import http_json
+    from polar_core.net import http_json
 
     data = http_json(upstream.rstrip("/").removesuffix("/v1") + "/v1/models", timeout=timeout)
     return data["data"][0]["id"]
@@ -429,7 +429,8 @@ def open_stack(
     interception of the hosted API hostnames) for ``proxy`` runs. Everything started is stopped on
     exit, also on errors and Ctrl-C.
     """
-    from polar_proxy.process import ProxyControl, ProxyProcess
+    from polar_core.control import ProxyControl
+    from polar_proxy.process import ProxyProcess
     from polar_core import paths
 
     with contextlib.ExitStack() as stack:

@@ -29,6 +29,7 @@ from .common import (
     cached_tokens,
     dump_arguments,
     iter_text_parts,
+    path_only,
     read_answer,
     require_dict,
     require_list,
@@ -66,10 +67,6 @@ DROPPED_ITEMS = (
     "mcp_approval_request", "mcp_approval_response", "compaction", "tool_search_call",
     "tool_search_output",
 )
-
-
-def _path_only(path: str) -> str:
-    return path.split("?", 1)[0].rstrip("/")
 
 
 def _parts_text(content: Any, where: str) -> str:
@@ -341,7 +338,7 @@ class OpenAIResponsesProvider(Provider):
     name = "openai_responses"
 
     def detect(self, method: str, path: str, headers: dict[str, str], body: Any) -> bool:
-        return method.upper() == "POST" and _path_only(path).endswith("/responses")
+        return method.upper() == "POST" and path_only(path).endswith("/responses")
 
     def to_chat(self, body: dict[str, Any], path: str, query: dict[str, str]) -> NormalizedCall:
         body = require_dict(body)

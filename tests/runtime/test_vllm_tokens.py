@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from polar_runtime import models
-from polar_runtime.serve import http_json
+from polar_core.net import OPENER, http_json
 
 pytestmark = pytest.mark.vllm
 
@@ -22,7 +22,7 @@ MESSAGES = [
     {"role": "system", "content": "You are a terse assistant."},
     {"role": "user", "content": "Name three prime numbers, comma separated. Ünïcödé ✓"},
 ]
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_NO_PROXY = OPENER  # never via HTTP(S)_PROXY
 
 
 @pytest.fixture(params=["vllm_tiny", "vllm_qwen05"], scope="module")

@@ -13,7 +13,7 @@ from urllib.parse import parse_qsl
 import pytest
 from polar_core.paths import harness_request_fixtures
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FIXTURES = harness_request_fixtures()
 
 

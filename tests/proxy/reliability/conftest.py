@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,8 +24,8 @@ from typing import Any
 
 import pytest
 
+from polar_core.net import OPENER, free_port  # OPENER: never via HTTP(S)_PROXY
 from polar_proxy.process import ProxyProcess
-from polar_core.net import free_port
 
 SERVED = "scripted-model"
 
@@ -191,12 +190,11 @@ class UpstreamProcess:
              "--served-model-name", SERVED, "--max-model-len", str(self.max_model_len)],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 break
             try:
-                with opener.open(self.url + "/health", timeout=1):
+                with OPENER.open(self.url + "/health", timeout=1):
                     return self
             except OSError:
                 time.sleep(0.05)

@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from polar_core.net import OPENER  # never via HTTP(S)_PROXY
+
 TIMEOUT = 1.5  # polar_upstream_timeout of these proxies
 #: fault -> (streams it applies to, expected status, expected error kinds in the record)
 FAULTS = {
@@ -152,10 +154,9 @@ def _post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
     import urllib.error
     import urllib.request
 
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     req = urllib.request.Request(url, data=body, headers=headers, method="POST")
     try:
-        with opener.open(req, timeout=30) as resp:
+        with OPENER.open(req, timeout=30) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()

@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 
+from polar_core.net import OPENER  # never via HTTP(S)_PROXY
 from polar_proxy.engines import get_engine
 from polar_proxy.providers import detect_provider
 
@@ -23,8 +24,7 @@ FIXTURES = ["claude-code.bare", "pi.anthropic", "pi.anthropic.second", "pi.chat.
 def _post(url: str, body: dict, stream: bool):
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(req, timeout=300) as resp:
+    with OPENER.open(req, timeout=300) as resp:
         if not stream:
             return json.loads(resp.read())
         chunks = []

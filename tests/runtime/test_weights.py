@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from polar_runtime import models
-from polar_runtime.serve import VLLMServer, http_json
+from polar_core.net import http_json
+from polar_runtime.serve import VLLMServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MESSAGES = [{"role": "user", "content": "hello there"}]

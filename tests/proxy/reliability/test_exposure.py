@@ -303,10 +303,10 @@ def test_listens_on_loopback_only_by_default(upstream_proc, proxies):
 def test_bare_mitmdump_with_the_addon_listens_on_loopback(upstream_proc, tmp_path, mitm_confdir):
     """``mitmdump -s addon/polar.py`` without --listen-host (mitmproxy's default is every interface)."""
     import subprocess
-    import urllib.request
 
-    from polar_proxy.process import ENTRY_SCRIPT, mitmdump_path
+    from polar_core.net import OPENER as opener  # never via HTTP(S)_PROXY
     from polar_core.net import free_port
+    from polar_proxy.process import ENTRY_SCRIPT, mitmdump_path
 
     port = free_port()
     proc = subprocess.Popen([mitmdump_path(), "-s", str(ENTRY_SCRIPT), "--mode", f"reverse:{upstream_proc.url}",
@@ -314,7 +314,6 @@ def test_bare_mitmdump_with_the_addon_listens_on_loopback(upstream_proc, tmp_pat
                              "--set", f"polar_capture_dir={tmp_path / 'cap'}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         deadline = time.monotonic() + 30
         while True:
             try:

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from polar_core.paths import harness_request_fixtures
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FIXTURES = harness_request_fixtures()
 #: provider -> (host of the hosted API, Pi fixture)
 HOSTS = {"openai_chat": ("api.openai.com", "pi.chat"), "anthropic": ("api.anthropic.com", "pi.anthropic"),

@@ -1,6 +1,6 @@
 """The Polar content view: a captured call's tokens in mitmproxy, from the committed real capture.
 
-tests/data/demo-run/captures holds real Pi sessions (0.5B on vLLM through the proxy) and the flows
+tests/fixtures/demo-run/captures holds real Pi sessions (0.5B on vLLM through the proxy) and the flows
 the proxy saved while recording them (``save_stream_file``).
 """
 
@@ -19,7 +19,7 @@ from mitmproxy.http import HTTPFlow
 from polar_proxy import contentview as cv
 from polar_core.paths import REPO_ROOT
 
-FIXTURE = REPO_ROOT / "tests" / "data" / "demo-run" / "captures"
+FIXTURE = REPO_ROOT / "tests" / "fixtures" / "demo-run" / "captures"
 MITMDUMP = Path(sys.executable).with_name("mitmdump")
 
 
