@@ -41,7 +41,7 @@ from polar_core import paths
 from polar_core.schema import valid_session_id
 from polar_proxy import jsonutil
 
-from . import control, exchange, streaming
+from . import control, exchange, sampling, streaming
 from .calls import client_gone, restore_request
 from .capture import CaptureWriter
 from .engines import ENGINES, get_engine
@@ -89,6 +89,11 @@ class Polar:
                           "Seconds to wait for the upstream's next byte (connect, headers, each stream chunk).")
         loader.add_option("polar_max_tokens_cap", Optional[int], None,
                           "Upper bound for max_tokens sent upstream. Unset (or 0): only the context limit.")
+        loader.add_option("polar_sampling", Optional[str], None,
+                          "Sampling parameters enforced on every call, whatever the harness sends, e.g. "
+                          "'temperature=1,top_p=1,top_k=-1,seed=7' (seed: a base, each call gets its own seed "
+                          "derived from it, the session and the call index). Unset: the harness's (or vLLM's "
+                          "generation-config defaults).")
         loader.add_option("polar_fsync", bool, False, "fsync the capture file after every record (slow).")
         loader.add_option("polar_stream_at_once", bool, True,
                           "A stream that has wholly arrived when the proxy first looks (the proxy is behind) "
@@ -117,6 +122,11 @@ class Polar:
         if "polar_engine" in updated:
             try:
                 s.engine = get_engine(o.polar_engine)
+            except ValueError as exc:
+                raise exceptions.OptionsError(str(exc)) from None
+        if "polar_sampling" in updated:
+            try:
+                s.sampling = sampling.parse(o.polar_sampling)
             except ValueError as exc:
                 raise exceptions.OptionsError(str(exc)) from None
         if "polar_max_tokens_cap" in updated and (o.polar_max_tokens_cap or 0) < 0:

@@ -27,6 +27,7 @@ from mitmproxy import http
 from polar_core.schema import CallRecord
 from polar_proxy import jsonutil
 
+from . import sampling
 from .accumulate import synthetic_chunks
 from .calls import Call, answer_error, fail, finalize, guess_provider, is_context_error
 from .httputil import header_dict, make_response, scrub
@@ -179,6 +180,8 @@ def prepare(s: ProxyState, call: Call, normalized: NormalizedCall, up: Upstream,
         limits.append(up.max_model_len)
     if limits:
         chat["max_tokens"] = max(1, min(limits))
+    if s.sampling:
+        sampling.apply(chat, s.sampling, call.record.session_id, call.record.call_index)
     if stream_upstream:
         chat["stream"] = True
         chat["stream_options"] = {**(chat.get("stream_options") or {}), "include_usage": True}

@@ -73,11 +73,11 @@ class ProxyProcess:
         self.upstreams = [u for part in self.upstreams for u in part.split(",") if u.strip()]
         if not self.upstreams:
             raise ValueError("at least one upstream URL is needed")
-        self.capture_dir = Path(capture_dir)
+        self.capture_dir = paths.absolute(capture_dir)  # mitmdump gets it as an option
         self.mode = mode
         self.host = host
         self.port = port
-        self.confdir = Path(confdir) if confdir else paths.mitmproxy_confdir()
+        self.confdir = paths.absolute(confdir) if confdir else paths.mitmproxy_confdir()
         self.served_model = served_model
         self.engine = engine
         self.stream_mode = stream_mode
@@ -85,7 +85,7 @@ class ProxyProcess:
         self.upstream_timeout = upstream_timeout
         self.passthrough = passthrough
         self.options = dict(options or {})
-        self.log_file = Path(log_file) if log_file else None
+        self.log_file = paths.absolute(log_file) if log_file else None
         self.startup_timeout = startup_timeout
         self.web = web
         self.env = dict(env) if env is not None else None

@@ -36,6 +36,7 @@ class ProxyState:
         self.stream_mode = "passthrough"
         self.stream_at_once = True
         self.max_tokens_cap = 0
+        self.sampling: dict[str, Any] = {}  # polar_sampling, enforced on every call (see sampling.py)
         self.passthrough = False
         self.served_model = ""  # polar_served_model; empty: ask the upstream
         self.policy_version: int | None = None

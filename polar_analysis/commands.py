@@ -19,7 +19,7 @@ from rich.table import Table
 
 console = Console()
 
-SourceArg = Annotated[Path, typer.Argument(help="Capture directory, mitmproxy flow file, or calls Parquet.", show_default=False)]
+SourceArg = Annotated[Path, typer.Argument(resolve_path=True, help="Capture directory, mitmproxy flow file, or calls Parquet.", show_default=False)]
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model",
     help="Model directory or built model name whose tokenizer/chat template to use "
@@ -133,7 +133,7 @@ def register(app: typer.Typer, *, translate=None) -> None:
     @app.command("calls")
     def calls_cmd(
         source: SourceArg,
-        out: Annotated[Path, typer.Option("--out", "-o", help="Parquet file to write (one row per model call).")],
+        out: Annotated[Path, typer.Option("--out", "-o", resolve_path=True, help="Parquet file to write (one row per model call).")],
     ) -> None:
         """Write the calls frame of a capture (token ids as list columns, nested JSON as strings)."""
         lf, report = _load(source, translate=translate)
@@ -148,7 +148,7 @@ def register(app: typer.Typer, *, translate=None) -> None:
     def inspect_cmd(
         source: SourceArg,
         model: ModelOpt = None,
-        rewards: Annotated[Optional[Path], typer.Option(help="Rewards file (see `polar trajectories --help`).")] = None,
+        rewards: Annotated[Optional[Path], typer.Option(resolve_path=True, help="Rewards file (see `polar trajectories --help`).")] = None,
     ) -> None:
         """A readable summary: sessions, calls per harness/provider, tokens, errors, merging, rewards."""
         from polar_analysis import alignment, frames
@@ -204,7 +204,7 @@ def register(app: typer.Typer, *, translate=None) -> None:
     def align_cmd(
         source: SourceArg,
         model: ModelOpt = None,
-        out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Parquet of the per-call alignment.")] = None,
+        out: Annotated[Optional[Path], typer.Option("--out", "-o", resolve_path=True, help="Parquet of the per-call alignment.")] = None,
         show: Annotated[int, typer.Option(help="Divergent calls to print.")] = 10,
     ) -> None:
         """Re-render every normalized request with the chat template and compare with the server's ids."""
@@ -228,7 +228,7 @@ def register(app: typer.Typer, *, translate=None) -> None:
     def drift_cmd(
         source: SourceArg,
         model: ModelOpt = None,
-        out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Parquet of the per-call drift report.")] = None,
+        out: Annotated[Optional[Path], typer.Option("--out", "-o", resolve_path=True, help="Parquet of the per-call drift report.")] = None,
         show: Annotated[int, typer.Option(help="Non-exact continuations to print.")] = 15,
     ) -> None:
         """Why each call's prompt is not the previous prompt + sampled ids, classified by cause."""
@@ -250,10 +250,11 @@ def register(app: typer.Typer, *, translate=None) -> None:
     @app.command("trajectories")
     def trajectories_cmd(
         source: SourceArg,
-        out: Annotated[Path, typer.Option("--out", "-o", help="Trajectory Parquet (schema.TRAJECTORY_COLUMNS).")],
+        out: Annotated[Path, typer.Option("--out", "-o", resolve_path=True, help="Trajectory Parquet (schema.TRAJECTORY_COLUMNS).")],
         mode: Annotated[Mode, typer.Option("--mode", help="per-request: one sequence per call; prefix-merge: the turns of a conversation in one sequence.")] = Mode.prefix_merge,
         rewards: Annotated[Optional[Path], typer.Option(
             "--rewards",
+            resolve_path=True,
             help="Rewards per session: Parquet, JSONL or CSV with session_id and reward (optional status: "
             "ok | timeout | failed; optional task_id, group_id). Default: <capture>/rollouts.parquet "
             "written by `polar rollout`, when present.",
@@ -287,9 +288,9 @@ def register(app: typer.Typer, *, translate=None) -> None:
 
     @app.command("flows")
     def flows_cmd(
-        files: Annotated[list[Path], typer.Argument(help="Saved mitmproxy flow files (mitmdump -w).", show_default=False)],
-        out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Calls Parquet to write.")] = None,
-        capture: Annotated[Optional[Path], typer.Option("--capture", help="Capture directory to take token ids from (joined by call_id).")] = None,
+        files: Annotated[list[Path], typer.Argument(resolve_path=True, help="Saved mitmproxy flow files (mitmdump -w).", show_default=False)],
+        out: Annotated[Optional[Path], typer.Option("--out", "-o", resolve_path=True, help="Calls Parquet to write.")] = None,
+        capture: Annotated[Optional[Path], typer.Option("--capture", resolve_path=True, help="Capture directory to take token ids from (joined by call_id).")] = None,
     ) -> None:
         """Rebuild calls from saved mitmproxy flows (bodies + flow.metadata['polar'])."""
         from polar_analysis import frames

@@ -14,8 +14,18 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def absolute(path: str | os.PathLike[str]) -> Path:
+    """``path`` made absolute against the current directory, ``~`` expanded, once, at a boundary.
+
+    Every path that leaves this process (a child's cwd, ``HOME``, ``CODEX_HOME``, a config file
+    written for a harness, a capture dir handed to mitmdump) must be absolute: the child resolves a
+    relative path against *its own* cwd. The README's ``polar demo`` (default ``runs/demo``) failed
+    that way: Pi, started in its work dir, looked for its config under ``work/runs/demo/...``."""
+    return Path(path).expanduser().resolve()
+
+
 def polar_home() -> Path:
-    return Path(os.environ.get("POLAR_HOME") or Path.home() / ".cache" / "polar")
+    return absolute(os.environ.get("POLAR_HOME") or Path.home() / ".cache" / "polar")
 
 
 def models_dir() -> Path:

@@ -72,6 +72,9 @@ def serve_command(
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the server to answer.")] = serve.START_TIMEOUT_S,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: all usable cores).")] = None,
     keep_alive: Annotated[bool, typer.Option("--keep-alive", help="Start vLLM again whenever it dies.")] = False,
+    tool_parser: Annotated[str, typer.Option(
+        help="vLLM tool-call parser: lenient (Hermes tags and Markdown JSON blocks, what `polar demo` uses), "
+             "hermes or another vLLM parser name, or none.")] = serve.DEFAULT_TOOL_PARSER,
 ) -> None:
     """Start a real vLLM OpenAI-compatible server and keep it running until Ctrl-C / SIGTERM."""
     try:
@@ -83,6 +86,7 @@ def serve_command(
             served_model_name=served_model_name,
             kv_cache_gib=kv_cache_gib,
             threads=threads,
+            tool_parser=tool_parser,
         )
     except models.ModelError as exc:
         _error(str(exc))

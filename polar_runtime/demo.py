@@ -46,6 +46,7 @@ from typing import Annotated, Any, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -55,7 +56,6 @@ from polar_training.config import LossConfig, TrainConfig
 # Reports are tables: when the output is not a terminal (CI logs, `| tee`) rich would assume 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 120)
 
-LENIENT_PARSER = Path(__file__).resolve().parent / "lenient_tool_parser.py"
 NOTEBOOKS_DIR = paths.REPO_ROOT / "notebooks"
 NOTEBOOK_ENV = "POLAR_RUN_DIR"  # the notebooks' parameter, overridable by this variable
 
@@ -71,6 +71,8 @@ class DemoConfig:
     samples: int = 2
     iterations: int = 1
     max_tokens: int = 256
+    temperature: float = 1.0  # plain sampling at this temperature, enforced by the proxy (polar_sampling)
+    seed: Optional[int] = 0  # base of the per-call sampling seeds: a rerun samples the same tokens
     timeout: float = 300.0
     concurrency: int = 2
     lr: float = TrainConfig.lr
@@ -82,6 +84,9 @@ class DemoConfig:
     gpu: bool = False
     notebooks: bool = True
     keep: bool = False  # keep an existing run directory instead of replacing it
+
+    def __post_init__(self) -> None:
+        self.out = paths.absolute(self.out)  # harnesses run in their own cwd: see paths.absolute
 
     @property
     def captures(self) -> Path:
@@ -446,6 +451,19 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def groups_with_variance(rollouts: Any) -> list[str]:
+    """The GRPO groups (task x step) whose rewards differ between the samples that take part (status
+    ok, a reward, calls captured: the trainer gives failed or timed-out runs zero advantage and leaves
+    them out of the group statistics). Only these groups carry a learning signal."""
+    import polars as pl
+
+    part = pl.col("reward").is_not_null() & (pl.col("status") == "ok") & (pl.col("calls") > 0)
+    g = (rollouts.filter(part).group_by("group_id")
+         .agg(lo=pl.col("reward").min(), hi=pl.col("reward").max(), n=pl.len())
+         .filter((pl.col("n") > 1) & (pl.col("hi") > pl.col("lo"))).sort("group_id"))
+    return g["group_id"].to_list()
+
+
 def reward_summary(rollouts: Any) -> dict[str, Any]:
     rows = rollouts.to_dicts()
     rewards = [r["reward"] for r in rows]
@@ -561,7 +579,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from polar_runtime.serve import VLLMServer
     from polar_training.weights_push import push_weights
 
-    cfg.out = Path(cfg.out)
+    cfg.out = paths.absolute(cfg.out)
     prepare_out(cfg)
     tl = Timeline(console)
     steps: list[StepData] = []
@@ -589,12 +607,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
         with tl.phase("serve", f"vLLM ({'GPU' if cfg.gpu else 'CPU'}) serving {served}") as ph:
             extra: list[str] = []
-            if cfg.tool_parser == "lenient":
-                extra += ["--tool-parser-plugin", str(LENIENT_PARSER), "--tool-call-parser", "polar_lenient"]
             if cfg.gpu:  # leave room on the GPU for the trainer
                 extra += ["--gpu-memory-utilization", "0.35"]
             server = VLLMServer(serve_dir, served_model_name=served, max_model_len=cfg.max_model_len,
                                 kv_cache_gib=cfg.kv_cache_gib, extra_args=tuple(extra), gpu=cfg.gpu,
+                                tool_parser=cfg.tool_parser,
                                 log_path=cfg.out / "logs" / "vllm.log")
             with console.status(f"starting vLLM on {server.base_url} (log {server.log_path})"):
                 stack.enter_context(server)
@@ -603,7 +620,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         with tl.phase("proxy", "Polar proxy (mitmproxy addon), reverse mode") as ph:
             flows = cfg.captures / "flows.mitm"
             proxy = ProxyProcess(server.base_url, cfg.captures, mode="reverse", served_model=served,
-                                 options={"polar_max_tokens_cap": cfg.max_tokens, "save_stream_file": str(flows)},
+                                 options={"polar_max_tokens_cap": cfg.max_tokens, "save_stream_file": str(flows),
+                                          "polar_sampling": r.sampling_spec(cfg.temperature, cfg.seed)},
                                  log_file=cfg.out / "logs" / "proxy.log", startup_timeout=180.0)
             stack.enter_context(proxy)
             proxy.control.set_policy_version(0)
@@ -622,6 +640,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 steps.append(data)
                 rs = reward_summary(rows)
                 ph.detail = f"mean reward {rs['mean_reward'] if rs['mean_reward'] is None else round(rs['mean_reward'], 3)}, {rs['calls']} calls"
+            # Nothing captured (a harness that cannot start, a proxy nobody reaches): stop here, loudly,
+            # instead of training on nothing and running more steps that fail the same way.
+            problem = r.failure_summary(rows.to_dicts(), preset.name)
+            if problem:
+                raise DemoError(f"rollout step {step} produced nothing to learn from: {problem}")
             with tl.phase(f"trajectories {step}", "prefix merge, drift causes, rewards") as ph:
                 build_trajectories(cfg, data, model_dir)
                 ph.detail = (f"{data.stats['sequences']} sequences from {data.stats['usable_calls']} calls, "
@@ -629,11 +652,19 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             if step == cfg.iterations:
                 break
             entry: dict[str, Any] = {"iteration": step, "step": None, "checkpoint": None, "metrics": {},
-                                     "peak_rss_gib": None, "push": None, "note": None}
+                                     "peak_rss_gib": None, "push": None, "note": None, "skipped": False,
+                                     "groups_with_variance": groups_with_variance(rows)}
             training.append(entry)
             if not data.stats.get("sampled_tokens"):
                 entry["note"] = "no sampled tokens captured in this step: nothing to train on"
                 console.print(f"[yellow]{entry['note']}; the policy stays v{policy}[/yellow]")
+                continue
+            if not groups_with_variance(rows):
+                # Every group's samples scored alike: every advantage is 0, so the policy-gradient term
+                # is exactly 0 and a step would only spend minutes (and a push) to change nothing.
+                entry["skipped"] = True
+                entry["note"] = "every GRPO group has zero reward variance: update skipped, no push"
+                console.print(f"[yellow]step {step}: {entry['note']}; the policy stays v{policy}[/yellow]")
                 continue
             need = 0 if cfg.gpu else train_memory_estimate(model_dir, cfg.kl_coef > 0)
             stop_server = cfg.server_during_train == "stop" or (
@@ -685,6 +716,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "steps": [{"step": s.step, "policy_version": s.policy, "rewards": reward_summary(s.rollouts), "trajectories": s.stats, "drift": s.drift,
                    "trajectories_file": str(s.trajectories) if s.trajectories else None} for s in steps],
         "training": training,
+        "skipped_steps": sum(1 for t in training if t.get("skipped")),
         "reward_before": reward_summary(steps[0].rollouts)["mean_reward"] if steps else None,
         "reward_after": reward_summary(steps[-1].rollouts)["mean_reward"] if len(steps) > 1 else None,
         "phases": [asdict(p) for p in tl.phases],
@@ -714,7 +746,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def demo_command(
-    out: Annotated[Path, typer.Option(help="Run directory (replaced unless --keep).")] = Path("runs/demo"),
+    out: Annotated[Path, typer.Option(resolve_path=True, help="Run directory (replaced unless --keep).")] = Path("runs/demo"),
     harness: Annotated[str, typer.Option(help="Harness preset (see `polar harness list`).")] = "pi-chat",
     model: Annotated[str, typer.Option(help="Polar model name or a Hugging Face model directory.")] = "qwen2.5-coder-0.5b-instruct",
     tasks: Annotated[str, typer.Option(help="Tasks JSONL file or a built-in set (coding).")] = "coding",
@@ -723,6 +755,9 @@ def demo_command(
     samples: Annotated[int, typer.Option(help="Samples per task (one GRPO group).")] = 2,
     iterations: Annotated[int, typer.Option(help="Rollout -> train -> push iterations (then a final rollout).")] = 1,
     max_tokens: Annotated[Optional[int], typer.Option(help="Cap on every answer's tokens (default 256 CPU, 1024 GPU).")] = None,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature the proxy enforces on every call "
+                                               "(plain sampling, the distribution the trainer uses).")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Base of the per-call sampling seeds (-1: unseeded).")] = 0,
     timeout: Annotated[float, typer.Option(help="Hard timeout per harness run, seconds.")] = 300.0,
     concurrency: Annotated[int, typer.Option(help="Harness runs at once (vLLM batches them).")] = 2,
     lr: Annotated[float, typer.Option(help="Learning rate of the GRPO step.")] = DemoConfig.lr,
@@ -731,7 +766,8 @@ def demo_command(
              "single CPU iteration, whose one update starts at the reference, so the KL term is exactly 0 and its "
              "reference model would only cost a forward pass and 2 GB.")] = None,
     max_model_len: Annotated[int, typer.Option(help="vLLM context length.")] = 16384,
-    tool_parser: Annotated[str, typer.Option(help="lenient (Hermes + Markdown JSON tool calls) or hermes.")] = "lenient",
+    tool_parser: Annotated[str, typer.Option(help="vLLM tool-call parser: lenient (Hermes + Markdown JSON tool calls), hermes (or another "
+                                             "vLLM parser), none.")] = "lenient",
     server_during_train: Annotated[str, typer.Option(
         help="keep vLLM running while training (in-place push), stop it (push = restart on the checkpoint), "
              "or auto: stop it only when free memory is below the trainer's estimated peak.")] = "auto",
@@ -740,13 +776,12 @@ def demo_command(
     keep: Annotated[bool, typer.Option(help="Keep an existing run directory (finished samples are reused).")] = False,
 ) -> None:
     """The main job: serve a model, run a harness through the proxy, train one GRPO step, push, run again."""
-    if tool_parser not in ("lenient", "hermes"):
-        raise typer.BadParameter("--tool-parser must be lenient or hermes")
     if server_during_train not in ("auto", "keep", "stop"):
         raise typer.BadParameter("--server-during-train must be auto, keep or stop")
     on_gpu = paths.has_gpu() if gpu is None else gpu
     cfg = DemoConfig(out=out, harness=harness, model=model, tasks=tasks, task_ids=list(task or []), n_tasks=n_tasks,
                      samples=samples, iterations=iterations, max_tokens=max_tokens or (1024 if on_gpu else 256),
+                     temperature=temperature, seed=None if seed is None or seed < 0 else seed,
                      timeout=timeout, concurrency=concurrency, lr=lr,
                      kl_coef=kl_coef if kl_coef is not None else (DemoConfig.kl_coef if iterations > 1 or on_gpu else 0.0), max_model_len=max_model_len,
                      tool_parser=tool_parser, server_during_train=server_during_train, gpu=on_gpu, notebooks=notebooks, keep=keep)
@@ -760,7 +795,7 @@ def demo_command(
         console.print("[yellow]interrupted: everything the demo started was stopped[/yellow]")
         raise typer.Exit(130) from None
     except (RuntimeError, FileNotFoundError, ValueError) as exc:  # DemoError, ServeError, a proxy that won't start
-        console.print(f"[red]polar demo failed:[/red] {exc}")
+        console.print(f"[red]polar demo failed:[/red] {escape(str(exc))}")
         raise typer.Exit(1) from None
     print_report(report)
 

@@ -155,6 +155,7 @@ class Endpoint:
         if self.mode == "proxy" and not (self.proxy_url and self.ca_cert):
             raise ValueError("proxy mode needs the proxy URL and its CA certificate")
         self.base_url = self.base_url.rstrip("/")
+        self.ca_cert = paths.absolute(self.ca_cert) if self.ca_cert else None
 
     def proxy_url_with_session(self, session_id: str) -> str:
         """``http://<session>:polar@host:port``: the proxy-auth user names the session. The dummy
@@ -175,6 +176,10 @@ class Session:
     endpoint: Endpoint
     trim: bool = True  # trim tools/system prompts through the harness's own flags
     extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # The harness runs with ``workdir`` as its cwd: a relative HOME would point inside it.
+        self.workdir, self.home = paths.absolute(self.workdir), paths.absolute(self.home)
 
     @property
     def api_key(self) -> str:

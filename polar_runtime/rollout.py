@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator
 
 import polars as pl
 
+from polar_core import paths
 from polar_core.schema import SESSIONS_SUBDIR, read_capture_lines, valid_session_id
 from polar_runtime.harnesses import Endpoint, Preset, Session, kill_group, run_invocation, terminate_all
 
@@ -410,6 +411,35 @@ def served_model_of(upstream: str, timeout: float = 10.0) -> str:
     return data["data"][0]["id"]
 
 
+def sampling_spec(temperature: float = 1.0, seed: int | None = None) -> str:
+    """The ``polar_sampling`` a rollout enforces: plain sampling at ``temperature`` (no top-p/top-k/
+    min-p, no penalties), which is the distribution the trainer's logprobs are computed from, and,
+    with ``seed``, a per-call seed derived from it (reruns sample the same tokens)."""
+    spec = (f"temperature={temperature:g},top_p=1,top_k=-1,min_p=0,repetition_penalty=1,"
+            "presence_penalty=0,frequency_penalty=0")
+    return spec + (f",seed={seed}" if seed is not None else "")
+
+
+def failure_summary(rows: list[dict[str, Any]], harness: str) -> str | None:
+    """None when the step produced something to learn from; else one paragraph saying why not:
+    every sample failed/timed out, or no model call reached the captures. Names the harness, the
+    first sample's error line and the path of its stderr log (where the harness said why)."""
+    if not rows:
+        return f"{harness}: no samples ran"
+    calls = sum(r.get("calls") or 0 for r in rows)
+    all_failed = all(r.get("status") in ("failed", "timeout") for r in rows)
+    if calls and not all_failed:
+        return None
+    first = min(rows, key=lambda r: (r.get("task_id") or "", r.get("sample_index") or 0))
+    err = (first.get("error") or "").strip()
+    line = next((ln.strip() for ln in err.splitlines() if ln.strip()), "") or f"exit code {first.get('exit_code')}"
+    stderr = Path(first["workdir"]).parent / "logs" / f"{first.get('harness') or harness}.stderr" if first.get("workdir") else None
+    what = (f"all {len(rows)} samples failed or timed out" if all_failed else "") + \
+        (" and " if all_failed and not calls else "") + ("no model call was captured" if not calls else "")
+    return (f"{harness}: {what}. First sample {first.get('session_id')}: {line}"
+            + (f"\n  stderr log: {stderr}" if stderr else ""))
+
+
 @contextlib.contextmanager
 def open_stack(
     *,
@@ -421,6 +451,7 @@ def open_stack(
     ca_cert: Path | None = None,
     max_tokens_cap: int = 0,
     max_model_len: int | None = None,
+    sampling: str | None = None,
     log: Callable[[str], None] = print,
 ) -> Iterator[Stack]:
     """Use a running proxy (``proxy``), or start one in front of ``upstream``, or start vLLM too.
@@ -431,7 +462,6 @@ def open_stack(
     """
     from polar_core.control import ProxyControl
     from polar_proxy.process import ProxyProcess
-    from polar_core import paths
 
     with contextlib.ExitStack() as stack:
         if proxy:
@@ -443,13 +473,13 @@ def open_stack(
             first = (status.get("upstreams") or [{}])[0]
             up_url = first.get("url", "")
             served = model or first.get("served_model") or (served_model_of(up_url) if up_url else "")
-            ca = ca_cert or paths.mitmproxy_confdir() / "mitmproxy-ca-cert.pem"
+            ca = paths.absolute(ca_cert) if ca_cert else paths.mitmproxy_confdir() / "mitmproxy-ca-cert.pem"
             ep = Endpoint(mode=mode, base_url=proxy, proxy_url=proxy, ca_cert=ca)  # type: ignore[arg-type]
             yield Stack(ep, proxy_dir, served, up_url, control)
             return
         if capture_dir is None:
             raise ValueError("a capture directory is needed when the proxy is started here")
-        capture_dir = Path(capture_dir)
+        capture_dir = paths.absolute(capture_dir)
         if upstream:
             served = served_model_of(upstream)
         else:
@@ -460,7 +490,9 @@ def open_stack(
             stack.enter_context(server)
             upstream, served = server.base_url, server.served_model_name
             log(f"vLLM ready in {server.start_seconds or 0:.0f} s")
-        options = {"polar_max_tokens_cap": max_tokens_cap} if max_tokens_cap else {}
+        options: dict[str, Any] = {"polar_max_tokens_cap": max_tokens_cap} if max_tokens_cap else {}
+        if sampling:
+            options["polar_sampling"] = sampling
         px = ProxyProcess(upstream, capture_dir, mode="reverse" if mode == "base_url" else "regular",
                           served_model=served, options=options, log_file=capture_dir / "logs" / "proxy.log")
         (capture_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -491,6 +523,10 @@ class RolloutConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     settle_s: float = 5.0  # how long to wait for in-flight calls to reach the captures after a run
     rerun: frozenset[str] = frozenset()  # statuses whose samples run again (e.g. {"failed"} after an outage)
+
+    def __post_init__(self) -> None:
+        self.capture_dir = paths.absolute(self.capture_dir)
+        self.work_root = paths.absolute(self.work_root) if self.work_root is not None else None
 
     @property
     def work(self) -> Path:

@@ -28,7 +28,7 @@ ModelOpt = Annotated[Optional[str], typer.Option(help="Model to serve when start
 ModelNameOpt = Annotated[Optional[str], typer.Option(help="Model name the harness asks for (default: the served name).")]
 CommandOpt = Annotated[Optional[str], typer.Option("--command", help="Generic harness: a shell command template.")]
 MaxTokensOpt = Annotated[int, typer.Option(help="Cap max_tokens of every call (proxy option; 0: no cap).")]
-CaCertOpt = Annotated[Optional[Path], typer.Option(help="CA of a running --proxy (default $POLAR_HOME/mitmproxy).")]
+CaCertOpt = Annotated[Optional[Path], typer.Option(resolve_path=True, help="CA of a running --proxy (default $POLAR_HOME/mitmproxy).")]
 
 
 def _check_mode(mode: str) -> str:
@@ -113,7 +113,7 @@ def harness_run(
     upstream: UpstreamOpt = None,
     model: ModelOpt = None,
     model_name: ModelNameOpt = None,
-    capture_dir: Annotated[Path, typer.Option(help="Capture directory.")] = Path("runs/adhoc"),
+    capture_dir: Annotated[Path, typer.Option(resolve_path=True, help="Capture directory.")] = Path("runs/adhoc"),
     evaluator: Annotated[Optional[str], typer.Option(help="Shell command judged in the work dir.")] = None,
     timeout: Annotated[float, typer.Option(help="Hard timeout of the harness, seconds.")] = 600.0,
     command: CommandOpt = None,
@@ -136,6 +136,7 @@ def harness_run(
     logs = Path(row["workdir"]).parent / "logs"
     console.print(f"work dir: {row['workdir']}\nlogs:     {logs}\ncaptures: {stack.capture_dir}/sessions/{row['session_id']}.jsonl")
     if row["status"] != "ok":
+        console.print(f"[red]{r.failure_summary([row], preset.name) or row['error']}[/red]")
         raise typer.Exit(1)
 
 
@@ -160,7 +161,7 @@ def rollout_command(
     upstream: UpstreamOpt = None,
     model: ModelOpt = None,
     model_name: ModelNameOpt = None,
-    capture_dir: Annotated[Optional[Path], typer.Option(help="Captures + rollouts.parquet (default runs/rollout-<harness>).")] = None,
+    capture_dir: Annotated[Optional[Path], typer.Option(resolve_path=True, help="Captures + rollouts.parquet (default runs/rollout-<harness>).")] = None,
     shard: Annotated[Optional[str], typer.Option(help="I/N: run only shard I of N of the tasks (one per machine).")] = None,
     step: Annotated[int, typer.Option(help="Rollout step (part of session and group ids).")] = 0,
     limit: Annotated[int, typer.Option(help="Only the first N tasks (0: all).")] = 0,
@@ -168,6 +169,11 @@ def rollout_command(
     command: CommandOpt = None,
     trim: Annotated[bool, typer.Option(help="Trim tools/system prompt through the harness's own flags.")] = True,
     max_tokens: MaxTokensOpt = 0,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature enforced on every call (plain sampling: "
+                                               "no top-p/top-k/penalties), the one the trainer uses.")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Base of the per-call sampling seeds (reproducible reruns).")] = None,
+    harness_sampling: Annotated[bool, typer.Option(
+        help="Let the harness (or vLLM's generation config) choose the sampling instead of --temperature.")] = False,
     ca_cert: CaCertOpt = None,
 ) -> None:
     """Run a harness N times per task through the proxy; evaluate; write <capture_dir>/rollouts.parquet.
@@ -188,10 +194,12 @@ def rollout_command(
     if not task_list:
         console.print("no tasks in this shard")
         return
-    capture_dir = capture_dir or Path("runs") / f"rollout-{preset.name}"
+    capture_dir = h.paths.absolute(capture_dir or Path("runs") / f"rollout-{preset.name}")
     t0 = time.monotonic()
+    sampling = None if harness_sampling else r.sampling_spec(temperature, seed)
     with r.open_stack(mode=mode, capture_dir=None if proxy else capture_dir, proxy=proxy, upstream=upstream,
-                      model=model, max_tokens_cap=max_tokens, ca_cert=ca_cert, log=console.print) as stack:
+                      model=model, max_tokens_cap=max_tokens, ca_cert=ca_cert, sampling=sampling,
+                      log=console.print) as stack:
         cfg = r.RolloutConfig(
             tasks=task_list, preset=preset, endpoint=stack.endpoint, capture_dir=stack.capture_dir,
             model=model_name or stack.served_model, samples=samples, concurrency=concurrency, timeout=timeout,
@@ -224,6 +232,10 @@ def rollout_command(
         table.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row])
     console.print(table)
     console.print(f"wrote {stack.capture_dir / r.ROLLOUTS_FILE} ({df.height} rows) in {time.monotonic() - t0:.0f} s")
+    problem = r.failure_summary(df.filter(pl.col("step") == step).to_dicts(), preset.name)
+    if problem:
+        console.print(f"[red]rollout produced nothing to learn from: {problem}[/red]")
+        raise typer.Exit(1)
 
 
 def _statuses(spec: str | None) -> frozenset[str]:

@@ -82,6 +82,20 @@ def template_supports_tools(model_dir: Path) -> bool:
     return "tools" in text and "<tool_call>" in text
 
 
+#: vLLM's tool-call parser for models whose template has tools. ``lenient`` is Polar's plugin
+#: (polar_runtime/lenient_tool_parser.py): Hermes ``<tool_call>`` tags *and* the Markdown JSON
+#: blocks Qwen2.5-Coder-0.5B writes instead (with plain ``hermes`` Pi got those as text); any other
+#: name is one of vLLM's own parsers (``hermes``, ...); ``none`` turns tool parsing off.
+DEFAULT_TOOL_PARSER = "lenient"
+LENIENT_PARSER = Path(__file__).resolve().parent / "lenient_tool_parser.py"
+
+
+def tool_parser_args(name: str) -> list[str]:
+    if name == "lenient":
+        return ["--tool-parser-plugin", str(LENIENT_PARSER), "--tool-call-parser", "polar_lenient"]
+    return ["--tool-call-parser", name]
+
+
 def resolve_model(model: str | os.PathLike[str]) -> tuple[Path, str]:
     """(model dir, default served name) for a Polar model name or a directory path."""
     if isinstance(model, str) and model in models.SPECS:
@@ -125,8 +139,10 @@ class VLLMServer:
         log_path: Path | None = None,
         gpu: bool | None = None,
         threads: int | None = None,
+        tool_parser: str = DEFAULT_TOOL_PARSER,
     ) -> None:
         self.model_dir, default_name = resolve_model(model)
+        self.tool_parser = tool_parser
         self.served_model_name = served_model_name or default_name
         self.host = host
         self.port = port or free_port(host)
@@ -138,7 +154,7 @@ class VLLMServer:
         #: OpenMP threads on CPU (default: one per usable core); fewer helps on a shared machine,
         #: where spin-waiting threads of an oversubscribed server stall each other.
         self.threads = threads
-        self.log_path = log_path or paths.vllm_cache_dir() / "logs" / f"{self.served_model_name}-{self.port}.log"
+        self.log_path = paths.absolute(log_path) if log_path else paths.vllm_cache_dir() / "logs" / f"{self.served_model_name}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_seconds: float | None = None
         self.attached = False
@@ -187,8 +203,8 @@ class VLLMServer:
             cmd += ["--dtype", "float32", "--enforce-eager"]
             if not float(self.kv_cache_gib).is_integer():  # VLLM_CPU_KVCACHE_SPACE takes whole GiB only
                 cmd += ["--kv-cache-memory-bytes", str(int(self.kv_cache_gib * 2**30))]
-        if template_supports_tools(self.model_dir):
-            cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+        if self.tool_parser != "none" and template_supports_tools(self.model_dir):
+            cmd += ["--enable-auto-tool-choice", *tool_parser_args(self.tool_parser)]
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:

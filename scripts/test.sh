@@ -21,6 +21,11 @@ run_phase setup bash scripts/setup.sh || { echo "setup failed"; exit 1; }
 PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider --durations=15)
 run_phase unit "${PYTEST[@]}" -m "not vllm and not harness and not slow" "$@" || status=1
 run_phase integration "${PYTEST[@]}" -m "vllm or harness or slow" "$@" || status=1
+# The README's first command, literally (from the repository root, no arguments), then a check of
+# what it produced: calls in every step, a GRPO step on a group with reward variance, the push, the
+# pushed version on the next step's calls, the notebooks (scripts/check_demo.py).
+run_phase demo .venv/bin/polar demo || status=1
+run_phase demo-check .venv/bin/python scripts/check_demo.py runs/demo || status=1
 printf '\n\033[1m==== phase times ====\033[0m\n'
 printf '%s\n' "${SUMMARY[@]}"
 echo "total        $(( $(date +%s) - t_all ))s"

@@ -27,13 +27,13 @@ def _fields(cls: type, values: dict[str, Any]) -> dict[str, Any]:
 
 
 def train_command(
-    model: Annotated[Path, typer.Option("--model", help="Base model directory (Hugging Face format).")],
+    model: Annotated[Path, typer.Option("--model", resolve_path=True, help="Base model directory (Hugging Face format).")],
     trajectories: Annotated[list[Path], typer.Option(
-        "--trajectories", "-t", help="Trajectory Parquet file(s) from `polar trajectories` (repeatable).")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory: checkpoints, metrics.jsonl, metrics.png.")],
+        "--trajectories", "-t", resolve_path=True, help="Trajectory Parquet file(s) from `polar trajectories` (repeatable).")],
+    out: Annotated[Path, typer.Option("--out", "-o", resolve_path=True, help="Run directory: checkpoints, metrics.jsonl, metrics.png.")],
     resume: Annotated[Optional[str], typer.Option(
         help="Checkpoint or run directory to continue from; 'auto' = latest in --out.")] = None,
-    ref_model: Annotated[Optional[Path], typer.Option(help="KL reference (default: the base model).")] = None,
+    ref_model: Annotated[Optional[Path], typer.Option(resolve_path=True, help="KL reference (default: the base model).")] = None,
     lr: Annotated[float, typer.Option()] = _TRAIN.lr,
     warmup_steps: Annotated[int, typer.Option()] = _TRAIN.warmup_steps,
     lr_schedule: Annotated[str, typer.Option(help="constant | linear | cosine")] = _TRAIN.lr_schedule,

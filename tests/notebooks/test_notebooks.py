@@ -175,3 +175,20 @@ def test_debugger_marks_prefix_breaks_with_both_sides(tmp_path: Path, tiny_qwen_
     assert html.count("cause <b>system_changed</b>") == 2
     assert "cch=003ef" in html and "cch=003f6" in html  # the header on both sides of the second break
     assert html.count('class="tok"') == sum(len(r.prompt_token_ids) + len(r.sampled_token_ids) for r in s.records)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("kind", ["empty", "missing"])
+def test_notebook_on_a_run_without_calls_says_so_instead_of_raising(path: Path, kind: str, tmp_path: Path) -> None:
+    """A run whose harness never reached the proxy (what `polar demo` had when Pi could not start):
+    one plain line, no traceback, nothing drawn."""
+    run = tmp_path / "run"
+    if kind == "empty":
+        (run / "captures" / "sessions").mkdir(parents=True)
+        (run / "logs").mkdir()
+    nb = _execute(path, run, tmp_path)
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert f"no calls captured in {run}" in text
+    assert not _pngs(nb)

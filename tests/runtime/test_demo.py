@@ -78,18 +78,33 @@ def test_ctrl_c_stops_the_running_harness_and_keeps_no_result(tmp_path: Path) ->
     assert [p for p in demo._children(os.getpid()) if _alive(p)] == []
 
 
+#: Sample 0 of step 0 passes, every other sample fails: step 0 has a group with reward variance (one
+#: GRPO update, one push), step 1 has none (its update is skipped, no push), step 2 is the final
+#: rollout. tiny-qwen's random weights cannot solve a real task, so the verdict comes from the session.
+VARIANCE_ONCE = {"id": "echo", "instruction": "Say hello.",
+                 "evaluator": 'case "$POLAR_SESSION" in *.st0.s0) exit 0;; esac; exit 1'}
+
+
 @pytest.mark.vllm
 @pytest.mark.harness
 @pytest.mark.slow
 def test_reduced_demo_end_to_end(tmp_path: Path, tiny_qwen_dir: Path) -> None:
+    """`polar demo` as a newcomer runs it: the installed script, a *relative* --out and --tasks, from a
+    directory that is not the repository root (the harness runs in its own cwd: every path it is
+    given must be absolute)."""
     pi = h.get_preset("pi-chat")
     if not pi.installed():
         pytest.fail("Pi is not installed: run `polar harness install pi` (setup does)")
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "polar_runtime.cli", "demo", "--model", "tiny-qwen", "--n-tasks", "1",
-           "--samples", "2", "--max-tokens", "16", "--timeout", "300", "--max-model-len", "8192", "--server-during-train", "keep", "--out", str(out)]
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    (cwd / "tasks.jsonl").write_text(json.dumps(VARIANCE_ONCE) + "\n")
+    out = cwd / "run"
+    polar = Path(sys.executable).with_name("polar")
+    cmd = [str(polar), "demo", "--model", "tiny-qwen", "--tasks", "tasks.jsonl", "--samples", "2", "--iterations", "2",
+           "--max-tokens", "16", "--timeout", "300", "--max-model-len", "8192", "--server-during-train", "keep",
+           "--out", "run"]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     wall = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     text = proc.stdout
@@ -98,31 +113,40 @@ def test_reduced_demo_end_to_end(tmp_path: Path, tiny_qwen_dir: Path) -> None:
 
     report = json.loads((out / "report.json").read_text())
     print(f"reduced demo: {wall:.0f} s; phases " + ", ".join(f"{p['name']} {p['seconds']:.0f}s" for p in report["phases"]))
-    assert [s["step"] for s in report["steps"]] == [0, 1]
+    assert report["config"]["out"] == str(out)  # resolved against the cwd, once
+    assert [s["step"] for s in report["steps"]] == [0, 1, 2]
     for s in report["steps"]:
-        assert s["rewards"]["samples"] == 2
+        assert s["rewards"]["samples"] == 2 and s["rewards"]["calls"] > 0
         assert s["trajectories"]["coverage"] == 1.0
         assert s["trajectories"]["sampled_tokens"] == s["trajectories"]["covered_tokens"] > 0
-    (train,) = report["training"]
-    assert train["push"] is not None, train["note"]
-    assert train["push"]["policy_version"] == 1 and train["push"]["method"] == "reload_weights"
-    assert [s["policy_version"] for s in report["steps"]] == [0, 1]
-    assert train["peak_rss_gib"] > 0
-    assert any(n.startswith("probe max |dlogp|") for n in train["push"]["notes"])
-    assert Path(train["checkpoint"]).is_dir()
+    assert [s["rewards"]["solved"] for s in report["steps"]] == [1, 0, 0]
+    trained, skipped = report["training"]
+    assert trained["groups_with_variance"] == ["echo.st0"] and not trained["skipped"]
+    assert trained["push"] is not None, trained["note"]
+    assert trained["push"]["policy_version"] == 1 and trained["push"]["method"] == "reload_weights"
+    assert skipped["skipped"] and skipped["push"] is None and skipped["groups_with_variance"] == []
+    assert "zero reward variance" in skipped["note"] and report["skipped_steps"] == 1
+    assert [s["policy_version"] for s in report["steps"]] == [0, 1, 1]
+    assert trained["peak_rss_gib"] > 0
+    assert any(n.startswith("probe max |dlogp|") for n in trained["push"]["notes"])
+    assert Path(trained["checkpoint"]).is_dir()
 
     from polar_analysis import frames
 
     calls = frames.calls(out / "captures", rewards=None).collect()
-    # step 0 ran on policy v0, step 1 on the pushed v1: the proxy recorded which weights served each call
+    # step 0 ran on policy v0, steps 1 and 2 on the pushed v1: the proxy recorded which weights served each call
     versions = dict(calls.select(pl.col("session_id").str.extract(r"\.st(\d)\.").alias("step"), "policy_version")
                     .unique().iter_rows())
-    assert versions == {"0": 0, "1": 1}
-    assert report["captures"]["calls"] == calls.height >= 4
+    assert versions == {"0": 0, "1": 1, "2": 1}
+    # the demo's sampling is enforced and seeded per call (a rerun samples the same tokens)
+    sent = [c["normalized_request"] for c in calls.select("normalized_request").to_series().to_list()]
+    assert all(r["temperature"] == 1.0 and r["top_p"] == 1.0 and r["top_k"] == -1 and "seed" in r for r in sent)
+    assert report["captures"]["calls"] == calls.height >= 6
     assert (out / "captures" / "flows.mitm").stat().st_size > 0
-    assert len(list((out / "trajectories").glob("step-*.parquet"))) == 2
+    assert len(list((out / "trajectories").glob("step-*.parquet"))) == 3
     metrics = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 1 and metrics[0]["n_sampled_tokens"] == report["steps"][0]["trajectories"]["sampled_tokens"]
+    assert not list(out.rglob("work/run")), "a relative path was resolved inside a harness's work dir"
 
     import nbformat
 
@@ -132,4 +156,24 @@ def test_reduced_demo_end_to_end(tmp_path: Path, tiny_qwen_dir: Path) -> None:
         nb = nbformat.read(p, as_version=4)
         assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"], p
     assert {ph["name"] for ph in report["phases"]} >= {"setup", "serve", "proxy", "rollout 0", "trajectories 0",
-                                                       "train 0", "push 0", "rollout 1", "notebooks"}
+                                                       "train 0", "push 0", "rollout 1", "rollout 2", "notebooks"}
+    assert "train 1" not in {ph["name"] for ph in report["phases"]}
+
+
+@pytest.mark.vllm
+@pytest.mark.harness
+@pytest.mark.slow
+def test_demo_stops_at_the_first_step_that_captured_nothing(tmp_path: Path, tiny_qwen_dir: Path) -> None:
+    """Every sample killed by a 1 s timeout: the demo stops after rollout 0 with exit 1, naming the
+    harness, the first sample's error and its stderr log; it trains nothing and runs no more steps."""
+    (tmp_path / "tasks.jsonl").write_text(json.dumps(VARIANCE_ONCE) + "\n")
+    polar = Path(sys.executable).with_name("polar")
+    cmd = [str(polar), "demo", "--model", "tiny-qwen", "--tasks", "tasks.jsonl", "--samples", "2", "--timeout", "1",
+           "--max-model-len", "4096", "--out", "run", "--no-notebooks"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    text = " ".join(proc.stdout.split())
+    assert "polar demo failed: rollout step 0 produced nothing to learn from: pi-chat: all 2 samples failed or timed out" in text
+    assert "killed after 1 s" in text
+    assert str(tmp_path / "run" / "captures" / "work" / "echo.st0.s0" / "logs" / "pi-chat.stderr") in proc.stdout.replace("\n", "")
+    assert "train 0" not in text and "rollout 1" not in text and "Traceback" not in proc.stdout + proc.stderr

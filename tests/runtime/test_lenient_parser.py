@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from polar_core import paths
-from polar_runtime.demo import LENIENT_PARSER
+from polar_runtime.serve import LENIENT_PARSER
 
 CHECK = Path(__file__).with_name("lenient_parser_check.py")
 

@@ -14,7 +14,7 @@ import pytest
 
 from polar_core import paths
 from polar_core.net import free_port, port_in_use
-from polar_runtime.serve import ServeError, VLLMServer, VLLMStartError, auto_kv_cache_gib, cpu_bind_spec
+from polar_runtime.serve import LENIENT_PARSER, ServeError, VLLMServer, VLLMStartError, auto_kv_cache_gib, cpu_bind_spec
 
 POLAR = [sys.executable, "-m", "polar_runtime.cli"]
 
@@ -43,7 +43,13 @@ def test_cpu_command_and_environment(tiny_qwen_dir, smollm_dir, monkeypatch):
     joined = " ".join(cmd)
     assert f"--model {tiny_qwen_dir}" in joined and "--served-model-name tiny-qwen" in joined
     assert "--dtype float32 --enforce-eager" in joined and "--port 18555" in joined
-    assert "--enable-auto-tool-choice --tool-call-parser hermes" in joined
+    # the demo's parser by default (Hermes tags and Markdown JSON blocks), loaded as a plugin by path
+    assert f"--enable-auto-tool-choice --tool-parser-plugin {LENIENT_PARSER} --tool-call-parser polar_lenient" in joined
+    assert LENIENT_PARSER.is_absolute() and LENIENT_PARSER.is_file()
+    hermes = " ".join(VLLMServer("tiny-qwen", port=18557, kv_cache_gib=1, gpu=False, tool_parser="hermes").command())
+    assert "--enable-auto-tool-choice --tool-call-parser hermes" in hermes and "--tool-parser-plugin" not in hermes
+    off = VLLMServer("tiny-qwen", port=18558, kv_cache_gib=1, gpu=False, tool_parser="none").command()
+    assert "--enable-auto-tool-choice" not in off and "--tool-call-parser" not in off
     assert "--max-model-len 32768" in joined
     env = s.environment()
     assert "VLLM_CPU_KVCACHE_SPACE" not in env and f"--kv-cache-memory-bytes {3 * 2**29}" in joined
