@@ -19,9 +19,15 @@ Phases (each timed; Ctrl-C or SIGTERM stops everything the demo started):
 8. rollouts again with the new policy (phases 4-7 repeat ``--iterations`` times), the notebooks
    executed on the run, and a short report (also written to ``<out>/report.json``).
 
-On CPU the default run is small on purpose (2 tasks x 2 samples, answers capped at 256 tokens):
-the 0.5B model decodes ~7 tokens/s on two cores. Knobs scale it up (``--harness``, ``--model``,
-``--tasks``, ``--samples``, ``--iterations``, ``--max-tokens``).
+On CPU the default run is small on purpose (2 tasks x 4 samples, answers capped at 256 tokens):
+the 0.5B model decodes ~7 tokens/s on two cores. The two default tasks (hello-file, make-dir) are
+the built-in ones the base model solves sometimes but not always (docs/tasks.md has the measured
+table): a group whose samples all score alike has zero advantages, and a step without any group
+with reward variance is skipped (no update, no push) instead of spending minutes to change nothing.
+Sampling is plain sampling at temperature 1 (the distribution the trainer computes logprobs from),
+enforced by the proxy (``polar_sampling``) and seeded per call, so a rerun samples the same tokens.
+Knobs scale it up (``--harness``, ``--model``, ``--tasks``, ``--samples``, ``--iterations``,
+``--max-tokens``, ``--temperature``, ``--seed``).
 
 Tool calls: Qwen2.5-Coder-0.5B writes tool calls as Markdown JSON blocks instead of Hermes
 ``<tool_call>`` tags, so by default vLLM loads the ``polar_lenient`` tool parser plugin
@@ -68,7 +74,7 @@ class DemoConfig:
     tasks: str = "coding"
     task_ids: list[str] = field(default_factory=list)
     n_tasks: int = 2
-    samples: int = 2
+    samples: int = 4
     iterations: int = 1
     max_tokens: int = 256
     temperature: float = 1.0  # plain sampling at this temperature, enforced by the proxy (polar_sampling)
@@ -541,6 +547,8 @@ def print_report(report: dict[str, Any]) -> None:
             f"peak RSS {tr['peak_rss_gib']:.1f} GiB  "
             f"-> pushed as policy v{tr['push']['policy_version']} via {tr['push']['method']} in "
             f"{tr['push']['reload_s']:.1f} s ({'; '.join(tr['push']['notes']) or 'verified'})")
+    if report.get("skipped_steps"):
+        console.print(f"skipped updates (every group's samples scored alike): {report['skipped_steps']}")
     before, after = report["reward_before"], report["reward_after"]
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     console.print(f"[bold]reward before/after: {fmt(before)} -> {fmt(after)}[/bold]")
@@ -752,7 +760,7 @@ def demo_command(
     tasks: Annotated[str, typer.Option(help="Tasks JSONL file or a built-in set (coding).")] = "coding",
     task: Annotated[Optional[list[str]], typer.Option("--task", help="Only these task ids (repeatable).")] = None,
     n_tasks: Annotated[int, typer.Option("--n-tasks", help="The first N tasks of the file (0: all).")] = 2,
-    samples: Annotated[int, typer.Option(help="Samples per task (one GRPO group).")] = 2,
+    samples: Annotated[int, typer.Option(help="Samples per task (one GRPO group).")] = 4,
     iterations: Annotated[int, typer.Option(help="Rollout -> train -> push iterations (then a final rollout).")] = 1,
     max_tokens: Annotated[Optional[int], typer.Option(help="Cap on every answer's tokens (default 256 CPU, 1024 GPU).")] = None,
     temperature: Annotated[float, typer.Option(help="Sampling temperature the proxy enforces on every call "

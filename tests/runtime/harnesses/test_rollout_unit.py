@@ -234,3 +234,18 @@ def test_interrupt_kills_running_harnesses_and_keeps_finished_results(tmp_path):
     assert df["task_id"].to_list() == ["good"]
     todo, done = r.plan(cfg, r.ResultStore(cfg.capture_dir))
     assert [j.task.id for j in todo] == ["long"] and len(done) == 1
+
+
+@pytest.mark.parametrize("raw", [json.loads(line) for line in r.resolve_tasks_path("coding").read_text().splitlines()
+                                 if line.strip()], ids=lambda d: d["id"])
+def test_builtin_task_scores_zero_untouched_and_one_with_its_reference_solution(raw, tmp_path):
+    """A task the demo trains on must be able to give both verdicts: reward 0 for a work dir the
+    harness left alone, full reward once the task is done (its ``reference`` shell solution)."""
+    task = r.Task.from_dict(raw)
+    assert r.prepare_workdir(task, tmp_path) is None
+    untouched = r.evaluate(task, tmp_path, timeout=60)
+    assert untouched.reward == 0.0, untouched.output
+    rc, out, _ = r._shell(raw["reference"], tmp_path, 60)
+    assert rc == 0, out
+    solved = r.evaluate(task, tmp_path, timeout=60)
+    assert solved.reward == 1.0, solved.output
