@@ -250,8 +250,8 @@ def register(app: typer.Typer, *, translate=None) -> None:
     @app.command("trajectories")
     def trajectories_cmd(
         source: SourceArg,
-        out: Annotated[Path, typer.Option("--out", "-o", resolve_path=True, help="Trajectory Parquet (schema.TRAJECTORY_COLUMNS).")],
         mode: Annotated[Mode, typer.Option("--mode", help="per-request: one sequence per call; prefix-merge: the turns of a conversation in one sequence.")] = Mode.prefix_merge,
+        out: Annotated[Path, typer.Option("--out", "-o", resolve_path=True, help="Trajectory Parquet (schema.TRAJECTORY_COLUMNS).")] = ...,
         rewards: Annotated[Optional[Path], typer.Option(
             "--rewards",
             resolve_path=True,

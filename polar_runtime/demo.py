@@ -754,34 +754,34 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def demo_command(
-    out: Annotated[Path, typer.Option(resolve_path=True, help="Run directory (replaced unless --keep).")] = Path("runs/demo"),
-    harness: Annotated[str, typer.Option(help="Harness preset (see `polar harness list`).")] = "pi-chat",
-    model: Annotated[str, typer.Option(help="Polar model name or a Hugging Face model directory.")] = "qwen2.5-coder-0.5b-instruct",
-    tasks: Annotated[str, typer.Option(help="Tasks JSONL file or a built-in set (coding).")] = "coding",
+    out: Annotated[Path, typer.Option(resolve_path=True, help="Run directory (replaced unless --keep).")] = DemoConfig.out,
+    harness: Annotated[str, typer.Option(help="Harness preset (see `polar harness list`).")] = DemoConfig.harness,
+    model: Annotated[str, typer.Option(help="Polar model name or a Hugging Face model directory.")] = DemoConfig.model,
+    tasks: Annotated[str, typer.Option(help="Tasks JSONL file or a built-in set (coding).")] = DemoConfig.tasks,
     task: Annotated[Optional[list[str]], typer.Option("--task", help="Only these task ids (repeatable).")] = None,
-    n_tasks: Annotated[int, typer.Option("--n-tasks", help="The first N tasks of the file (0: all).")] = 2,
-    samples: Annotated[int, typer.Option(help="Samples per task (one GRPO group).")] = 4,
-    iterations: Annotated[int, typer.Option(help="Rollout -> train -> push iterations (then a final rollout).")] = 1,
+    n_tasks: Annotated[int, typer.Option("--n-tasks", help="The first N tasks of the file (0: all).")] = DemoConfig.n_tasks,
+    samples: Annotated[int, typer.Option(help="Samples per task (one GRPO group).")] = DemoConfig.samples,
+    iterations: Annotated[int, typer.Option(help="Rollout -> train -> push iterations (then a final rollout).")] = DemoConfig.iterations,
     max_tokens: Annotated[Optional[int], typer.Option(help="Cap on every answer's tokens (default 256 CPU, 1024 GPU).")] = None,
     temperature: Annotated[float, typer.Option(help="Sampling temperature the proxy enforces on every call "
-                                               "(plain sampling, the distribution the trainer uses).")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option(help="Base of the per-call sampling seeds (-1: unseeded).")] = 0,
-    timeout: Annotated[float, typer.Option(help="Hard timeout per harness run, seconds.")] = 300.0,
-    concurrency: Annotated[int, typer.Option(help="Harness runs at once (vLLM batches them).")] = 2,
+                                               "(plain sampling, the distribution the trainer uses).")] = DemoConfig.temperature,
+    seed: Annotated[Optional[int], typer.Option(help="Base of the per-call sampling seeds (-1: unseeded).")] = DemoConfig.seed,
+    timeout: Annotated[float, typer.Option(help="Hard timeout per harness run, seconds.")] = DemoConfig.timeout,
+    concurrency: Annotated[int, typer.Option(help="Harness runs at once (vLLM batches them).")] = DemoConfig.concurrency,
     lr: Annotated[float, typer.Option(help="Learning rate of the GRPO step.")] = DemoConfig.lr,
     kl_coef: Annotated[Optional[float], typer.Option(
         help=f"KL coefficient. Default: {DemoConfig.kl_coef:g} (the recipe's) when there are several iterations or a GPU; 0 for a "
              "single CPU iteration, whose one update starts at the reference, so the KL term is exactly 0 and its "
              "reference model would only cost a forward pass and 2 GB.")] = None,
-    max_model_len: Annotated[int, typer.Option(help="vLLM context length.")] = 16384,
+    max_model_len: Annotated[int, typer.Option(help="vLLM context length.")] = DemoConfig.max_model_len,
     tool_parser: Annotated[str, typer.Option(help="vLLM tool-call parser: lenient (Hermes + Markdown JSON tool calls), hermes (or another "
-                                             "vLLM parser), none.")] = "lenient",
+                                             "vLLM parser), none.")] = DemoConfig.tool_parser,
     server_during_train: Annotated[str, typer.Option(
         help="keep vLLM running while training (in-place push), stop it (push = restart on the checkpoint), "
-             "or auto: stop it only when free memory is below the trainer's estimated peak.")] = "auto",
+             "or auto: stop it only when free memory is below the trainer's estimated peak.")] = DemoConfig.server_during_train,
     gpu: Annotated[Optional[bool], typer.Option("--gpu/--cpu", help="Default: a GPU when paths.has_gpu().")] = None,
-    notebooks: Annotated[bool, typer.Option(help="Execute the notebooks on the run at the end.")] = True,
-    keep: Annotated[bool, typer.Option(help="Keep an existing run directory (finished samples are reused).")] = False,
+    notebooks: Annotated[bool, typer.Option(help="Execute the notebooks on the run at the end.")] = DemoConfig.notebooks,
+    keep: Annotated[bool, typer.Option(help="Keep an existing run directory (finished samples are reused).")] = DemoConfig.keep,
 ) -> None:
     """The main job: serve a model, run a harness through the proxy, train one GRPO step, push, run again."""
     if server_during_train not in ("auto", "keep", "stop"):
