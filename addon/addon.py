@@ -45,6 +45,7 @@ from . import control, exchange, sampling, streaming
 from .calls import client_gone, restore_request
 from .capture import CaptureWriter
 from .engines import ENGINES, get_engine
+from .exact_history import ExactHistory
 from .httputil import scrub
 from .intercept import DEFAULT_INTERCEPT_HOSTS, Interception
 from .state import ProxyState
@@ -105,6 +106,10 @@ class Polar:
                           "Policy (weights) version recorded with each call. Unset: unknown.")
         loader.add_option("polar_proxy_id", Optional[str], None,
                           "Identifier of this proxy in capture records. Unset: random.")
+        loader.add_option("polar_exact_history", bool, False,
+                          "Exact multi-turn history: prompt the model with its own sampled ids for every answer "
+                          "the harness re-sends (vLLM render/generate/derender; vLLM needs --enable-scale-out). "
+                          "Off: the chat template re-renders each answer from its text.")
 
     def configure(self, updated: set[str]) -> None:
         o = ctx.options
@@ -172,6 +177,14 @@ class Polar:
             if not valid_session_id(o.polar_proxy_id):
                 raise exceptions.OptionsError("polar_proxy_id must match the session-id pattern")
             s.proxy_id = o.polar_proxy_id
+        if "polar_exact_history" in updated or "polar_engine" in updated:
+            if o.polar_exact_history and s.engine.name != "vllm":
+                raise exceptions.OptionsError(f"polar_exact_history needs vLLM's render/generate/derender "
+                                              f"endpoints; engine {s.engine.name!r} has none")
+            if not o.polar_exact_history:
+                s.exact = None
+            elif s.http is not None and s.exact is None:
+                s.exact = self._new_exact()
         if "polar_served_model" in updated and s.pool is not None:
             for up in s.pool.upstreams:
                 up.served_model = None  # re-resolve on next call
@@ -209,9 +222,16 @@ class Polar:
         )
         s.relay = StreamRelay(functools.partial(streaming.pump, s))
         await s.relay.start()
+        if ctx.options.polar_exact_history:
+            s.exact = self._new_exact()
         _tune_gc()
         log.info(f"polar: proxy {s.proxy_id} upstreams={s.pool.urls if s.pool else []} "
                  f"capture={s.writer.root if s.writer else None} relay=127.0.0.1:{s.relay.port}")
+
+    def _new_exact(self) -> ExactHistory:
+        s = self.state
+        assert s.http is not None
+        return ExactHistory(s.http, capture_path=lambda sid: s.writer.path_for(sid) if s.writer else None)
 
     async def done(self) -> None:
         s = self.state

@@ -119,6 +119,8 @@ def finalize(s: ProxyState, call: Call) -> None:
             f"logprobs/ids length mismatch: {len(t.sampled_logprobs)} vs {len(t.sampled_token_ids)}")
     call.acc.fill(rec)
     rec.t_response_out = time.time()
+    if s.exact is not None:
+        s.exact.observe(rec)
     if s.writer is not None:
         try:
             s.writer.write(rec)

@@ -34,6 +34,8 @@ def status(s: ProxyState) -> dict[str, Any]:
         "stream_mode": s.stream_mode,
         "capture_dir": str(s.writer.root) if s.writer else None,
         "upstreams": s.pool.status() if s.pool else [],
+        "exact_history": dict(s.exact.stats, ledger_sessions=len(s.exact.ledger.sessions),
+                              ledger_rebuilt=s.exact.ledger.rebuilt) if s.exact else None,
     }
 
 
@@ -92,6 +94,8 @@ async def handle(s: ProxyState, flow: http.HTTPFlow) -> None:
             sid = args.get("session_id") or args.get("session")
             s.registry.pop(sid, None)
             s.session_calls.pop(sid, None)
+            if s.exact is not None:
+                s.exact.forget(sid)
             if s.pool:
                 s.pool.forget_session(sid)
             json_response(flow, 200, {"forgotten": sid})

@@ -225,6 +225,11 @@ async def exchange(s: ProxyState, call: Call, normalized: NormalizedCall) -> Non
         s.pool.acquire(up)
         rec.t_upstream_sent = time.time()
         try:
+            if s.exact is not None:  # render, splice, generate, derender (exact_history.py)
+                resp = await s.exact.post(up.url, chat, rec, stream=stream_upstream, max_model_len=up.max_model_len,
+                                          timeout=s.client_timeout(), headers={"x-polar-session": rec.session_id})
+                if resp is not None:
+                    break
             resp = await s.http.post(
                 up.url + "/v1/chat/completions", data=upstream_body,
                 headers={"content-type": "application/json", "x-polar-session": rec.session_id,

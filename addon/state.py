@@ -17,6 +17,7 @@ import aiohttp
 from .capture import CaptureWriter
 from .engines import ENGINES
 from .engines.base import Engine
+from .exact_history import ExactHistory
 from .gate import PauseGate
 from .upstreams import StreamRelay, UpstreamPool
 
@@ -46,6 +47,7 @@ class ProxyState:
         self.http: aiohttp.ClientSession | None = None
         self.relay: StreamRelay | None = None
         self.gate = PauseGate()
+        self.exact: ExactHistory | None = None  # polar_exact_history: token-in/token-out via the ledger
         # -- calls and sessions ------------------------------------------------------------------
         self.calls: dict[str, Call] = {}  # in flight, by flow id
         self.tickets: dict[str, Call] = {}  # relayed streams waiting for the relay, by ticket

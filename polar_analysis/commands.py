@@ -125,6 +125,19 @@ def _stats_table(stats) -> Table:
     return t
 
 
+def _print_history(lf: pl.LazyFrame) -> None:
+    """Exact-history captures (polar_exact_history): how each prompt's history was made, and why
+    not exact (harness edits such as history_edited / answer_changed; the template re-rendering an
+    answer is what the mode removes)."""
+    if "history" not in lf.collect_schema().names():
+        return
+    h = (lf.filter(pl.col("history").is_not_null())
+         .with_columns(kind=pl.col("history").str.replace(r"^spliced_at=\d+$", "spliced"))
+         .group_by("kind", "history_cause").agg(calls=pl.len()).sort("calls", descending=True).collect())
+    if h.height:
+        console.print(_table(h, "exact-history mode: prompt history per call"))
+
+
 def register(app: typer.Typer, *, translate=None) -> None:
     """Add the analysis commands to ``app``. ``translate``: the proxy's request translators
     (``polar_proxy.providers.chat_request_of``), which rebuild normalized requests of saved flows;
@@ -280,6 +293,7 @@ def register(app: typer.Typer, *, translate=None) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         df.write_parquet(out)
         console.print(_stats_table(stats))
+        _print_history(lf)
         with_reward = df["reward"].is_not_null().sum()
         console.print(f"wrote {df.height} sequences to {out} ({with_reward} with a reward)")
         if stats.coverage < 1.0:

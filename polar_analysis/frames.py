@@ -88,6 +88,9 @@ CALL_SCHEMA: dict[str, pl.DataType] = {
     "t_upstream_end": pl.Float64,
     "t_response_out": pl.Float64,
     "proxy_id": _STR,
+    "history": _STR,
+    "history_cause": _STR,
+    "rendered_prompt_diff": _STR,
     # not CallRecord fields: provenance and forward compatibility
     "extra_json": _STR,  # fields this version does not know, as one JSON object (or null)
     "source_file": _STR,

@@ -88,6 +88,14 @@ class CallRecord:
     t_upstream_end: float | None = None
     t_response_out: float | None = None  # last byte handed to the harness
     proxy_id: str = ""  # which proxy process wrote this (several proxies may share a directory)
+    # Exact-history mode (polar_exact_history): how the prompt's history was made.
+    # exact: every earlier answer in the prompt is the ids the model sampled; spliced_at=k: the first
+    # k messages are (the rest re-rendered by the template); rendered: none are. None: mode off.
+    history: str | None = None
+    history_cause: str | None = None  # why not exact: answer_changed, history_edited, ... (ledger.py)
+    # The template-rendered ids of the same messages when they differ from prompt_token_ids:
+    # {"common_prefix": n, "rendered_tail": [...], "rendered_len": m}.
+    rendered_prompt_diff: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,7 +109,7 @@ class CallRecord:
 CALL_FIELDS = tuple(f.name for f in fields(CallRecord))
 
 #: Columns of the calls frame that hold nested JSON (kept as JSON strings in Parquet).
-JSON_COLUMNS = ("native_request", "normalized_request", "output_tool_calls")
+JSON_COLUMNS = ("native_request", "normalized_request", "output_tool_calls", "rendered_prompt_diff")
 
 #: Trajectory Parquet columns (one row per training sequence), read by the trainer.
 TRAJECTORY_COLUMNS = {

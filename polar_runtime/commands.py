@@ -75,6 +75,9 @@ def serve_command(
     tool_parser: Annotated[str, typer.Option(
         help="vLLM tool-call parser: lenient (Hermes tags and Markdown JSON blocks, what `polar demo` uses), "
              "hermes or another vLLM parser name, or none.")] = serve.DEFAULT_TOOL_PARSER,
+    scale_out: Annotated[bool, typer.Option(
+        help="Serve vLLM's render/generate/derender endpoints (--enable-scale-out), which the proxy's "
+             "exact-history mode needs.")] = True,
 ) -> None:
     """Start a real vLLM OpenAI-compatible server and keep it running until Ctrl-C / SIGTERM."""
     try:
@@ -87,6 +90,7 @@ def serve_command(
             kv_cache_gib=kv_cache_gib,
             threads=threads,
             tool_parser=tool_parser,
+            scale_out=scale_out,
         )
     except models.ModelError as exc:
         _error(str(exc))

@@ -87,6 +87,7 @@ class DemoConfig:
     kv_cache_gib: float = 1.0  # ~43k tokens of 0.5B KV in float32: plenty for a few harness runs
     server_during_train: str = "auto"  # keep | stop | auto (stop when memory is short)
     tool_parser: str = "lenient"
+    exact_history: bool = True  # proxy option polar_exact_history (vLLM serves render/generate/derender)
     gpu: bool = False
     notebooks: bool = True
     keep: bool = False  # keep an existing run directory instead of replacing it
@@ -629,7 +630,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             flows = cfg.captures / "flows.mitm"
             proxy = ProxyProcess(server.base_url, cfg.captures, mode="reverse", served_model=served,
                                  options={"polar_max_tokens_cap": cfg.max_tokens, "save_stream_file": str(flows),
-                                          "polar_sampling": r.sampling_spec(cfg.temperature, cfg.seed)},
+                                          "polar_sampling": r.sampling_spec(cfg.temperature, cfg.seed),
+                                          "polar_exact_history": cfg.exact_history},
                                  log_file=cfg.out / "logs" / "proxy.log", startup_timeout=180.0)
             stack.enter_context(proxy)
             proxy.control.set_policy_version(0)
@@ -782,6 +784,9 @@ def demo_command(
     gpu: Annotated[Optional[bool], typer.Option("--gpu/--cpu", help="Default: a GPU when paths.has_gpu().")] = None,
     notebooks: Annotated[bool, typer.Option(help="Execute the notebooks on the run at the end.")] = DemoConfig.notebooks,
     keep: Annotated[bool, typer.Option(help="Keep an existing run directory (finished samples are reused).")] = DemoConfig.keep,
+    exact_history: Annotated[bool, typer.Option(
+        help="Exact multi-turn history (proxy option polar_exact_history): the model is prompted with its own "
+             "sampled ids for every answer the harness re-sends.")] = DemoConfig.exact_history,
 ) -> None:
     """The main job: serve a model, run a harness through the proxy, train one GRPO step, push, run again."""
     if server_during_train not in ("auto", "keep", "stop"):
@@ -792,7 +797,8 @@ def demo_command(
                      temperature=temperature, seed=None if seed is None or seed < 0 else seed,
                      timeout=timeout, concurrency=concurrency, lr=lr,
                      kl_coef=kl_coef if kl_coef is not None else (DemoConfig.kl_coef if iterations > 1 or on_gpu else 0.0), max_model_len=max_model_len,
-                     tool_parser=tool_parser, server_during_train=server_during_train, gpu=on_gpu, notebooks=notebooks, keep=keep)
+                     tool_parser=tool_parser, server_during_train=server_during_train, gpu=on_gpu, notebooks=notebooks, keep=keep,
+                     exact_history=exact_history)
     try:
         report = run_demo(cfg)
     except KeyboardInterrupt:

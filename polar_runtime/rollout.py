@@ -452,6 +452,7 @@ def open_stack(
     max_tokens_cap: int = 0,
     max_model_len: int | None = None,
     sampling: str | None = None,
+    exact_history: bool = True,
     log: Callable[[str], None] = print,
 ) -> Iterator[Stack]:
     """Use a running proxy (``proxy``), or start one in front of ``upstream``, or start vLLM too.
@@ -493,6 +494,8 @@ def open_stack(
         options: dict[str, Any] = {"polar_max_tokens_cap": max_tokens_cap} if max_tokens_cap else {}
         if sampling:
             options["polar_sampling"] = sampling
+        if exact_history:  # an upstream without the endpoints gets the normal path (records say so)
+            options["polar_exact_history"] = True
         px = ProxyProcess(upstream, capture_dir, mode="reverse" if mode == "base_url" else "regular",
                           served_model=served, options=options, log_file=capture_dir / "logs" / "proxy.log")
         (capture_dir / "logs").mkdir(parents=True, exist_ok=True)

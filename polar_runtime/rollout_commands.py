@@ -175,6 +175,9 @@ def rollout_command(
     harness_sampling: Annotated[bool, typer.Option(
         help="Let the harness (or vLLM's generation config) choose the sampling instead of --temperature.")] = False,
     ca_cert: CaCertOpt = None,
+    exact_history: Annotated[bool, typer.Option(
+        help="Proxy option polar_exact_history: prompt the model with its own sampled ids for every answer "
+             "the harness re-sends (needs vLLM with --enable-scale-out; otherwise the normal path).")] = True,
 ) -> None:
     """Run a harness N times per task through the proxy; evaluate; write <capture_dir>/rollouts.parquet.
 
@@ -199,7 +202,7 @@ def rollout_command(
     sampling = None if harness_sampling else r.sampling_spec(temperature, seed)
     with r.open_stack(mode=mode, capture_dir=None if proxy else capture_dir, proxy=proxy, upstream=upstream,
                       model=model, max_tokens_cap=max_tokens, ca_cert=ca_cert, sampling=sampling,
-                      log=console.print) as stack:
+                      exact_history=exact_history, log=console.print) as stack:
         cfg = r.RolloutConfig(
             tasks=task_list, preset=preset, endpoint=stack.endpoint, capture_dir=stack.capture_dir,
             model=model_name or stack.served_model, samples=samples, concurrency=concurrency, timeout=timeout,

@@ -140,9 +140,13 @@ class VLLMServer:
         gpu: bool | None = None,
         threads: int | None = None,
         tool_parser: str = DEFAULT_TOOL_PARSER,
+        scale_out: bool = True,
     ) -> None:
         self.model_dir, default_name = resolve_model(model)
         self.tool_parser = tool_parser
+        #: vLLM's token-in/token-out endpoints (render, generate, derender; ``--enable-scale-out``),
+        #: which the proxy's exact-history mode uses
+        self.scale_out = scale_out
         self.served_model_name = served_model_name or default_name
         self.host = host
         self.port = port or free_port(host)
@@ -205,6 +209,8 @@ class VLLMServer:
                 cmd += ["--kv-cache-memory-bytes", str(int(self.kv_cache_gib * 2**30))]
         if self.tool_parser != "none" and template_supports_tools(self.model_dir):
             cmd += ["--enable-auto-tool-choice", *tool_parser_args(self.tool_parser)]
+        if self.scale_out and "--enable-scale-out" not in self.extra_args:
+            cmd.append("--enable-scale-out")
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:

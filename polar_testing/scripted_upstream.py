@@ -65,6 +65,14 @@ DEFAULT_SCENARIOS: dict[str, dict[str, Any]] = {
 #: The default conversation when nothing selects a scenario: call a tool, then answer.
 DEFAULT_SCRIPT = ["tool", "text"]
 
+#: What vLLM's render puts in ``sampling_params`` when the request says nothing (0.32, no generation config).
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0,
+    "min_p": 0.0, "seed": None, "stop": [], "stop_token_ids": [], "max_tokens": 16, "logprobs": None,
+    "skip_special_tokens": True, "output_kind": 2, "skip_clone": True, "bad_words": [],
+    "skip_reading_prefix_cache": False,
+}
+
 FAULTS = ("500", "429", "hang", "hang_stream", "cut", "refuse", "context")
 
 _DIRECTIVE_RE = re.compile(r"#(scenario|fault|delay|send):([A-Za-z0-9_:.-]+)")
@@ -123,10 +131,11 @@ class Tokenizer:
             self.eos_id = eos if isinstance(eos, int) and eos >= 0 else self.hf.eos_token_id
 
     # -- prompts --------------------------------------------------------------------------------
-    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                   add_generation_prompt: bool = True) -> list[int]:
         if self.hf is not None:
             msgs = [_template_message(m) for m in messages]
-            kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": True}
+            kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt, "tokenize": True}
             if tools:
                 kwargs["tools"] = tools
             ids = self.hf.apply_chat_template(msgs, **kwargs)
@@ -136,11 +145,15 @@ class Tokenizer:
         out: list[int] = []
         if tools:
             out += self._cached(orjson.dumps(tools, option=orjson.OPT_SORT_KEYS))
-        for m in messages:
-            out.append(CHEAP_SPECIAL["<|im_start|>"])
-            out += self._cached(orjson.dumps(m, option=orjson.OPT_SORT_KEYS))
+        for m in messages:  # <|im_start|> role ... <|im_end|>, like ChatML
+            out += [CHEAP_SPECIAL["<|im_start|>"], _cheap_id(str(m.get("role")))]
+            if isinstance(m.get("content"), str) and set(m) <= {"role", "content"}:  # plain text: its words
+                out += [p.token_id for p in self.pieces(m["content"], "content")]
+            else:
+                out += self._cached(orjson.dumps(m, option=orjson.OPT_SORT_KEYS))
             out.append(CHEAP_SPECIAL["<|im_end|>"])
-        out += [CHEAP_SPECIAL["<|im_start|>"], _cheap_id("assistant")]
+        if add_generation_prompt:
+            out += [CHEAP_SPECIAL["<|im_start|>"], _cheap_id("assistant")]
         return out
 
     def _cached(self, key: bytes) -> list[int]:
@@ -271,6 +284,12 @@ class ScriptedUpstream:
         self.responses: deque[dict[str, Any]] = deque(maxlen=log_size)
         self.count = 0
         self.reply_cache: dict[bytes, Reply] = {}
+        # token-in/token-out (vLLM's --enable-scale-out endpoints): what each rendered request was,
+        # by request id, and which reply each generated id sequence spells (for derender)
+        self.scale_out = True
+        self.rendered: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.generated: OrderedDict[tuple[int, ...], Reply] = OrderedDict()
+        self.generate_requests: deque[dict[str, Any]] = deque(maxlen=log_size)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
@@ -278,6 +297,9 @@ class ScriptedUpstream:
         app.router.add_get("/health", self.health)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/v1/chat/completions/render", self.render)
+        app.router.add_post("/inference/v1/generate", self.generate)
+        app.router.add_post("/v1/chat/completions/derender", self.derender)
         app.router.add_get("/_scripted/log", self.log)
         app.router.add_post("/_scripted/reset", self.reset)
         return app
@@ -308,11 +330,13 @@ class ScriptedUpstream:
         return _json({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None})
 
     async def log(self, request: web.Request) -> web.Response:
-        return _json({"count": self.count, "requests": list(self.requests), "responses": list(self.responses)})
+        return _json({"count": self.count, "requests": list(self.requests), "responses": list(self.responses),
+                      "generate_requests": list(self.generate_requests)})
 
     async def reset(self, request: web.Request) -> web.Response:
         self.requests.clear()
         self.responses.clear()
+        self.generate_requests.clear()
         self.count = 0
         return _json({"ok": True})
 
@@ -373,6 +397,170 @@ class ScriptedUpstream:
         if delay:
             await asyncio.sleep(delay * len(pieces))
         return _json(self.whole(body, reply, pieces, finish, prompt_ids, want_ids, want_lp))
+
+    # -- token in / token out (vLLM 0.32 ``--enable-scale-out``) ----------------------------------
+    def _turn_for(self, messages: list[dict[str, Any]], session: str | None) -> dict[str, Any]:
+        directives = dict(_DIRECTIVE_RE.findall(_last_user_text(messages)))
+        if "scenario" in directives:
+            return resolve_scenario(directives["scenario"])
+        n_assistant = sum(1 for m in messages if m.get("role") == "assistant")
+        return self.script.turn(session, n_assistant)
+
+    async def render(self, request: web.Request) -> web.Response:
+        """``POST /v1/chat/completions/render``: vLLM's ``GenerateRequest`` for a chat request."""
+        if not self.scale_out:
+            return _error(403, "scale-out endpoints are disabled (--enable-scale-out)", "PermissionDeniedError")
+        body = orjson.loads(await request.read())
+        if body.get("model") != self.served_model:
+            return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+        messages = body.get("messages") or []
+        ids = self.tok.prompt_ids(messages, body.get("tools"), bool(body.get("add_generation_prompt", True)))
+        rid = f"chatcmpl-{body.get('request_id') or uuid.uuid4().hex}"
+        self.rendered[rid] = {"messages": messages, "session": request.headers.get("x-polar-session"),
+                              "directives": dict(_DIRECTIVE_RE.findall(_last_user_text(messages)))}
+        while len(self.rendered) > 4096:
+            self.rendered.popitem(last=False)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        room = self.max_model_len - len(ids)
+        params = dict(SAMPLING_DEFAULTS)
+        params.update(max_tokens=min(int(max_tokens), room) if max_tokens else room,
+                      logprobs=(int(body.get("top_logprobs") or 0) if body.get("logprobs") else None),
+                      skip_special_tokens=not bool(body.get("tools")))
+        for k in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty"):
+            if body.get(k) is not None:
+                params[k] = body[k]
+        return _json({"request_id": rid, "token_ids": ids, "token_offsets": None, "features": None,
+                      "content_parts": None, "sampling_params": params, "model": body.get("model"),
+                      "reasoning_ended": None, "reasoning_parser_kwargs": None, "return_token_ids": None,
+                      "output_mode": "tokens", "stream": bool(body.get("stream")),
+                      "stream_options": body.get("stream_options") if body.get("stream") else None,
+                      "cache_salt": body.get("cache_salt"), "priority": 0, "kv_transfer_params": None,
+                      "ec_transfer_params": None})
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """``POST /inference/v1/generate``: token ids in; sampled ids, logprobs (and text) out."""
+        if not self.scale_out:
+            return _error(403, "scale-out endpoints are disabled (--enable-scale-out)", "PermissionDeniedError")
+        body = orjson.loads(await request.read())
+        self.count += 1
+        self.generate_requests.append(body)
+        ids = body.get("token_ids") or []
+        if not ids:
+            return _error(400, "token_ids: List should have at least 1 item after validation", "BadRequestError")
+        info = self.rendered.get(body.get("request_id") or "") or {"messages": [], "session": None, "directives": {}}
+        fault = request.headers.get("x-scripted-fault") or info["directives"].get("fault")
+        delay = float(info["directives"].get("delay", 0)) / 1000.0
+        if fault == "500":
+            return _error(500, "scripted internal server error", "InternalServerError")
+        if len(ids) >= self.max_model_len:
+            return _error(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                               f"your request has {len(ids)} input tokens.", "BadRequestError")
+        reply = self.build_reply(self._turn_for(info["messages"], info["session"] or request.headers.get("x-polar-session")))
+        params = body.get("sampling_params") or {}
+        pieces, finish = reply.pieces, reply.finish_reason
+        max_tokens = params.get("max_tokens")
+        if max_tokens is not None and len(pieces) > max_tokens:
+            pieces, finish = pieces[:max_tokens], "length"
+        if finish != "length":
+            finish = "stop"  # the engine knows no tool calls: the derender does
+        sampled = [p.token_id for p in pieces]
+        self.generated[tuple(sampled)] = reply
+        if sampled and pieces[-1].kind == "eos":
+            self.generated[tuple(sampled[:-1])] = reply
+        while len(self.generated) > 8192:
+            self.generated.popitem(last=False)
+        text_mode = body.get("output_mode") == "text"
+        want_lp = params.get("logprobs") is not None
+
+        def choice(ps: list[Piece], offset: int, last: bool, stream: bool) -> dict[str, Any]:
+            c: dict[str, Any] = {"index": 0, "finish_reason": finish if last else None, "stop_reason": None,
+                                 "token_ids": [p.token_id for p in ps], "routed_experts": None, "sampling_mask": None,
+                                 "weight_versions": None}
+            if text_mode:
+                c["text"] = "".join(p.text for p in ps if p.kind != "eos")
+                c["logprobs"] = self._logprobs(ps, offset) if want_lp else None
+            else:
+                c["logprobs"] = {"content": [
+                    {"token_id": p.token_id, "logprob": token_logprob(p.token_id, offset + i), "rank": 1,
+                     "top_logprobs": []} for i, p in enumerate(ps)]} if want_lp else None
+            return c
+
+        self.responses.append({"prompt_token_ids": list(ids), "token_ids": sampled,
+                               "logprobs": [token_logprob(t, i) for i, t in enumerate(sampled)], "finish_reason": finish})
+        mode = "text" if text_mode else "tokens"
+        usage = {"prompt_tokens": len(ids), "total_tokens": len(ids) + len(sampled), "completion_tokens": len(sampled),
+                 "prompt_tokens_details": None}
+        if not body.get("stream"):
+            if delay:
+                await asyncio.sleep(delay * len(pieces))
+            return _json({"request_id": body.get("request_id"), "model": None, "created": int(time.time()),
+                          "usage": usage, "prompt_logprobs": None, "prompt_token_id_logprobs": None,
+                          "prompt_token_ids": list(ids) if body.get("return_token_ids") else None,
+                          "mm_placeholders": None, "metrics": None, "kv_transfer_params": None,
+                          "ec_transfer_params": None, "output_mode": mode,
+                          "choices": [choice(pieces, 0, True, False)]})
+        resp = web.StreamResponse(status=200, headers={"content-type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        for i, p in enumerate(pieces):
+            if fault == "cut" and i == len(pieces) // 2:  # the connection breaks mid-generation
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
+            if delay:
+                await asyncio.sleep(delay)
+            d = {"request_id": body.get("request_id"), "usage": None,
+                 "prompt_token_ids": list(ids) if (i == 0 and body.get("return_token_ids")) else None,
+                 "mm_placeholders": None, "metrics": None, "output_mode": mode,
+                 "choices": [choice([p], i, i == len(pieces) - 1, True)]}
+            await resp.write(b"data: " + orjson.dumps(d) + b"\n\n")
+        if include_usage:
+            d = {"request_id": body.get("request_id"), "usage": usage, "prompt_token_ids": None,
+                 "mm_placeholders": None, "metrics": None, "output_mode": mode, "choices": []}
+            await resp.write(b"data: " + orjson.dumps(d) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def derender(self, request: web.Request) -> web.Response:
+        """``POST /v1/chat/completions/derender`` (non-streaming): generated ids -> chat answer."""
+        if not self.scale_out:
+            return _error(403, "scale-out endpoints are disabled (--enable-scale-out)", "PermissionDeniedError")
+        body = orjson.loads(await request.read())
+        gen = body.get("generate_response") or {}
+        if body.get("chat_request") is None:
+            return _error(400, "chat_request is required when a tool or reasoning parser is configured because "
+                               "plain detokenization would leak raw parser markup into content.", "BadRequestError")
+        choices = []
+        for c in gen.get("choices") or ():
+            ids = tuple(c.get("token_ids") or ())
+            if not ids:
+                return _error(400, f"choice {c.get('index', 0)} has empty or null token_ids", "BadRequestError")
+            reply = self.generated.get(ids)
+            n = len(ids)
+            if reply is None:
+                message = {"role": "assistant", "content": "", "reasoning": None, "tool_calls": []}
+            else:
+                pieces = reply.pieces[:n]
+                content = "".join(p.text for p in pieces if p.kind == "content")
+                reasoning = "".join(p.text for p in pieces if p.kind == "reasoning")
+                calls = [{**tc, "id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}"}
+                         for tc, end in zip(reply.tool_calls, reply.tool_ends) if end < n]
+                message = {"role": "assistant", "content": content if (content or not calls) else None,
+                           "refusal": None, "annotations": None, "audio": None, "function_call": None,
+                           "tool_calls": calls, "reasoning": reasoning or None}
+            choices.append({"index": c.get("index", 0), "message": message, "logprobs": None,
+                            "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason"),
+                            "token_ids": None})
+        n_out = sum(len(c.get("token_ids") or ()) for c in gen.get("choices") or ())
+        prompt_tokens = body.get("prompt_tokens") or 0
+        return _json({"id": gen.get("request_id"), "object": "chat.completion", "created": int(time.time()),
+                      "model": body.get("model") or self.served_model, "choices": choices, "service_tier": None,
+                      "system_fingerprint": None,
+                      "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n_out,
+                                "completion_tokens": n_out, "prompt_tokens_details": None},
+                      "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None, "metrics": None})
 
     def build_reply(self, turn: dict[str, Any]) -> Reply:
         key = orjson.dumps(turn, option=orjson.OPT_SORT_KEYS)

@@ -1,0 +1,507 @@
+"""Exact-history mode (``polar_exact_history``): the model is prompted with its own sampled tokens.
+
+A harness re-sends each answer as text and the chat template re-renders it to other ids, so from
+the second turn on vLLM would be prompted with a history it never sampled. In this mode a call
+goes through vLLM 0.32's token-in/token-out endpoints instead of ``/v1/chat/completions``
+(vLLM must be started with ``--enable-scale-out``):
+
+1. ``POST /v1/chat/completions/render`` on the whole conversation: the ids vLLM's own template
+   renders and the sampling parameters vLLM would apply (generation-config defaults included);
+2. the ledger (``ledger.py``) finds the earlier call whose history and re-sent answer match and
+   splices: that call's prompt ids + its sampled ids + the rendered ids of what came after the
+   answer (tool results, new turns, the generation prompt);
+3. ``POST /inference/v1/generate`` with those ids (``output_mode: text``: token ids, logprobs with
+   token strings and, when streaming, the engine's own incremental text);
+4. ``POST /v1/chat/completions/derender`` on the sampled ids (the final stop token left out, as the
+   engine's detokenizer does): content, reasoning and tool calls through the server's parsers.
+
+The result is handed to the addon as if vLLM's chat endpoint had answered (``ExactResponse``: a
+chat.completion, or chat SSE chunks carrying ``prompt_token_ids`` and per-chunk ``token_ids`` and
+logprobs), so the provider translators, the relay and the capture path are unchanged.
+
+Streaming stays true streaming without the streaming derender (which replays the parser from the
+start on every chunk): text deltas come from the engine's detokenizer and are forwarded while
+they cannot be part of a tool call or reasoning markup (no tools in the request; or text that
+does not start like a JSON tool call and holds no ``<tool_call>``/``<think>`` marker yet); the
+rest is held back and the whole answer is derendered once at the end, whose remaining content and
+tool calls close the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from array import array
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
+
+from . import jsonutil
+from .ledger import (
+    Answer,
+    Entry,
+    Ledger,
+    Splice,
+    context_digest,
+    message_digests,
+    read_session_records,
+    rendered_diff,
+    splice,
+)
+
+log = logging.getLogger("polar")
+
+RENDER_PATH = "/v1/chat/completions/render"
+GENERATE_PATH = "/inference/v1/generate"
+DERENDER_PATH = "/v1/chat/completions/derender"
+#: markup after which streamed text is held back until the whole answer is derendered
+HOLD_MARKERS = ("<tool_call>", "<think>", "</think>", "<|")
+#: prompt ids sent along with a derender (it seeds detokenization and the parsers from the tail)
+DERENDER_PROMPT_TAIL = 64
+SCALE_OUT_HINT = ("polar_exact_history needs vLLM's render/generate/derender endpoints: "
+                  "start vLLM 0.32+ with --enable-scale-out (polar serve --exact-history)")
+
+
+class ExactError(Exception):
+    """The upstream answered a step with an error: (status, body) go to the harness as usual."""
+
+    def __init__(self, status: int, body: bytes, step: str = ""):
+        super().__init__(f"HTTP {status}")
+        self.status = status
+        self.body = body
+        self.step = step
+
+
+class FeedReader:
+    """The part of ``aiohttp.StreamReader`` the addon's relay reads, fed by a producer task."""
+
+    def __init__(self) -> None:
+        self._chunks: list[bytes] = []
+        self._eof = False
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def feed(self, data: bytes) -> None:
+        if data:
+            self._chunks.append(data)
+            self._wake()
+
+    def feed_eof(self) -> None:
+        self._eof = True
+        self._wake()
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._exc = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def is_eof(self) -> bool:
+        return self._eof and not self._chunks
+
+    def at_eof(self) -> bool:
+        return self._eof and not self._chunks
+
+    def read_nowait(self, n: int = -1) -> bytes:
+        out = b"".join(self._chunks)
+        self._chunks.clear()
+        return out
+
+    async def readany(self) -> bytes:
+        """Buffered bytes; at the end b""; a failure (timeout, broken upstream) raises once the
+        bytes before it were read, as aiohttp's reader does."""
+        while not self._chunks and not self._eof and self._exc is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if not self._chunks and self._exc is not None:
+            raise self._exc
+        return self.read_nowait()
+
+
+class ExactResponse:
+    """What the addon's exchange reads from ``aiohttp.ClientResponse``."""
+
+    def __init__(self, status: int, body: bytes = b"", *, stream: bool = False, task: asyncio.Task | None = None):
+        self.status = status
+        self.headers: dict[str, str] = {"content-type": "text/event-stream" if stream else "application/json"}
+        self.content = FeedReader()
+        self._body = body
+        self.task = task
+        if not stream:
+            self.content.feed(body)
+            self.content.feed_eof()
+
+    async def read(self) -> bytes:
+        return self._body
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+
+class Pending:
+    """What a call in flight needs for its ledger entry once its record is final."""
+
+    __slots__ = ("context", "digests", "rendered", "stop_string")
+
+    def __init__(self, context: bytes, digests: list[bytes], rendered: list[int]):
+        self.context = context
+        self.digests = digests
+        self.rendered = rendered
+        self.stop_string = False
+
+
+class ExactHistory:
+    def __init__(self, http: aiohttp.ClientSession, *, capture_path: Any = None, max_sessions: int = 512):
+        self.http = http
+        self.capture_path = capture_path  # session id -> Path of its capture file
+        self.ledger = Ledger(max_sessions=max_sessions, loader=self._load)
+        self.pending: dict[str, Pending] = {}
+        self.probed_eot: dict[str, int | None] = {}
+        self.unavailable: dict[str, str] = {}  # upstream URL -> why it has no render/generate/derender  # upstream URL -> its end-of-turn id (None: unknown)
+        self.stats = {"exact": 0, "spliced": 0, "rendered": 0, "render_ms": 0.0, "derender_ms": 0.0}
+
+    def _load(self, sid: str) -> list[dict[str, Any]]:
+        if self.capture_path is None:
+            return []
+        try:
+            path = self.capture_path(sid)
+        except Exception:  # noqa: BLE001 - an invalid id has no file
+            return []
+        return read_session_records(path) if path is not None and path.exists() else []
+
+    # -- the exchange ----------------------------------------------------------------------------
+    async def post(self, base_url: str, chat: dict[str, Any], rec: Any, *, stream: bool, timeout: Any,
+                   max_model_len: int | None, headers: dict[str, str]) -> ExactResponse | None:
+        """Render, splice, generate (and derender): a chat answer for the addon, or an error
+        response with the upstream's status; None when this upstream lacks the endpoints (the
+        addon then takes the normal path). Connection errors and timeouts raise as aiohttp's."""
+        if base_url in self.unavailable:
+            rec.translation_notes.append(f"exact history unavailable: {self.unavailable[base_url]}")
+            return None
+        try:
+            return await self._post(base_url, chat, rec, stream=stream, timeout=timeout,
+                                    max_model_len=max_model_len, headers=headers)
+        except ExactError as exc:
+            if exc.status in (403, 404, 405, 501) and exc.step == RENDER_PATH:
+                # no token-in/token-out here (vLLM without --enable-scale-out, another server):
+                # this upstream gets the normal path, and the records say so
+                self.unavailable[base_url] = f"{exc.status} {exc.body[:200].decode('utf-8', 'replace')}"
+                log.warning(f"polar: exact history off for {base_url}: {SCALE_OUT_HINT}")
+                self.pending.pop(rec.call_id, None)
+                return None
+            return ExactResponse(exc.status, exc.body)
+
+    async def _call(self, url: str, body: Any, timeout: Any, headers: dict[str, str]) -> Any:
+        async with self.http.post(url, data=jsonutil.dumps(body), timeout=timeout,
+                                  headers={"content-type": "application/json", **headers}) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                raise ExactError(resp.status, raw, urlsplit(url).path)
+        return orjson.loads(raw)
+
+    async def _post(self, base_url: str, chat: dict[str, Any], rec: Any, *, stream: bool, timeout: Any,
+                    max_model_len: int | None, headers: dict[str, str]) -> ExactResponse:
+        messages = chat.get("messages") or []
+        t0 = time.perf_counter()
+        render_body = {**chat, "stream": False}
+        render_body.pop("stream_options", None)
+        render_body["request_id"] = rec.call_id
+        rendered_req = await self._call(base_url + RENDER_PATH, render_body, timeout, headers)
+        self.stats["render_ms"] += (time.perf_counter() - t0) * 1000
+        rendered: list[int] = rendered_req["token_ids"]
+        context = context_digest(chat)
+        digests = message_digests(messages)
+        match = self.ledger.find(rec.session_id, context, messages, digests)
+        eot = self.ledger.eot()
+        if eot is None and match.entry is not None and not match.entry.ends_with_eot:
+            eot = await self._probe_eot(base_url, chat.get("model"), timeout, headers)
+        sp: Splice = splice(match, messages, rendered, eot)
+        rec.history, rec.history_cause = sp.history, sp.cause
+        if sp.detail:
+            rec.translation_notes.append(f"exact history: {sp.cause} ({sp.detail})")
+        if sp.matched_call is not None:
+            rec.translation_notes.append(f"exact history: spliced after call {sp.matched_call}")
+        rec.rendered_prompt_diff = rendered_diff(sp.ids, rendered)
+        key = "exact" if sp.history == "exact" else "rendered" if sp.history == "rendered" else "spliced"
+        self.stats[key] += 1
+        self.pending[rec.call_id] = Pending(context, digests, rendered)
+
+        params = dict(rendered_req["sampling_params"])
+        if max_model_len:
+            room = max_model_len - len(sp.ids)
+            if room < 1:
+                raise ExactError(400, jsonutil.dumps({"error": {
+                    "message": f"This model's maximum context length is {max_model_len} tokens. However, your "
+                               f"prompt contains {len(sp.ids)} input tokens (exact history).",
+                    "type": "BadRequestError", "code": 400}}))
+            if params.get("max_tokens") is None or params["max_tokens"] > room:
+                params["max_tokens"] = room
+        gen = {k: v for k, v in rendered_req.items() if k not in ("token_ids", "token_offsets", "features")}
+        gen.update(token_ids=sp.ids, sampling_params=params, output_mode="text", stream=stream)
+        if stream:
+            gen["stream_options"] = {"include_usage": True}
+        else:
+            gen.pop("stream_options", None)
+        ctx = _Ctx(self, base_url, chat, rec, sp.ids, timeout, headers)
+        if not stream:
+            answer = await self._call(base_url + GENERATE_PATH, gen, timeout, headers)
+            response = await ctx.whole(answer)
+            return ExactResponse(200, jsonutil.dumps(response))
+        resp = await self.http.post(base_url + GENERATE_PATH, data=jsonutil.dumps(gen), timeout=timeout,
+                                    headers={"content-type": "application/json", "accept": "text/event-stream",
+                                             **headers})
+        if resp.status != 200:
+            try:
+                raw = await resp.read()
+            finally:
+                resp.release()
+            raise ExactError(resp.status, raw)
+        out = ExactResponse(200, stream=True)
+        out.task = asyncio.get_running_loop().create_task(ctx.stream(resp, out.content))
+        return out
+
+    async def _probe_eot(self, base_url: str, model: Any, timeout: Any, headers: dict[str, str]) -> int | None:
+        """The id the template closes an assistant turn with (to close a ``length``-truncated turn
+        when no answer of this proxy has ended on it yet): render [user] with the generation prompt
+        and [user, assistant "ok"] without; the id after the answer's own ids is the end of turn."""
+        if base_url in self.probed_eot:
+            return self.probed_eot[base_url]
+        eot = None
+        try:
+            user = [{"role": "user", "content": "hi"}]
+            a = await self._call(base_url + RENDER_PATH, {"model": model, "messages": user}, timeout, headers)
+            b = await self._call(base_url + RENDER_PATH, {"model": model, "add_generation_prompt": False,
+                                                          "messages": user + [{"role": "assistant", "content": "ok"}]},
+                                 timeout, headers)
+            t = await self._call(base_url + "/tokenize", {"model": model, "prompt": "ok", "add_special_tokens": False},
+                                 timeout, headers)
+            head, full, ok = a["token_ids"], b["token_ids"], t["tokens"]
+            n = len(head) + len(ok)
+            if full[: len(head)] == head and full[len(head): n] == ok and len(full) > n:
+                eot = full[n]
+        except (ExactError, aiohttp.ClientError, OSError, asyncio.TimeoutError, KeyError, TypeError, ValueError):
+            eot = None
+        self.probed_eot[base_url] = eot
+        return eot
+
+    # -- the ledger ------------------------------------------------------------------------------
+    def observe(self, rec: Any) -> None:
+        """The call's record is final: keep what it sampled for the next calls of its session."""
+        p = self.pending.pop(rec.call_id, None)
+        if p is None or rec.status != "ok" or not rec.sampled_token_ids or not rec.prompt_token_ids:
+            return
+        finish = rec.finish_reason or ""
+        entry = Entry(
+            call_index=rec.call_index, context=p.context, messages=p.digests,
+            prompt_ids=array("i", list(rec.prompt_token_ids)), rendered_ids=array("i", p.rendered),
+            sampled_ids=array("i", list(rec.sampled_token_ids)), finish_reason=finish,
+            ends_with_eot=finish != "length" and not p.stop_string,
+            answer=Answer.from_output(rec.output_text, rec.output_reasoning, rec.output_tool_calls),
+            exact=rec.history == "exact",
+        )
+        self.ledger.add(rec.session_id, entry)
+
+    def forget(self, sid: str) -> None:
+        self.ledger.forget(sid)
+
+
+class _Ctx:
+    """One call's generate/derender state."""
+
+    def __init__(self, owner: ExactHistory, base_url: str, chat: dict[str, Any], rec: Any, ids: list[int],
+                 timeout: Any, headers: dict[str, str]):
+        self.owner, self.base_url, self.chat, self.rec, self.ids = owner, base_url, chat, rec, ids
+        self.timeout, self.headers = timeout, headers
+        self.created = int(time.time())
+        self.id = f"chatcmpl-{rec.call_id}"
+
+    async def derender(self, sampled: list[int], finish: str | None, stop_reason: Any) -> dict[str, Any]:
+        """The chat message for the sampled ids, through the server's tool and reasoning parsers."""
+        ids = list(sampled)
+        if finish == "stop" and not isinstance(stop_reason, str) and ids:
+            ids = ids[:-1]  # the stop token: the engine's detokenizer leaves it out of the text
+        if not ids:
+            return {"role": "assistant", "content": ""}
+        body = {
+            "model": self.chat.get("model"),
+            "generate_response": {"request_id": self.id, "choices": [
+                {"index": 0, "token_ids": ids, "finish_reason": finish, "stop_reason": stop_reason}],
+                "prompt_token_ids": self.ids[-DERENDER_PROMPT_TAIL:]},
+            "prompt_token_ids": self.ids[-DERENDER_PROMPT_TAIL:],
+            "chat_request": {**self.chat, "stream": False, "stream_options": None},
+        }
+        t0 = time.perf_counter()
+        out = await self.owner._call(self.base_url + DERENDER_PATH, body, self.timeout, self.headers)
+        self.owner.stats["derender_ms"] += (time.perf_counter() - t0) * 1000
+        choice = (out.get("choices") or [{}])[0]
+        return choice.get("message") or {"role": "assistant", "content": ""}
+
+    def _lp(self, lp: Any) -> Any:
+        """Generate's logprobs in the chat shape: as many top_logprobs as the request asked for
+        (generate always lists the sampled token among them)."""
+        if not lp or not lp.get("content"):
+            return lp
+        k = int(self.chat.get("top_logprobs") or 0)
+        for e in lp["content"]:
+            tops = e.get("top_logprobs")
+            if tops is not None and len(tops) > k:
+                e["top_logprobs"] = tops[:k]
+        return lp
+
+    def _finish(self, message: dict[str, Any], finish: str | None) -> str | None:
+        if message.get("tool_calls") and finish == "stop":
+            return "tool_calls"  # as vLLM's chat endpoint reports an answer with tool calls
+        return finish
+
+    def _note_stop(self, stop_reason: Any) -> None:
+        if isinstance(stop_reason, str):  # a stop string: the sampled ids do not end the turn
+            p = self.owner.pending.get(self.rec.call_id)
+            if p is not None:
+                p.stop_string = True
+
+    async def whole(self, answer: dict[str, Any]) -> dict[str, Any]:
+        choice = (answer.get("choices") or [{}])[0]
+        sampled = choice.get("token_ids") or []
+        finish, stop_reason = choice.get("finish_reason"), choice.get("stop_reason")
+        self._note_stop(stop_reason)
+        message = await self.derender(sampled, finish, stop_reason)
+        message = {"role": "assistant", "content": message.get("content"),
+                   "reasoning": message.get("reasoning") or message.get("reasoning_content"),
+                   "tool_calls": message.get("tool_calls") or []}
+        if not message["tool_calls"]:
+            message.pop("tool_calls")
+        n = len(sampled)
+        return {
+            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.chat.get("model"),
+            "choices": [{"index": 0, "message": message, "logprobs": self._lp(choice.get("logprobs")),
+                         "finish_reason": self._finish(message, finish), "stop_reason": stop_reason,
+                         "token_ids": sampled}],
+            "usage": {"prompt_tokens": len(self.ids), "completion_tokens": n, "total_tokens": len(self.ids) + n},
+            "prompt_token_ids": self.ids,
+        }
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        d = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+             "model": self.chat.get("model"), "choices": choices, **extra}
+        return b"data: " + jsonutil.dumps(d) + b"\n\n"
+
+    async def stream(self, resp: aiohttp.ClientResponse, out: FeedReader) -> None:
+        """Generate SSE in, chat SSE out (see the module docstring for what is held back)."""
+        tools = bool(self.chat.get("tools")) and self.chat.get("tool_choice") != "none"
+        sampled: list[int] = []
+        text = ""  # the engine's text so far
+        sent = 0  # chars of ``text`` already sent as content
+        holding = False
+        finish = stop_reason = None
+        usage = None
+        try:
+            out.feed(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}], prompt_token_ids=self.ids))
+            buf = b""
+            async for data in resp.content.iter_any():
+                buf += data
+                *events, buf = buf.split(b"\n\n")
+                pieces = []
+                for ev in events:
+                    ev = ev.strip()
+                    if not ev.startswith(b"data:"):
+                        continue
+                    payload = ev[5:].strip()
+                    if payload == b"[DONE]":
+                        continue
+                    obj = orjson.loads(payload)
+                    if obj.get("usage"):
+                        usage = obj["usage"]
+                    if "error" in obj and not obj.get("choices"):
+                        pieces.append(b"data: " + payload + b"\n\n")
+                        continue
+                    for c in obj.get("choices") or ():
+                        ids = c.get("token_ids") or []
+                        sampled.extend(ids)
+                        text += c.get("text") or ""
+                        if c.get("finish_reason"):
+                            finish, stop_reason = c["finish_reason"], c.get("stop_reason")
+                        delta: dict[str, Any] = {}
+                        if not holding:
+                            holding = _must_hold(text, tools)
+                        if not holding:
+                            safe = _safe_len(text)
+                            if safe > sent:
+                                delta["content"] = text[sent:safe]
+                                sent = safe
+                        if ids or delta:
+                            pieces.append(self._chunk([{"index": 0, "delta": delta, "logprobs": self._lp(c.get("logprobs")),
+                                                        "finish_reason": None, "token_ids": ids}]))
+                if pieces:
+                    out.feed(b"".join(pieces))
+            self._note_stop(stop_reason)
+            message = await self.derender(sampled, finish, stop_reason)
+            content = message.get("content") or ""
+            tail: list[bytes] = []
+            delta = {}
+            if message.get("reasoning"):
+                delta["reasoning"] = message["reasoning"]
+            if content.startswith(text[:sent]):
+                if content[sent:]:
+                    delta["content"] = content[sent:]
+            else:
+                self.rec.translation_notes.append("exact history: streamed text differs from the derendered content")
+            if delta:
+                tail.append(self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]))
+            for i, tc in enumerate(message.get("tool_calls") or ()):
+                fn = tc.get("function") or {}
+                tail.append(self._chunk([{"index": 0, "delta": {"tool_calls": [
+                    {"index": i, "id": tc.get("id"), "type": "function",
+                     "function": {"name": fn.get("name"), "arguments": fn.get("arguments") or ""}}]},
+                    "logprobs": None, "finish_reason": None}]))
+            tail.append(self._chunk([{"index": 0, "delta": {}, "logprobs": None,
+                                      "finish_reason": self._finish(message, finish) or "stop",
+                                      "stop_reason": stop_reason}]))
+            n = len(sampled)
+            tail.append(self._chunk([], usage=usage or {"prompt_tokens": len(self.ids), "completion_tokens": n,
+                                                         "total_tokens": len(self.ids) + n}))
+            tail.append(b"data: [DONE]\n\n")
+            out.feed(b"".join(tail))
+            out.feed_eof()
+        except asyncio.CancelledError:
+            raise
+        except ExactError as exc:
+            out.set_exception(aiohttp.ClientPayloadError(f"derender failed: HTTP {exc.status} "
+                                                         f"{exc.body[:200].decode('utf-8', 'replace')}"))
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+            out.set_exception(exc if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError))
+                              else aiohttp.ClientPayloadError(str(exc)))
+        finally:
+            resp.close()
+
+
+def _must_hold(text: str, tools: bool) -> bool:
+    """Whether streamed text must stop here: it may become a tool call or reasoning markup."""
+    stripped = text.lstrip()
+    if tools and stripped[:1] in ("{", "[", "`"):  # a JSON tool call (or a fenced one) may start here
+        return True
+    return any(m in text for m in HOLD_MARKERS)
+
+
+def _safe_len(text: str) -> int:
+    """How much of ``text`` can go out: not a tail that could be the start of a marker."""
+    cut = len(text)
+    for m in HOLD_MARKERS:
+        for j in range(len(m) - 1, 0, -1):
+            if text.endswith(m[:j]):
+                cut = min(cut, len(text) - j)
+                break
+    return cut

@@ -1,0 +1,344 @@
+"""The exact-history token ledger: per session, what vLLM saw and sampled for each answered call.
+
+For every answered call the ledger keeps (bounded: an LRU over sessions, a cap per session)
+
+* the render context (a digest of what besides the messages changes the rendered prompt: tools,
+  chat template and its kwargs, documents) and one digest per normalized message it was prompted with;
+* the prompt ids vLLM was given, the ids its own template rendered for the same messages, the
+  sampled ids and whether they end with the end-of-turn id;
+* the answer the harness got, normalized (text, reasoning, tool calls as name + parsed arguments).
+
+``find`` answers: which earlier call's history is a prefix of a new call's messages *and* had its
+answer re-sent unchanged (the longest wins, which also separates interleaved sub-agents); and if
+none, why not (the cause recorded with the call). ``splice`` turns the match into prompt ids.
+
+The ledger is rebuilt from the session's capture file when the proxy meets a session it does not
+hold (a restart, a kill -9): every record carries what is needed (``normalized_request``, the ids,
+``rendered_prompt_diff``, the answer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import orjson
+
+#: Request fields that change how the template renders the messages (besides the messages).
+CONTEXT_KEYS = ("tools", "chat_template", "chat_template_kwargs", "documents", "reasoning_effort",
+                "add_special_tokens")
+
+# causes recorded with ``history`` (the record's ``history_cause``)
+NO_EARLIER_CALL = "no_earlier_call"  # assistant turns, but no answer of this session is known
+HISTORY_EDITED = "history_edited"  # no earlier call's messages are a prefix (compaction, new system prompt)
+ANSWER_CHANGED = "answer_changed"  # an earlier answer came back with other text or tool calls
+ANSWER_DROPPED = "answer_dropped"  # the harness left an earlier answer out
+CONTEXT_CHANGED = "context_changed"  # tools / template kwargs changed
+TEMPLATE_NOT_PREFIX = "template_not_prefix"  # the template renders the old history differently now
+NO_END_OF_TURN = "no_end_of_turn"  # a truncated turn, and the end-of-turn id is unknown
+UNSPLICEABLE = "unspliceable"  # the matched call cannot be continued (stop string, no ids)
+
+
+def canonical(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+
+
+def digest(obj: Any) -> bytes:
+    return hashlib.blake2b(canonical(obj), digest_size=16).digest()
+
+
+def context_digest(chat: dict[str, Any]) -> bytes:
+    return digest({k: chat.get(k) for k in CONTEXT_KEYS if chat.get(k) not in (None, [], {})})
+
+
+def _args(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return orjson.loads(value)
+        except orjson.JSONDecodeError:
+            return value
+    return value
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return str(content)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An assistant answer, normalized for comparison (tool-call ids ignored)."""
+
+    text: str
+    reasoning: str
+    tool_calls: tuple[tuple[str, bytes], ...]  # (name, canonical JSON of the parsed arguments)
+
+    @classmethod
+    def from_output(cls, text: str | None, reasoning: str | None, tool_calls: Iterable[dict[str, Any]]) -> "Answer":
+        calls = tuple((tc.get("name") or "", canonical(_args(tc.get("arguments") or ""))) for tc in tool_calls or ())
+        return cls((text or "").strip(), (reasoning or "").strip(), calls)
+
+    @classmethod
+    def from_message(cls, msg: dict[str, Any]) -> "Answer":
+        calls = []
+        for tc in msg.get("tool_calls") or ():
+            fn = tc.get("function") or {}
+            calls.append({"name": fn.get("name"), "arguments": fn.get("arguments")})
+        reasoning = msg.get("reasoning") or msg.get("reasoning_content")
+        return cls.from_output(_text(msg.get("content")), _text(reasoning), calls)
+
+    def resent_as(self, other: "Answer") -> str | None:
+        """None when ``other`` (what the harness sent back) is this answer; else what differs.
+        A harness may drop the reasoning (it cannot always carry it): that is not an edit."""
+        if self.text != other.text:
+            return "text"
+        if [n for n, _ in self.tool_calls] != [n for n, _ in other.tool_calls]:
+            return "tool_names"
+        if self.tool_calls != other.tool_calls:
+            return "tool_arguments"
+        if other.reasoning and other.reasoning != self.reasoning:
+            return "reasoning"
+        return None
+
+
+@dataclass
+class Entry:
+    call_index: int
+    context: bytes
+    messages: list[bytes]  # digests of the messages it was prompted with
+    prompt_ids: array  # what vLLM was given
+    rendered_ids: array  # what vLLM's template rendered for the same messages
+    sampled_ids: array
+    finish_reason: str
+    ends_with_eot: bool
+    answer: Answer
+    exact: bool  # its own prompt held every earlier answer as sampled
+
+
+@dataclass
+class Match:
+    entry: Entry | None
+    cause: str | None = None
+    detail: str | None = None
+
+
+@dataclass
+class SessionLedger:
+    entries: list[Entry] = field(default_factory=list)
+
+
+def message_digests(messages: list[dict[str, Any]]) -> list[bytes]:
+    return [digest(m) for m in messages]
+
+
+class Ledger:
+    """Per-session entries, LRU over sessions; ``loader(session_id)`` yields the session's capture
+    records (dicts) when a session is not in memory (rebuild after a restart)."""
+
+    def __init__(self, max_sessions: int = 512, max_entries: int = 1024, loader: Any = None):
+        self.max_sessions = max_sessions
+        self.max_entries = max_entries
+        self.loader = loader
+        self.sessions: OrderedDict[str, SessionLedger] = OrderedDict()
+        #: end-of-turn ids learnt from answers that ended on one (closes a truncated turn)
+        self.eot_ids: dict[int, int] = {}
+        self.rebuilt = 0
+
+    # -- sessions --------------------------------------------------------------------------------
+    def session(self, sid: str) -> SessionLedger:
+        s = self.sessions.get(sid)
+        if s is None:
+            s = SessionLedger()
+            self.sessions[sid] = s
+            if self.loader is not None:
+                for data in self.loader(sid) or ():
+                    self._add_record(s, data)
+                if s.entries:
+                    self.rebuilt += 1
+            while len(self.sessions) > self.max_sessions:
+                self.sessions.popitem(last=False)
+        else:
+            self.sessions.move_to_end(sid)
+        return s
+
+    def forget(self, sid: str) -> None:
+        self.sessions.pop(sid, None)
+
+    def eot(self) -> int | None:
+        return max(self.eot_ids, key=self.eot_ids.__getitem__) if self.eot_ids else None
+
+    # -- adding ----------------------------------------------------------------------------------
+    def add(self, sid: str, entry: Entry) -> None:
+        s = self.session(sid)
+        self._append(s, entry)
+
+    def _append(self, s: SessionLedger, entry: Entry) -> None:
+        if entry.ends_with_eot and entry.sampled_ids:
+            last = entry.sampled_ids[-1]
+            self.eot_ids[last] = self.eot_ids.get(last, 0) + 1
+        s.entries.append(entry)
+        if len(s.entries) > self.max_entries:
+            del s.entries[: len(s.entries) - self.max_entries]
+
+    def _add_record(self, s: SessionLedger, data: dict[str, Any]) -> None:
+        entry = entry_from_record(data)
+        if entry is not None:
+            self._append(s, entry)
+
+    # -- finding -----------------------------------------------------------------------------------
+    def find(self, sid: str, context: bytes, messages: list[dict[str, Any]], digests: list[bytes]) -> Match:
+        """The longest earlier call whose messages are a prefix of ``messages`` and whose answer
+        comes next, re-sent unchanged. Otherwise the reason none does."""
+        s = self.session(sid)
+        has_assistant = any(m.get("role") == "assistant" for m in messages)
+        if not s.entries:
+            return Match(None, NO_EARLIER_CALL if has_assistant else None)
+        n = len(messages)
+        best_fail: Match | None = None
+        best_fail_len = -1
+        # longest first, newest first among equals
+        for entry in sorted(s.entries, key=lambda e: (len(e.messages), e.call_index), reverse=True):
+            k = len(entry.messages)
+            if k >= n or entry.messages != digests[:k]:
+                continue
+            nxt = messages[k]
+            fail: Match | None = None
+            if entry.context != context:
+                fail = Match(None, CONTEXT_CHANGED)
+            elif nxt.get("role") != "assistant":
+                fail = Match(None, ANSWER_DROPPED)
+            else:
+                diff = entry.answer.resent_as(Answer.from_message(nxt))
+                if diff is not None:
+                    fail = Match(None, ANSWER_CHANGED, diff)
+            if fail is None:
+                if best_fail is not None:  # a longer history matched but its answer did not
+                    return Match(entry, best_fail.cause, best_fail.detail)
+                return Match(entry)
+            if k > best_fail_len:
+                best_fail, best_fail_len = fail, k
+        if not has_assistant:  # nothing to splice; unless an earlier answer was left out, the prompt is exact
+            return best_fail if best_fail is not None and best_fail.cause == ANSWER_DROPPED else Match(None)
+        return best_fail or Match(None, HISTORY_EDITED)
+
+
+def entry_from_record(data: dict[str, Any]) -> Entry | None:
+    """A ledger entry from a capture record (a dict as written), or None if it cannot serve."""
+    if data.get("record_type", "call") != "call" or data.get("status") != "ok":
+        return None
+    chat = data.get("normalized_request")
+    sampled = data.get("sampled_token_ids") or []
+    prompt = data.get("prompt_token_ids") or []
+    if not isinstance(chat, dict) or not sampled or not prompt:
+        return None
+    rendered = rendered_from_diff(prompt, data.get("rendered_prompt_diff"))
+    finish = data.get("finish_reason") or ""
+    history = data.get("history")
+    return Entry(
+        call_index=int(data.get("call_index") or 0),
+        context=context_digest(chat),
+        messages=message_digests(chat.get("messages") or []),
+        prompt_ids=array("i", prompt),
+        rendered_ids=array("i", rendered),
+        sampled_ids=array("i", sampled),
+        finish_reason=finish,
+        ends_with_eot=finish != "length" and not data.get("history_stop_string"),
+        answer=Answer.from_output(data.get("output_text"), data.get("output_reasoning"),
+                                  data.get("output_tool_calls") or []),
+        exact=history in (None, "exact"),
+    )
+
+
+def rendered_diff(prompt: list[int], rendered: list[int]) -> dict[str, Any] | None:
+    """The template-rendered ids as a compact diff against the ids vLLM was given (None if equal)."""
+    if len(prompt) == len(rendered) and prompt == rendered:
+        return None
+    n = 0
+    m = min(len(prompt), len(rendered))
+    while n < m and prompt[n] == rendered[n]:
+        n += 1
+    return {"common_prefix": n, "rendered_tail": list(rendered[n:]), "rendered_len": len(rendered)}
+
+
+def rendered_from_diff(prompt: list[int], diff: dict[str, Any] | None) -> list[int]:
+    if not diff:
+        return list(prompt)
+    return list(prompt[: diff["common_prefix"]]) + list(diff["rendered_tail"])
+
+
+def read_session_records(path: Path) -> Iterable[dict[str, Any]]:
+    """The records of one session's capture file (a torn last line is skipped)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return []
+    out = []
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
+
+
+@dataclass
+class Splice:
+    """The prompt ids of a new call and how they were made."""
+
+    ids: list[int]
+    history: str  # exact | spliced_at=k | rendered
+    cause: str | None = None
+    detail: str | None = None
+    matched_call: int | None = None
+
+
+def splice(match: Match, messages: list[dict[str, Any]], rendered: list[int], eot: int | None) -> Splice:
+    """Prompt ids for a new call from its match and vLLM's rendering of its whole conversation.
+
+    ids = the matched call's prompt ids + its sampled ids (+ the end-of-turn id closing a truncated
+    turn) + what the template renders after that answer (tool results, new turns, generation
+    prompt). The rendered tail starts after the first end-of-turn id at or after the point where
+    the matched call's own rendered prompt ends (the start of the re-rendered answer), and the
+    matched call's rendered prompt must be a prefix of the new rendering (else the template now
+    renders the old history differently and nothing is spliced)."""
+    has_assistant = any(m.get("role") == "assistant" for m in messages)
+    entry = match.entry
+    if entry is None:
+        if not has_assistant and match.cause is None:
+            return Splice(list(rendered), "exact")
+        return Splice(list(rendered), "rendered", match.cause, match.detail)
+    k = len(entry.messages)  # messages[k] is the re-sent answer
+    r_len = len(entry.rendered_ids)
+    if len(rendered) <= r_len or array("i", rendered[:r_len]) != entry.rendered_ids:
+        return Splice(list(rendered), "rendered", TEMPLATE_NOT_PREFIX, f"call {entry.call_index}")
+    sampled = list(entry.sampled_ids)
+    close = eot if not entry.ends_with_eot else None
+    if not entry.ends_with_eot:
+        if eot is None:
+            return Splice(list(rendered), "rendered", NO_END_OF_TURN, f"call {entry.call_index}")
+        end_id = eot
+    else:
+        end_id = sampled[-1]
+    try:
+        e = rendered.index(end_id, r_len)
+    except ValueError:
+        return Splice(list(rendered), "rendered", TEMPLATE_NOT_PREFIX, f"no end of turn after call {entry.call_index}")
+    ids = list(entry.prompt_ids) + sampled + ([close] if close is not None else []) + rendered[e + 1:]
+    rest_has_assistant = any(m.get("role") == "assistant" for m in messages[k + 1:])
+    if entry.exact and not rest_has_assistant:
+        return Splice(ids, "exact", matched_call=entry.call_index)
+    cause = match.cause or (ANSWER_CHANGED if rest_has_assistant else "earlier_history_rendered")
+    return Splice(ids, f"spliced_at={k + 1}", cause, match.detail, matched_call=entry.call_index)
