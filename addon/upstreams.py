@@ -1,4 +1,5 @@
-"""The inference servers behind the proxy: choice, stickiness, health and backoff.
+"""The inference servers behind the proxy: choice, stickiness, health and backoff; what each one
+serves (``model_info``); and the loopback relay that streams their answers (below).
 
 Why sticky: consecutive calls of one harness run share a long prompt prefix; sending them to the
 same server reuses its prefix cache. New sessions go to the least-loaded server (in-flight calls).
@@ -15,6 +16,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
 
 from polar_proxy import jsonutil
 
@@ -159,6 +163,38 @@ class UpstreamPool:
 
     def status(self) -> list[dict]:
         return [u.status() for u in self.upstreams]
+
+
+async def model_info(http: aiohttp.ClientSession, up: Upstream, want: str, timeout: aiohttp.ClientTimeout) -> None:
+    """Served model name and max_model_len from the upstream's /v1/models (cached per upstream).
+
+    ``want``: the served model name the proxy was told (``polar_served_model``); empty: the first listed."""
+    if up.served_model is not None:
+        return
+    async with http.get(up.url + "/v1/models", timeout=timeout) as resp:
+        if resp.status != 200:
+            raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
+                                              message=f"/v1/models answered {resp.status}")
+        data = orjson.loads(await resp.read()).get("data") or []
+    card = next((c for c in data if c.get("id") == want), data[0] if data else {})
+    up.served_model = want or card.get("id") or ""
+    up.max_model_len = card.get("max_model_len")
+    if not up.served_model:
+        raise aiohttp.ClientError("upstream serves no model")
+    up.sampling_server = await sampling_server(http, up, timeout)
+
+
+async def sampling_server(http: aiohttp.ClientSession, up: Upstream, timeout: aiohttp.ClientTimeout) -> dict[str, Any]:
+    """Where the server's sampling defaults come from and which logprobs it returns (vLLM dev mode's
+    ``/server_info``; see ``engines.vllm.server_sampling``); unknown when the server does not say."""
+    from .engines.vllm import server_sampling
+
+    try:
+        async with http.get(up.url + "/server_info?config_format=json", timeout=timeout) as resp:
+            info = orjson.loads(await resp.read()) if resp.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        info = None
+    return server_sampling(info if isinstance(info, dict) else None)
 
 
 # ----------------------------------------------------------------------------------------------

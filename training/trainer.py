@@ -18,75 +18,18 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 import polars as pl
 import torch
 
 from . import distributed as pdist
-from .advantages import AdvantageConfig, advantage_stats, compute_advantages, compute_sample_advantages
-from .loss import LossConfig, grpo_token_loss
+from .advantages import advantage_stats, compute_advantages, compute_sample_advantages
+from .config import TrainConfig
+from .loss import grpo_token_loss
 from .packing import MicroBatch, PackStats, PackedSequence, build_microbatches, sequences_from_frame
 from .policy import TokenLogprobs, policy_logprobs
-
-
-@dataclass
-class TrainConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    warmup_steps: int = 0
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    total_steps: int | None = None  # length of the decay for linear/cosine
-    min_lr_ratio: float = 0.0
-    max_grad_norm: float = 1.0
-    token_budget: int = 4096
-    num_minibatches: int = 1
-    ppo_epochs: int = 1
-    attention: Literal["position_ids", "block_mask"] = "position_ids"
-    #: transformers attention kernel: sdpa | eager | flash_attention_2 | flex_attention (checked at start-up)
-    attn_implementation: str = "sdpa"
-    #: compute dtype. float32, or bfloat16 = mixed precision: float32 master weights and AdamW state,
-    #: bf16 matmuls (autocast; FSDP2 MixedPrecisionPolicy under torchrun). float16 is refused (no loss scaling).
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    gradient_checkpointing: bool = False
-    #: FSDP: reduce-scatter gradients after the "last" micro-batch of a step only (unsharded gradients
-    #: accumulate locally: less communication, full-size gradients per device) or after "every" one
-    grad_sync: Literal["last", "every"] = "last"
-    seed: int = 0
-    adv: AdvantageConfig = field(default_factory=AdvantageConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-
-    def __post_init__(self) -> None:
-        if self.lr_schedule not in ("constant", "linear", "cosine"):
-            raise ValueError(f"lr_schedule must be constant, linear or cosine, not {self.lr_schedule!r}")
-        if self.attention not in ("position_ids", "block_mask"):
-            raise ValueError(f"attention must be position_ids or block_mask, not {self.attention!r}")
-        if self.compute_dtype == "float16":
-            raise ValueError(
-                "compute_dtype float16 is refused: without loss scaling its gradients underflow; use bfloat16 "
-                "(mixed precision with float32 master weights) or float32"
-            )
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"compute_dtype must be float32 or bfloat16, not {self.compute_dtype!r}")
-        if self.grad_sync not in ("last", "every"):
-            raise ValueError(f"grad_sync must be last or every, not {self.grad_sync!r}")
-        if self.token_budget <= 0 or self.num_minibatches <= 0 or self.ppo_epochs <= 0:
-            raise ValueError("token_budget, num_minibatches and ppo_epochs must be positive")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
-        d = dict(d)
-        adv = AdvantageConfig(**d.pop("adv", {}))
-        loss = LossConfig(**d.pop("loss", {}))
-        if "adam_betas" in d:
-            d["adam_betas"] = tuple(d["adam_betas"])
-        return cls(adv=adv, loss=loss, **d)
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:

@@ -49,6 +49,11 @@ def load_arguments(raw: str | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {RAW_ARGUMENTS_KEY: raw}
 
 
+def path_only(path: str) -> str:
+    """A request path without its query string and trailing slash (what ``detect`` matches)."""
+    return path.split("?", 1)[0].rstrip("/")
+
+
 def sse(data: Any, event: str | None = None) -> bytes:
     """One server-sent event; ``data`` is JSON-encoded unless already bytes/str."""
     if isinstance(data, bytes):

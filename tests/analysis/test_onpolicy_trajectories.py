@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from polar_analysis import frames
-from polar_analysis.schema import CallRecord
+from polar_core.schema import CallRecord
 from polar_analysis.synthetic import PLAIN_SAMPLING, write_capture
 from polar_analysis.trajectories import common, per_request, prefix_merge
 
