@@ -159,18 +159,18 @@ def probe_tolerance(*dtypes: str | None) -> float:
 def served_dtype(base: str) -> str | None:
     """The dtype vLLM computes in (dev mode's /server_info), else the served directory's config."""
     try:
-        info = _get_json(f"{base}/server_info?config_format=json", timeout=10)
+        info = http_json(f"{base}/server_info?config_format=json", timeout=10)
         dt = ((info.get("vllm_config") or {}).get("model_config") or {}).get("dtype")
         if dt:
             return str(dt).removeprefix("torch.")
-    except (OSError, ValueError, urllib.error.URLError):
+    except (OSError, ValueError):  # HTTP errors are OSErrors too
         pass
     try:
         _, root = served_model(base)
         cfg = json.loads((Path(root) / "config.json").read_text()) if root else {}
         dt = cfg.get("torch_dtype") or cfg.get("dtype")
         return str(dt) if dt else None
-    except (OSError, ValueError, KeyError, urllib.error.URLError):
+    except (OSError, ValueError, KeyError):
         return None
 
 
@@ -236,7 +236,7 @@ def served_version_state(base: str | None, checkpoint_dir: str, tol: float | Non
         return "unknown"
     try:
         served = served_probe_logprobs(base, probe["ids"])
-    except (OSError, ValueError, KeyError, PushError, urllib.error.URLError):
+    except (OSError, ValueError, KeyError, PushError):
         return "unknown"
     meta = read_meta(checkpoint_dir)
     tol = tol or probe_tolerance(meta.get("compute_dtype") or meta.get("dtype", "float32"), served_dtype(base))
