@@ -44,7 +44,7 @@ from mitmproxy.proxy import mode_specs
 from polar_analysis.schema import CallRecord, valid_session_id
 from polar_runtime import paths
 
-from . import sampling
+from . import budget, sampling
 from .capture import CaptureError, CaptureWriter
 from .engines import ENGINES, TokenData, get_engine
 from .engines.base import Engine
@@ -74,8 +74,6 @@ DEFAULT_INTERCEPT_HOSTS = ("api.openai.com", "api.anthropic.com", "generativelan
 STREAM_MODES = ("passthrough", "synthetic")
 CONTROL_PREFIX = "/_polar/"
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1", "localhost")
-#: Never set max_tokens below this because of our (rough) prompt estimate; the engine clamps anyway.
-MIN_MAX_TOKENS = 64
 _CONTEXT_MARKERS = ("maximum context length", "context length", "longer than the maximum model length",
                     "prompt is too long", "too many tokens", "exceeds the model")
 
@@ -197,6 +195,7 @@ class Call:
         self.stream_done = False  # [DONE] seen, or an error emitted: ignore what follows
         self.cancelled = False  # the harness went away: a broken upstream read is our doing
         self.native_size = 0  # bytes of the harness's request body
+        self.max_tokens_sent: int | None = None  # None: the engine's default (the room left)
         self.relay_restore: tuple | None = None  # the request's own target and body while relayed
 
 
@@ -282,6 +281,7 @@ class SSEStream:
             msg = str(err.get("message", "upstream error"))
             return self.addon._stream_failed(call, "context_length" if _is_context_error(msg) else "upstream_error", msg)
         self.addon.engine.read_chunk(chunk, call.tokens)  # ids first: kept even if translation fails
+        self.addon._budget_cut(call, chunk)
         try:
             call.acc.feed_chunk(chunk)
             assert call.translator is not None
@@ -817,16 +817,11 @@ class Polar:
         chat = dict(normalized.chat_request)
         chat["model"] = up.served_model
         requested = chat.pop("max_completion_tokens", None)
-        requested = chat.get("max_tokens") or requested
-        limits = [int(requested)] if requested else []
-        if self.max_tokens_cap:
-            limits.append(self.max_tokens_cap)
-        if up.max_model_len:
-            est = call.native_size // 4  # the harness's body: messages and tools, ~4 bytes a token
-            limits.append(max(min(MIN_MAX_TOKENS, up.max_model_len), up.max_model_len - est))
-            limits.append(up.max_model_len)
-        if limits:
-            chat["max_tokens"] = max(1, min(limits))
+        requested = chat.pop("max_tokens", None) or requested
+        # No guess at the prompt length: the engine knows it (see budget.py).
+        call.max_tokens_sent = budget.output_budget(requested, self.max_tokens_cap, up.max_model_len)
+        if call.max_tokens_sent is not None:
+            chat["max_tokens"] = call.max_tokens_sent
         if self.sampling:
             sampling.apply(chat, self.sampling, call.record.session_id, call.record.call_index)
         if stream_upstream:
@@ -906,6 +901,10 @@ class Polar:
         rec.t_upstream_first_byte = time.time()
         up = call.upstream
         assert up is not None
+        if resp.status == 400 and call.max_tokens_sent is not None:
+            resp = await self._budget_retry(call, resp, chat, stream_upstream)
+            if resp is None:
+                return
         if resp.status != 200:
             await self._upstream_status_error(call, resp)
             return
@@ -942,6 +941,7 @@ class Polar:
             self._fail(call, 502, "upstream_error", f"upstream sent malformed JSON: {raw[:200]!r}")
             return
         self.engine.read_response(answer, call.tokens)
+        self._budget_cut(call, answer)
         call.acc.feed_whole(answer)
         try:
             if rec.stream:  # synthetic stream mode
@@ -962,6 +962,18 @@ class Polar:
             headers["cache-control"] = "no-cache"
         call.flow.response = make_response(200, content, headers)
 
+    def _budget_cut(self, call: Call, answer: dict[str, Any]) -> None:
+        """A tool call that the output budget cut is not a finished tool call: report ``length``
+        (vLLM's whole answers say ``tool_calls`` whenever its parser read a call)."""
+        for choice in answer.get("choices") or ():
+            if choice.get("finish_reason") == "tool_calls" and choice.get("index", 0) == 0:
+                up = call.upstream
+                limit = budget.effective_budget(call.max_tokens_sent, up.max_model_len if up else None,
+                                                len(call.tokens.prompt_token_ids))
+                if budget.budget_cut("tool_calls", len(call.tokens.sampled_token_ids), limit):
+                    choice["finish_reason"] = "length"
+                    call.record.translation_notes.append("tool call cut by the output budget: finish_reason length")
+
     def _answer_finished_stream(self, call: Call, resp: aiohttp.ClientResponse) -> None:
         """The whole stream had arrived before the proxy got to it (it is behind: a loaded proxy,
         a short answer): translate it at once and answer in one piece. Nothing is held back that
@@ -978,15 +990,40 @@ class Polar:
         out = b"".join(translate(data)) + b"".join(translate(b""))
         call.flow.response = make_response(200, out, {"content-type": "text/event-stream", "cache-control": "no-cache"})
 
-    async def _upstream_status_error(self, call: Call, resp: aiohttp.ClientResponse) -> None:
+    async def _budget_retry(self, call: Call, resp: aiohttp.ClientResponse, chat: dict[str, Any],
+                            stream_upstream: bool) -> aiohttp.ClientResponse | None:
+        """An engine that refuses a ``max_tokens`` above the room its real prompt leaves (older
+        vLLM) says how long the prompt is: ask once more with exactly that room."""
+        raw = await _read_quietly(resp)
+        room = budget.room_from_error(_error_message(raw))
+        up = call.upstream
+        if room is None or call.finalized or self.http is None or up is None:
+            if not call.finalized:
+                await self._upstream_status_error(call, resp, raw)
+            return None
+        rec = call.record
+        chat["max_tokens"] = call.max_tokens_sent = room[0]
+        rec.translation_notes.append(f"max_tokens lowered to the {room[0]} tokens the {room[1]}-token prompt leaves")
+        body = jsonutil.dumps(chat)
+        rec.normalized_request = jsonutil.raw_json(body) or chat
+        try:
+            return await self.http.post(
+                up.url + "/v1/chat/completions", data=body,
+                headers={"content-type": "application/json", "x-polar-session": rec.session_id,
+                         "x-request-id": rec.call_id,
+                         "accept": "text/event-stream" if stream_upstream else "application/json"},
+                timeout=self._client_timeout())
+        except asyncio.TimeoutError:
+            self._fail(call, 504, "timeout", f"upstream {up.url} did not answer within {self.timeout:g}s")
+        except (aiohttp.ClientError, OSError) as exc:
+            self._fail(call, 502, "upstream_refused", f"upstream {up.url} failed: {exc}")
+        return None
+
+    async def _upstream_status_error(self, call: Call, resp: aiohttp.ClientResponse, raw: bytes | None = None) -> None:
         up = call.upstream
         assert up is not None
-        try:
-            raw = await resp.read()
-        except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
-            raw = b""
-        finally:
-            resp.release()
+        if raw is None:
+            raw = await _read_quietly(resp)
         message = raw.decode("utf-8", "replace")[:2000]
         try:
             err = orjson.loads(raw).get("error")
@@ -1490,6 +1527,26 @@ def _salvage(reader: aiohttp.StreamReader) -> bytes:
     except Exception:  # noqa: BLE001 - best effort on an aiohttp internal
         pass
     return b""
+
+
+async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
+    """An error answer's body (empty if it cannot be read); the connection is released."""
+    try:
+        return await resp.read()
+    except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
+        return b""
+    finally:
+        resp.release()
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        err = orjson.loads(raw).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return raw.decode("utf-8", "replace")
+    if isinstance(err, dict):
+        return str(err.get("message") or "")
+    return err if isinstance(err, str) else raw.decode("utf-8", "replace")
 
 
 def _estimate_tokens(body: Any) -> int:

@@ -38,6 +38,7 @@ from typing import Any, Callable
 import numpy as np
 import polars as pl
 
+from polar_analysis.compaction import compaction_of
 from polar_analysis.trajectories.common import (
     Call,
     TemplateInfo,
@@ -259,6 +260,11 @@ def classify_pair(prev: Call, nxt: Call, template: TemplateInfo | None = None) -
     if pm is not None and nm is not None:
         tp, tn = _turns(pm), _turns(nm)
         prev_tools, next_tools = _tools_key(prev), _tools_key(nxt)
+        kind = compaction_of(nm)
+        if kind is not None:  # a summary call, or a history that restarts from a summary
+            drift.cause = "compacted"
+            drift.detail = f"{kind}: {len(tp)} -> {len(tn)} turns"
+            return drift
         if (prev_tools != "[]" and next_tools == "[]") or len(tn) < len(tp):
             drift.cause = "compacted"
             drift.detail = f"{len(tp)} -> {len(tn)} turns, tools {'removed' if next_tools == '[]' else 'kept'}"

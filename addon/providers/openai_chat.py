@@ -165,6 +165,8 @@ class OpenAIChatProvider(Provider):
                 chat["messages"] = messages
             elif key in ("stream_options", "logprobs", "top_logprobs"):
                 notes.add(f"harness {key} handled by the proxy")
+                if key == "top_logprobs" and body.get("logprobs") and isinstance(value, int) and value > 0:
+                    chat["top_logprobs"] = value  # the engine computes them; the capture ignores them
             elif key in DROPPED_FIELDS:
                 notes.add(f"ignored field {key}")
             elif key == "max_completion_tokens":

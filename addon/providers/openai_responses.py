@@ -15,8 +15,11 @@ max_output_tokens: then its status is ``incomplete``, see ``ResponsesStream.fini
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
+
+from polar_analysis.compaction import COMPACT_ITEM_MARKER, COMPACT_REQUEST, COMPACT_SUMMARY_PREFIX
 
 from .base import NormalizedCall, Provider, ProviderError, StreamTranslator
 from .common import (
@@ -25,6 +28,7 @@ from .common import (
     ChunkReader,
     Event,
     Notes,
+    arguments_complete,
     base_id,
     cached_tokens,
     dump_arguments,
@@ -63,9 +67,12 @@ HANDLED_FIELDS = (
 DROPPED_ITEMS = (
     "web_search_call", "file_search_call", "computer_call", "computer_call_output",
     "image_generation_call", "code_interpreter_call", "mcp_call", "mcp_list_tools",
-    "mcp_approval_request", "mcp_approval_response", "compaction", "tool_search_call",
+    "mcp_approval_request", "mcp_approval_response", "tool_search_call",
     "tool_search_output",
 )
+
+
+COMPACT_PATH = "/responses/compact"
 
 
 def _path_only(path: str) -> str:
@@ -208,6 +215,14 @@ def _input_items(items: list[Any], b: _Builder) -> None:
             call_id = item.get("call_id") or item.get("id")
             b.tool_output(require_str(call_id, f"{where}.call_id"),
                           _tool_output_text(item.get("output"), where))
+        elif kind in ("compaction", "compaction_summary"):
+            # Codex's remote compaction: the summary our /responses/compact answer carried
+            content = item.get("encrypted_content")
+            if isinstance(content, str) and content.startswith(COMPACT_ITEM_MARKER):
+                b.user(COMPACT_SUMMARY_PREFIX + content[len(COMPACT_ITEM_MARKER):])
+                notes.add("compaction: compaction item rendered as a summary user message")
+            else:
+                notes.add("compaction: dropped a compaction item another server encrypted")
         elif kind == "item_reference":
             raise ProviderError("item_reference needs stored responses, which the proxy does "
                                 "not keep: send the items themselves", kind="unsupported")
@@ -226,6 +241,33 @@ def _function_tool(tool: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
+def _custom_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A freeform ``custom`` tool (Codex's ``apply_patch`` for some models) as a function with one
+    string parameter ``input`` -- the shape ``custom_tool_call`` items take in the history."""
+    fn: dict[str, Any] = {"name": require_str(tool.get("name"), "tool name")}
+    description = tool.get("description") or ""
+    fmt = tool.get("format") if isinstance(tool.get("format"), dict) else {}
+    if fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+        description += (f"\n\nThe input is free text in this {fmt.get('syntax') or ''} grammar:\n"
+                        + fmt["definition"])
+    if description:
+        fn["description"] = description
+    fn["parameters"] = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+    return {"type": "function", "function": fn}
+
+
+def custom_input(arguments: str) -> str:
+    """The freeform input of a call to a custom tool: ``input`` of its arguments (the raw
+    arguments when they are not an object with a string ``input``)."""
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return arguments
+    if isinstance(value, dict) and isinstance(value.get("input"), str):
+        return value["input"]
+    return arguments
+
+
 def _tools(tools: list[Any], notes: Notes) -> list[dict[str, Any]]:
     out = []
     for tool in tools:
@@ -233,6 +275,9 @@ def _tools(tools: list[Any], notes: Notes) -> list[dict[str, Any]]:
         kind = tool.get("type")
         if kind == "function":
             out.append(_function_tool(tool))
+        elif kind == "custom":
+            out.append(_custom_tool(tool))
+            notes.add("custom tool sent as a function with one string parameter input")
         elif kind == "namespace":
             inner = [t for t in tool.get("tools") or [] if isinstance(t, dict)
                      and t.get("type", "function") == "function"]
@@ -332,7 +377,10 @@ def _reasoning_item(item_id: str, text: str | None) -> dict[str, Any]:
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str,
-               status: str = "completed") -> dict[str, Any]:
+               status: str = "completed", custom: bool = False) -> dict[str, Any]:
+    if custom:  # a call of a freeform tool: its input, not JSON arguments
+        return {"id": item_id, "type": "custom_tool_call", "status": status, "call_id": call_id,
+                "name": name, "input": custom_input(arguments)}
     return {"id": item_id, "type": "function_call", "status": status, "arguments": arguments,
             "call_id": call_id, "name": name}
 
@@ -341,10 +389,13 @@ class OpenAIResponsesProvider(Provider):
     name = "openai_responses"
 
     def detect(self, method: str, path: str, headers: dict[str, str], body: Any) -> bool:
-        return method.upper() == "POST" and _path_only(path).endswith("/responses")
+        p = _path_only(path)
+        return method.upper() == "POST" and (p.endswith("/responses") or p.endswith(COMPACT_PATH))
 
     def to_chat(self, body: dict[str, Any], path: str, query: dict[str, str]) -> NormalizedCall:
         body = require_dict(body)
+        if _path_only(path).endswith(COMPACT_PATH):
+            return self._compact_to_chat(body, path, query)
         notes = Notes()
         model = require_str(body.get("model"), "model")
         for key in ("previous_response_id", "conversation"):
@@ -408,22 +459,62 @@ class OpenAIResponsesProvider(Provider):
             "temperature": body.get("temperature"),
             "top_p": body.get("top_p"),
             "reasoning_effort": effort,
+            "custom_tools": sorted({t.get("name") for t in body.get("tools") or []
+                                    if isinstance(t, dict) and t.get("type") == "custom"
+                                    and isinstance(t.get("name"), str)}),
         }
         return NormalizedCall(chat_request=chat, stream=stream, requested_model=model,
                               notes=notes.render(), options=options)
 
+    def _compact_to_chat(self, body: dict[str, Any], path: str, query: dict[str, str]) -> NormalizedCall:
+        """Codex's ``POST /v1/responses/compact`` (``remote_compaction_v2``): the history, then a
+        request for a handoff summary, as one normal (captured) call without tools."""
+        plain = {k: v for k, v in body.items() if k not in ("tools", "tool_choice", "parallel_tool_calls",
+                                                            "stream", "text")}
+        call = self.to_chat(plain, path.replace(COMPACT_PATH, "/responses"), query)
+        call.chat_request["messages"].append({"role": "user", "content": COMPACT_REQUEST})
+        call.chat_request["stream"] = False
+        call.stream = False
+        call.notes.insert(0, "compaction: codex /responses/compact summary call")
+        if body.get("tools"):
+            call.notes.append("compaction: tools left out of the summary call")
+        users = []
+        for item in body.get("input") or []:
+            if isinstance(item, dict) and (item.get("type") or "message") == "message" and item.get("role") == "user":
+                users.append({"type": "message", "role": "user", "content": item.get("content")})
+        call.options["compact"] = {"user_items": users}
+        return call
+
+    def _compact_answer(self, answer: Any, requested_model: str, users: list[dict[str, Any]]) -> dict[str, Any]:
+        """A ``response.compaction`` object: the user's own messages, then one ``compaction`` item
+        whose ``encrypted_content`` is the summary (plain text after our marker: only this proxy
+        reads it back)."""
+        b = base_id(answer.id)
+        output = [{"id": f"msg_{b}_{i}", "status": "completed", **u} for i, u in enumerate(users)]
+        output.append({"id": f"cmp_{b}", "type": "compaction",
+                       "encrypted_content": COMPACT_ITEM_MARKER + answer.content.strip()})
+        usage = answer.usage
+        return {"id": f"resp_{b}", "object": "response.compaction", "created_at": answer.created or int(time.time()),
+                "output": output,
+                "usage": _usage(usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0, usage)}
+
     def from_chat(self, response: dict[str, Any], requested_model: str,
                   call: NormalizedCall | None = None) -> dict[str, Any]:
         answer = read_answer(response)
+        if call is not None and call.options.get("compact") is not None:
+            return self._compact_answer(answer, requested_model, call.options["compact"]["user_items"])
         b = base_id(answer.id)
         output: list[dict[str, Any]] = []
         if answer.reasoning:
             output.append(_reasoning_item(f"rs_{b}", answer.reasoning))
         if answer.content:
             output.append(_message_item(f"msg_{b}", answer.content))
-        for i, tc in enumerate(answer.tool_calls):
-            output.append(_call_item(f"fc_{b}_{i}", tc.id, tc.name, tc.arguments))
         status = "incomplete" if answer.finish_reason == "length" else "completed"
+        custom = set((call.options.get("custom_tools") if call else None) or ())
+        for i, tc in enumerate(answer.tool_calls):
+            cut = status == "incomplete" and not arguments_complete(tc.arguments)
+            output.append(_call_item(f"fc_{b}_{i}", tc.id, tc.name, tc.arguments,
+                                     "incomplete" if cut else "completed", tc.name in custom))
         usage = answer.usage
         return _response(
             f"resp_{b}", requested_model, answer.created or int(time.time()), status, output,
@@ -455,6 +546,7 @@ class ResponsesStream(StreamTranslator):
         self.open: dict[str, Any] | None = None  # {kind, index, id, text[]}
         self.tools: dict[int, dict[str, Any]] = {}  # chat tool index -> state
         self.tool_seq = 0
+        self.custom = set(options.get("custom_tools") or ())
 
     def _emit(self, kind: str, payload: dict[str, Any]) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **payload}
@@ -480,7 +572,7 @@ class ResponsesStream(StreamTranslator):
         self.output.append(None)
         return len(self.output) - 1
 
-    def _close(self) -> bytes:
+    def _close(self, cut: bool = False) -> bytes:
         o = self.open
         if o is None:
             return b""
@@ -509,10 +601,19 @@ class ResponsesStream(StreamTranslator):
         else:
             t = o["tool"]
             arguments = "".join(t["args"])
-            item = _call_item(item_id, t["call_id"], t["name"], arguments)
-            out = self._emit("response.function_call_arguments.done",
-                             {"item_id": item_id, "output_index": idx, "name": t["name"],
-                              "arguments": arguments})
+            # a call the output budget cut is closed as incomplete, never as a call to run
+            status = "incomplete" if cut and not arguments_complete(arguments) else "completed"
+            custom = t["name"] in self.custom
+            item = _call_item(item_id, t["call_id"], t["name"], arguments, status, custom)
+            if custom:  # its input goes out whole: JSON fragments are not pieces of it
+                out = self._emit("response.custom_tool_call_input.delta",
+                                 {"item_id": item_id, "output_index": idx, "delta": item["input"]})
+                out += self._emit("response.custom_tool_call_input.done",
+                                  {"item_id": item_id, "output_index": idx, "input": item["input"]})
+            else:
+                out = self._emit("response.function_call_arguments.done",
+                                 {"item_id": item_id, "output_index": idx, "name": t["name"],
+                                  "arguments": arguments})
         self.output[idx] = item
         return out + self._emit("response.output_item.done", {"output_index": idx, "item": item})
 
@@ -561,11 +662,16 @@ class ResponsesStream(StreamTranslator):
             return out + self._emit(
                 "response.output_item.added",
                 {"output_index": idx,
-                 "item": _call_item(item_id, ev.call_id, ev.name, "", "in_progress")})
+                 "item": _call_item(item_id, ev.call_id, ev.name, "", "in_progress",
+                                    ev.name in self.custom)})
         t = self.tools[ev.index]  # tool_args
         t["args"].append(ev.text)
+        custom = t["name"] in self.custom
         if self.output[t["index"]] is not None:  # fragment after its item closed: keep it
-            self.output[t["index"]]["arguments"] = "".join(t["args"])
+            key, value = ("input", custom_input("".join(t["args"]))) if custom else ("arguments", "".join(t["args"]))
+            self.output[t["index"]][key] = value
+        if custom:
+            return b""
         return self._emit("response.function_call_arguments.delta",
                           {"item_id": t["id"], "output_index": t["index"], "delta": ev.text})
 
@@ -575,8 +681,8 @@ class ResponsesStream(StreamTranslator):
 
     def finish(self) -> bytes:
         out = self._start() + b"".join(self._event(ev) for ev in self.reader.flush())
-        out += self._close()
         status = "incomplete" if self.reader.finish_reason == "length" else "completed"
+        out += self._close(cut=status == "incomplete")
         usage = _usage(self.reader.prompt_tokens, self.reader.completion_tokens, self.reader.usage)
         # Always ``response.completed`` (an incomplete answer says so in its status and
         # incomplete_details): Codex treats a ``response.incomplete`` event as a failed stream and

@@ -30,13 +30,14 @@ def test_codex_responses_shape():
     assert msgs[5] == {"role": "assistant", "content": "Done."}
     assert msgs[7] == {"role": "system", "content": "<permissions changed>"}  # kept in place
     assert [t["function"]["name"] for t in chat["tools"]] == ["shell_command", "update_plan",
-                                                              "mcp__fs__read"]
+                                                              "mcp__fs__read", "apply_patch"]
+    assert chat["tools"][3]["function"]["parameters"]["properties"] == {"input": {"type": "string"}}
     assert "strict" not in chat["tools"][0]["function"]
     assert chat["parallel_tool_calls"] is False and chat["tool_choice"] == "auto"
     assert chat["chat_template_kwargs"] == {"enable_thinking": True}
     assert not {"include", "store", "prompt_cache_key", "reasoning", "text", "input"} & set(chat)
     notes = " | ".join(call.notes)
-    for expected in ("dropped tool kind web_search", "dropped tool kind custom",
+    for expected in ("dropped tool kind web_search", "custom tool sent as a function",
                      "dropped tool kind local_shell", "dropped tool kind namespace",
                      "flattened namespace tool mcp__fs", "ignored reasoning encrypted_content",
                      "developer role mapped to system (x3)", "ignored field include"):
@@ -150,7 +151,7 @@ def test_claude_code_non_bare():
     assert a["tool_calls"][0]["function"]["arguments"] == \
         '{"file_path": "/a.py", "limit": 5, "note": "naïve"}'
     assert msgs[3] == {"role": "tool", "tool_call_id": "toolu_01", "content": "line1\nline2"}
-    assert msgs[4] == {"role": "tool", "tool_call_id": "toolu_02", "content": "boom"}
+    assert msgs[4] == {"role": "tool", "tool_call_id": "toolu_02", "content": "Error: boom"}  # is_error
     assert msgs[5] == {"role": "user", "content": "continue"}
     assert msgs[6] == {"role": "system", "content": "<system-reminder>todo</system-reminder>"}
     assert [t["function"]["name"] for t in chat["tools"]] == ["Read", "Bash"]
@@ -219,7 +220,8 @@ def test_chat_normalization():
         {"role": "system", "content": "late"},
     ]
     assert chat["max_tokens"] == 99 and "max_completion_tokens" not in chat
-    assert not {"logprobs", "top_logprobs", "stream_options", "store", "metadata"} & set(chat)
+    assert not {"logprobs", "stream_options", "store", "metadata"} & set(chat)
+    assert chat["top_logprobs"] == 3  # the engine computes what the harness asked for
     assert (chat["temperature"], chat["seed"], chat["tool_choice"]) == (0.2, 7, "auto")
     assert chat["response_format"] == {"type": "json_object"} and chat["parallel_tool_calls"]
     assert [t["function"]["name"] for t in chat["tools"]] == ["f"]
