@@ -49,6 +49,7 @@ from .capture import CaptureError, CaptureWriter
 from .engines import ENGINES, TokenData, get_engine
 from .engines.base import Engine
 from .exact_history import ExactHistory
+from .providers import media
 from .providers.base import NormalizedCall, Provider, ProviderError, StreamTranslator
 from .sessions import (
     SECRET_HEADERS,
@@ -329,6 +330,7 @@ class Polar:
         self.sampling: dict[str, Any] = {}
         self.passthrough = False
         self.stream_at_once = True
+        self.media_mode = "placeholder"
         self.intercept_hosts: set[str] = set(DEFAULT_INTERCEPT_HOSTS)
         self.intercept_suffixes: tuple[str, ...] = ()
         self.policy_version: int | None = None
@@ -378,6 +380,10 @@ class Polar:
                           "'temperature=1,top_p=1,top_k=-1,seed=7' (seed: a base, each call gets its own seed "
                           "derived from it, the session and the call index). Unset: the harness's (or vLLM's "
                           "generation-config defaults).")
+        loader.add_option("polar_media", str, "placeholder",
+                          "Images and documents in requests: placeholder (a short text in their place, for a "
+                          "text-only served model) or pass (images reach a model that reads them).",
+                          choices=list(media.MODES))
         loader.add_option("polar_fsync", bool, False, "fsync the capture file after every record (slow).")
         loader.add_option("polar_stream_at_once", bool, True,
                           "A stream that has wholly arrived when the proxy first looks (the proxy is behind) "
@@ -400,6 +406,7 @@ class Polar:
         self.max_tokens_cap = o.polar_max_tokens_cap
         self.passthrough = o.polar_passthrough
         self.stream_at_once = o.polar_stream_at_once
+        self.media_mode = o.polar_media
         if "polar_upstream_timeout" in updated:
             self.timeout = _positive_float(o.polar_upstream_timeout, "polar_upstream_timeout")
         if "polar_pause_timeout" in updated:
@@ -742,6 +749,7 @@ class Polar:
             log.warning(f"polar: {provider.name}.to_chat failed: {exc!r}")
             self._fail(call, 400, "invalid_request", f"could not translate request: {exc}")
             return
+        media.settle(normalized, self.media_mode)  # images: placeholders for a text-only model
         call.normalized = normalized
         rec.requested_model = normalized.requested_model or ""
         rec.stream = bool(normalized.stream)
@@ -1251,11 +1259,22 @@ class Polar:
         if call is None or call.ticket is None or flow.response is None:
             if flow.response is not None and (flow.metadata.get("polar") or {}).get("passthrough"):
                 self._scrub(flow)  # already sent upstream: keep secrets out of saved flows
+                if "set-cookie" in flow.response.headers:
+                    # the client gets its headers now (streamed body); ``response`` then removes
+                    # the cookies before the flow is saved
+                    flow.response.stream = True
             return
         self._from_relay(call)
         flow.response.stream = SSEStream(self, call)  # the relay's head is already the harness's
 
+    def response(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None and (flow.metadata.get("polar") or {}).get("passthrough") \
+                and flow.response.stream and "set-cookie" in flow.response.headers:
+            del flow.response.headers["set-cookie"]  # already sent: out of saved flows
+
     def error(self, flow: http.HTTPFlow) -> None:
+        if (flow.metadata.get("polar") or {}).get("passthrough"):
+            self._scrub(flow)  # failed before any response: responseheaders never ran
         call = self.calls.get(flow.id)
         if call is None or call.finalized:
             return
@@ -1335,6 +1354,7 @@ class Polar:
         if kind != "count_tokens":
             self._answer_error(flow, provider, 404, "not_found", f"polar: unsupported side call {kind}")
             return
+        media.settle(normalized, self.media_mode)
         count = await self._count_tokens(normalized.chat_request)
         self._json(flow, 200, provider.count_tokens_answer(count))
 

@@ -324,7 +324,13 @@ def drift_report(calls_lf: pl.LazyFrame, template: TemplateInfo | None = None) -
                 continue
             prev = predecessor(call, seen)
             base = {"session_id": session_id, "call_id": call.call_id, "call_index": call.call_index}
-            if prev is None:
+            kind = compaction_of(_messages(call)) if prev is None and seen else None
+            if kind is not None:  # the history was replaced by a summary: a break, named
+                last = seen[-1]
+                rows.append(base | {"prev_call_id": last.call_id, "prev_call_index": last.call_index, "exact": False,
+                                    "cause": "compacted", "detail": kind,
+                                    "common_prefix": lcp(last.prompt, call.prompt)})
+            elif prev is None:
                 rows.append(base | {"cause": "new_conversation", "exact": False})
             else:
                 d = classify_pair(prev, call, template)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from . import media
 from .base import NormalizedCall, Provider, ProviderError, StreamTranslator
 from .common import (
     PART_SEPARATOR,
@@ -84,18 +85,20 @@ def _system_text(value: Any, notes: Notes, where: str) -> str | None:
     return PART_SEPARATOR.join(texts) if texts else None
 
 
-def _tool_result_text(block: dict[str, Any], notes: Notes) -> str:
+def _tool_result_text(block: dict[str, Any], notes: Notes) -> Any:
     content = block.get("content")
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    texts = []
+    texts: list[Any] = []
     for part in require_list(content, "tool_result content"):
         part = require_dict(part, "tool_result content block")
         kind = part.get("type")
         if kind == "text":
             texts.append(require_str(part.get("text"), "tool_result text"))
+        elif kind in ("image", "document"):
+            texts.append(media.anthropic_media(part))  # e.g. Claude Code's Read of a PNG
         elif kind in MEDIA_BLOCKS:
             raise refuse_media(f"tool_result: {kind}")
         elif kind == "tool_reference":
@@ -104,7 +107,7 @@ def _tool_result_text(block: dict[str, Any], notes: Notes) -> str:
             notes.add("tool_reference block rendered as its tool name")
         else:
             raise ProviderError(f"tool_result: unsupported block type {kind!r}")
-    return PART_SEPARATOR.join(texts)
+    return media.join(texts, PART_SEPARATOR)
 
 
 def _user_messages(content: Any, index: int, notes: Notes) -> list[dict[str, Any]]:
@@ -113,7 +116,7 @@ def _user_messages(content: Any, index: int, notes: Notes) -> list[dict[str, Any
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     tools: list[dict[str, Any]] = []
-    texts: list[str] = []
+    texts: list[Any] = []
     for block in require_list(content, f"{where}.content"):
         block = require_dict(block, f"{where} block")
         kind = block.get("type")
@@ -125,7 +128,10 @@ def _user_messages(content: Any, index: int, notes: Notes) -> list[dict[str, Any
             text = _tool_result_text(block, notes)
             if block.get("is_error"):
                 # chat has no error flag: the model reads it as the result's first word
-                text = TOOL_ERROR_PREFIX + text
+                if isinstance(text, str):
+                    text = TOOL_ERROR_PREFIX + text
+                else:
+                    text = [{"type": "text", "text": TOOL_ERROR_PREFIX}, *text]
                 notes.add("tool_result is_error rendered as an error prefix")
             tools.append(
                 {
@@ -134,6 +140,8 @@ def _user_messages(content: Any, index: int, notes: Notes) -> list[dict[str, Any
                     "content": text,
                 }
             )
+        elif kind in ("image", "document"):
+            texts.append(media.anthropic_media(block))
         elif kind in MEDIA_BLOCKS:
             raise refuse_media(f"{where}: {kind}")
         elif kind == "search_result":
@@ -144,7 +152,7 @@ def _user_messages(content: Any, index: int, notes: Notes) -> list[dict[str, Any
             raise ProviderError(f"{where}: unsupported user block type {kind!r}")
     out = tools
     if texts or not tools:
-        out.append({"role": "user", "content": PART_SEPARATOR.join(texts)})
+        out.append({"role": "user", "content": media.join(texts, PART_SEPARATOR)})
     return out
 
 

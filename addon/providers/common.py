@@ -336,8 +336,11 @@ def cached_tokens(usage: dict[str, Any]) -> int:
 
 def iter_text_parts(
     parts: Iterable[Any], *, text_types: tuple[str, ...], media_types: tuple[str, ...], where: str
-) -> Iterator[str]:
-    """Text of typed parts; media parts are refused, unknown kinds are malformed input."""
+) -> Iterator[Any]:
+    """Text (str) of typed parts, and a media part (dict, see ``media``) for each image, file or
+    audio part; unknown kinds are malformed input."""
+    from .media import openai_media
+
     for part in parts:
         if isinstance(part, str):
             yield part
@@ -351,6 +354,6 @@ def iter_text_parts(
                 raise ProviderError(f"{where}: {kind} part without text")
             yield text
         elif kind in media_types:
-            raise refuse_media(f"{where}: {kind}")
+            yield openai_media(part)
         else:
             raise ProviderError(f"{where}: unknown content part type {kind!r}")

@@ -17,6 +17,7 @@ from typing import Any
 
 from polar_proxy import jsonutil
 
+from . import media
 from .base import NormalizedCall, Provider, ProviderError, StreamTranslator
 from .common import (
     PART_SEPARATOR,
@@ -158,29 +159,31 @@ class _History:
         return f"call_{ci}_{pi}"
 
     def user_turn(self, ci: int, parts: list[dict[str, Any]]) -> None:
-        texts: list[str] = []
+        texts: list[Any] = []
         for pi, part in enumerate(parts):
             if "functionResponse" in part:
                 fr = require_dict(part["functionResponse"], f"contents[{ci}] functionResponse")
                 name = require_str(fr.get("name"), f"contents[{ci}] functionResponse.name")
-                for inner in fr.get("parts") or []:
+                content: list[Any] = [_response_text(fr.get("response", {}))]
+                for inner in fr.get("parts") or []:  # multimodal function responses
                     if isinstance(inner, dict) and any(k in inner for k in MEDIA_KEYS):
-                        raise refuse_media(f"contents[{ci}] functionResponse: inlineData")
+                        content.append(media.google_media(inner))
                 if texts:
                     self.notes.add("user text before functionResponse moved after the results")
                 self.messages.append({"role": "tool",
                                       "tool_call_id": self._match(fr.get("id"), name, ci, pi),
-                                      "content": _response_text(fr.get("response", {}))})
+                                      "content": media.join(content, PART_SEPARATOR)})
             elif isinstance(part.get("text"), str):
                 texts.append(part["text"])
             elif any(k in part for k in MEDIA_KEYS):
-                raise refuse_media(f"contents[{ci}]: inlineData")
+                # e.g. Gemini CLI's read_file of an image: an inlineData part in the user turn
+                texts.append(media.google_media(part))
             elif "functionCall" in part:
                 raise ProviderError(f"contents[{ci}]: functionCall in a user turn")
             else:
                 raise ProviderError(f"contents[{ci}].parts[{pi}]: unsupported part {sorted(part)}")
         if texts or not parts:
-            self.messages.append({"role": "user", "content": PART_SEPARATOR.join(texts)})
+            self.messages.append({"role": "user", "content": media.join(texts, PART_SEPARATOR)})
 
 
 def _tools(tools: list[Any], notes: Notes) -> list[dict[str, Any]]:

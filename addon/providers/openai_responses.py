@@ -21,6 +21,7 @@ from typing import Any
 
 from polar_analysis.compaction import COMPACT_ITEM_MARKER, COMPACT_REQUEST, COMPACT_SUMMARY_PREFIX
 
+from . import media
 from .base import NormalizedCall, Provider, ProviderError, StreamTranslator
 from .common import (
     PART_SEPARATOR,
@@ -79,26 +80,29 @@ def _path_only(path: str) -> str:
     return path.split("?", 1)[0].rstrip("/")
 
 
-def _parts_text(content: Any, where: str) -> str:
+def _parts_text(content: Any, where: str, keep_media: bool = False) -> Any:
+    """Text of parts joined with ``"\n"``; with ``keep_media`` a part array when images or files
+    are among them (user turns and tool outputs; settled by the core, see ``media``)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    texts = []
+    texts: list[Any] = []
     for part in require_list(content, where):
         if isinstance(part, dict) and part.get("type") == "refusal":
             texts.append(require_str(part.get("refusal"), f"{where} refusal"))
         else:
             texts.extend(iter_text_parts([part], text_types=TEXT_PARTS, media_types=MEDIA_PARTS,
                                          where=where))
-    return PART_SEPARATOR.join(texts)
+    joined = media.join(texts, PART_SEPARATOR)
+    return joined if keep_media else media.as_text(joined)
 
 
-def _tool_output_text(output: Any, where: str) -> str:
+def _tool_output_text(output: Any, where: str) -> Any:
     if isinstance(output, str):
         return output
     if isinstance(output, list):
-        return _parts_text(output, where)
+        return _parts_text(output, where, keep_media=True)
     raise ProviderError(f"{where}: output must be a string or an array of parts")
 
 
@@ -170,7 +174,7 @@ def _input_items(items: list[Any], b: _Builder) -> None:
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
-            text = _parts_text(item.get("content"), where)
+            text = _parts_text(item.get("content"), where, keep_media=role == "user")
             if role in ("system", "developer"):
                 b.system_text(text, role)
             elif role == "user":
