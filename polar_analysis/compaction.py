@@ -32,7 +32,13 @@ HARNESS_SUMMARY_REQUESTS = (
     ("opencode", "summary of our conversation"),
     ("opencode", "Provide a detailed prompt for continuing our conversation"),
     ("pi", "summarize the conversation"),
-    ("codex", "CONTEXT CHECKPOINT COMPACTION"),
+    ("codex", "CONTEXT CHECKPOINT COMPACTION"),  # Codex's local compaction (a custom provider)
+)
+
+
+#: How the harnesses' own summaries come back at the start of a compacted history.
+HARNESS_SUMMARY_PREFIXES = (
+    ("codex", "Another language model started to solve this problem and produced a summary"),
 )
 
 
@@ -61,6 +67,12 @@ def compaction_of(messages: list[dict[str, Any]] | None) -> str | None:
             if phrase.lower() in low:
                 return f"summary call ({harness})"
     for m in messages:
-        if m.get("role") == "user" and _text(m.get("content")).startswith(COMPACT_SUMMARY_PREFIX[:30]):
+        if m.get("role") != "user":
+            continue
+        text = _text(m.get("content"))
+        if text.startswith(COMPACT_SUMMARY_PREFIX[:30]):
             return "resumed from a summary (codex compaction item)"
+        for harness, prefix in HARNESS_SUMMARY_PREFIXES:
+            if text.startswith(prefix):
+                return f"resumed from a summary ({harness})"
     return None

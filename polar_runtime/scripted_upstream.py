@@ -13,7 +13,8 @@ fail on demand. It speaks vLLM's chat-completions dialect with ``return_token_id
 * ``GET /v1/models`` with ``max_model_len``, ``POST /tokenize``, ``GET /health``.
 
 What to answer comes from a script: built-in scenarios (``text``, ``reasoning``, ``tool``,
-``tools2``, ``length``, ``words:N``) or a JSON script file (a list of turns, or a dict of lists keyed
+``tools2``, ``length``, ``summary``, ``words:N``; a harness's compaction request, recognized by
+``polar_analysis.compaction``, always gets ``summary``) or a JSON script file (a list of turns, or a dict of lists keyed
 by session id with ``"*"`` as default). The turn is the number of assistant messages in the request.
 Directives in the last user message override it: ``#scenario:NAME`` and ``#fault:KIND`` where KIND
 is ``500``, ``429``, ``hang``, ``hang_stream``, ``cut``, ``refuse`` or ``context``; the header
@@ -45,6 +46,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from polar_analysis.compaction import compaction_of
+
 DEFAULT_SCENARIOS: dict[str, dict[str, Any]] = {
     "text": {"text": "Hello from the scripted upstream. The file is ready."},
     "reasoning": {"reasoning": "The user wants a number. 42 is a fine one.", "text": "The answer is 42."},
@@ -58,6 +61,9 @@ DEFAULT_SCENARIOS: dict[str, dict[str, Any]] = {
             {"name": "read", "arguments": {"path": "README.md"}},
         ]
     },
+    # What a harness's compaction (summary) request is answered with.
+    "summary": {"text": "Summary: the task is under way; the steps so far ran and wrote their files. "
+                        "Next: finish the remaining steps, then report."},
     # Sampled tokens but no visible content: a tool call cut by max_tokens (the parser hides it).
     "length": {"raw": '<tool_call>\n{"name": "bash", "arguments": {"command": "cat very', "finish_reason": "length"},
 }
@@ -276,9 +282,12 @@ class ScriptedUpstream:
         script: Script | None = None,
         log_size: int = 64,
         reject_large_max_tokens: bool = False,
+        summary: Any = "summary",
     ):
         self.served_model = served_model
         self.reject_large_max_tokens = reject_large_max_tokens
+        #: the answer to a harness's compaction (summary) request: a scenario name or a turn
+        self.summary = summary
         self.max_model_len = max_model_len
         self.tok = Tokenizer(tokenizer)
         self.script = script or Script()
@@ -382,6 +391,8 @@ class ScriptedUpstream:
 
         if "scenario" in directives:
             turn = resolve_scenario(directives["scenario"])
+        elif (compaction_of(messages) or "").startswith("summary call"):
+            turn = resolve_scenario(self.summary)  # a harness compacting its history gets a summary
         else:
             n_assistant = sum(1 for m in messages if m.get("role") == "assistant")
             turn = self.script.turn(request.headers.get("x-polar-session"), n_assistant)
