@@ -236,6 +236,19 @@ def _input_items(items: list[Any], b: _Builder) -> None:
             raise ProviderError(f"{where}: unknown input item type {kind!r}")
 
 
+def _codex_request_kind(body: dict[str, Any]) -> str | None:
+    """``request_kind`` of Codex's ``client_metadata["x-codex-turn-metadata"]`` (turn, compaction)."""
+    meta = body.get("client_metadata")
+    raw = meta.get("x-codex-turn-metadata") if isinstance(meta, dict) else None
+    if not isinstance(raw, str):
+        return None
+    try:
+        kind = json.loads(raw).get("request_kind")
+    except (ValueError, AttributeError):
+        return None
+    return kind if isinstance(kind, str) else None
+
+
 def _function_tool(tool: dict[str, Any]) -> dict[str, Any]:
     fn: dict[str, Any] = {"name": require_str(tool.get("name"), "tool name")}
     if tool.get("description"):
@@ -450,6 +463,8 @@ class OpenAIResponsesProvider(Provider):
                     chat["response_format"] = fmt
             if "verbosity" in text:
                 notes.add("ignored text.verbosity")
+        if _codex_request_kind(body) == "compaction":  # Codex's own (local) compaction call
+            notes.add("compaction: codex summary call (request_kind compaction)")
         for key in body:
             if key in IGNORED_FIELDS:
                 notes.add(f"ignored field {key}")
