@@ -72,3 +72,16 @@ def budget_cut(finish_reason: Any, sampled: int, budget: int | None) -> bool:
     vLLM's non-streaming answer says ``tool_calls`` whenever its parser found a call, even one
     that ``length`` cut (the parser may still read a half-written call)."""
     return finish_reason == "tool_calls" and budget is not None and sampled >= budget
+
+
+def mark_cut(call: Any, answer: dict[str, Any]) -> None:
+    """A tool call that the output budget cut is not a finished tool call: report ``length`` in
+    ``answer`` (a whole chat.completion or a stream chunk, after the engine adapter read its ids)."""
+    for choice in answer.get("choices") or ():
+        if choice.get("finish_reason") == "tool_calls" and choice.get("index", 0) == 0:
+            up = call.upstream
+            limit = effective_budget(call.max_tokens_sent, up.max_model_len if up else None,
+                                     len(call.tokens.prompt_token_ids))
+            if budget_cut("tool_calls", len(call.tokens.sampled_token_ids), limit):
+                choice["finish_reason"] = "length"
+                call.record.translation_notes.append("tool call cut by the output budget: finish_reason length")

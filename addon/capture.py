@@ -19,7 +19,7 @@ import orjson
 
 from polar_proxy import jsonutil
 
-from polar_analysis.schema import SESSIONS_SUBDIR, CallRecord, valid_session_id
+from polar_core.schema import SESSIONS_SUBDIR, CallRecord, valid_session_id
 
 _FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 

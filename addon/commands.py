@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from polar_runtime import paths
+from polar_core import paths
 
 from .process import ProxyProcess
 

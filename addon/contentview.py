@@ -23,7 +23,8 @@ from typing import Any
 from mitmproxy import contentviews, ctx
 from mitmproxy.contentviews.base import TViewLine
 
-from polar_analysis.schema import SESSIONS_SUBDIR, read_capture_lines, valid_session_id
+from polar_core.paths import model_dir_for, polar_home
+from polar_core.schema import SESSIONS_SUBDIR, read_capture_lines, valid_session_id
 
 VIEW_NAME = "Polar tokens"
 PROMPT_STYLE = "offset"  # loss mask 0
@@ -44,8 +45,6 @@ def capture_dirs() -> list[Path]:
             continue
         p = Path(value).expanduser()
         dirs += [p] if name == "polar_capture_dir" else [p.parent, p.parent.parent]
-    from polar_runtime.paths import polar_home
-
     dirs.append(polar_home() / "captures")
     return list(dict.fromkeys(d.resolve() for d in dirs))
 
@@ -87,8 +86,6 @@ def tokenizer_for(model: str | None) -> Any | None:
     if model not in _tokenizers:
         tok = None
         try:
-            from polar_analysis.alignment import model_dir_for
-
             d = model_dir_for(model)
             if d is not None and (d / "tokenizer.json").is_file():
                 from tokenizers import Tokenizer

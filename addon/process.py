@@ -2,8 +2,9 @@
 
 Why a process and not an in-process master: the proxy is what harnesses, rollouts, benchmarks and
 tests talk to over sockets, exactly as in production; a child ``mitmdump`` keeps its event loop,
-its crash and its CPU separate from the caller. This module also has a tiny client for the
-proxy's loopback control API (``/_polar/...``), used by the trainer and the rollout runner.
+its crash and its CPU separate from the caller. The client of the proxy's loopback control API
+(``/_polar/...``) is ``polar_core.control.ProxyControl``: the trainer and the rollout runner use it
+without importing the proxy.
 """
 
 from __future__ import annotations
@@ -11,32 +12,20 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-import orjson
-
-from polar_proxy import jsonutil
-
-from polar_runtime import paths
-from polar_runtime.processes import kill_group
+from polar_core import paths
+from polar_core.control import ProxyControl
+from polar_core.net import free_port
+from polar_core.processes import kill_group
 
 ENTRY_SCRIPT = Path(__file__).resolve().parent / "polar.py"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the caller retries if someone else takes it)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def mitmdump_path() -> str:
@@ -48,53 +37,6 @@ def mitmdump_path() -> str:
     if not found:
         raise FileNotFoundError("mitmdump not found: install mitmproxy==11.0.2 into this environment")
     return found
-
-
-class ProxyControl:
-    """Client of the loopback control API: status, pause (and drain), resume, policy version, sessions."""
-
-    def __init__(self, base_url: str, timeout: float = 30.0):
-        self.base = base_url.rstrip("/")
-        self.timeout = timeout
-
-    def _call(self, method: str, name: str, body: Any = None, timeout: float | None = None) -> dict[str, Any]:
-        data = jsonutil.dumps(body) if body is not None else None
-        req = urllib.request.Request(f"{self.base}/_polar/{name}", data=data, method=method,
-                                     headers={"content-type": "application/json"} if data else {})
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via HTTP(S)_PROXY
-        try:
-            with opener.open(req, timeout=timeout or self.timeout) as resp:
-                return orjson.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            payload = exc.read()
-            try:
-                return {"http_status": exc.code, **orjson.loads(payload)}
-            except orjson.JSONDecodeError:
-                raise RuntimeError(f"control API {name}: HTTP {exc.code}: {payload[:200]!r}") from None
-
-    def status(self) -> dict[str, Any]:
-        return self._call("GET", "status")
-
-    def pause(self, drain: bool = True, timeout: float = 300.0) -> dict[str, Any]:
-        """Hold new calls; with ``drain`` also wait until in-flight calls are done."""
-        return self._call("POST", "pause", {"drain": drain, "timeout": timeout}, timeout=timeout + 10)
-
-    def resume(self, policy_version: int | None = None) -> dict[str, Any]:
-        return self._call("POST", "resume", {"policy_version": policy_version} if policy_version is not None else {})
-
-    def set_policy_version(self, version: int) -> dict[str, Any]:
-        return self._call("POST", "policy_version", {"policy_version": version})
-
-    def register_sessions(self, sessions: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-        """Tell the proxy task/group/sample ids of sessions: ``[{session_id, task_id, group_id, sample_index}]``
-        (and ``harness``, the name records carry instead of the one read from the user agent)."""
-        return self._call("POST", "sessions", {"sessions": list(sessions)})
-
-    def sessions(self) -> dict[str, Any]:
-        return self._call("GET", "sessions")
-
-    def forget_session(self, session_id: str) -> dict[str, Any]:
-        return self._call("DELETE", "sessions", {"session_id": session_id})
 
 
 class ProxyProcess:

@@ -16,7 +16,7 @@ import binascii
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from polar_analysis.schema import valid_session_id
+from polar_core.schema import harness_name, valid_session_id  # noqa: F401 - harness_name re-exported
 
 #: Headers the rollout runner (or a user) sets to name the session explicitly.
 SESSION_HEADERS = ("x-polar-session", "x-session-id")
@@ -129,44 +129,6 @@ def connection_session_id(connection_id: str) -> str:
     """A session id derived from a client connection id (a uuid): stable for the connection."""
     cleaned = "".join(c for c in connection_id if c.isalnum())[:32] or "unknown"
     return f"conn-{cleaned}"
-
-
-_HARNESS_MARKERS = (
-    ("claude-cli", "claude-code"),
-    ("claude-code", "claude-code"),
-    ("codex", "codex"),
-    ("qwencode", "qwen-code"),
-    ("qwen-code", "qwen-code"),
-    ("geminicli", "gemini-cli"),
-    ("gemini-cli", "gemini-cli"),
-    ("opencode", "opencode"),
-    ("pi-coding-agent", "pi"),
-    ("anthropic/js", "anthropic-sdk-js"),
-    ("anthropic/python", "anthropic-sdk-python"),
-    ("openai/js", "openai-sdk-js"),
-    ("openai/python", "openai-sdk-python"),
-    ("google-genai-sdk", "google-genai-sdk"),
-    ("curl/", "curl"),
-    ("python-urllib", "python-urllib"),
-    ("aiohttp", "aiohttp"),
-)
-
-
-def harness_name(headers: Mapping[str, str]) -> str:
-    """A short harness name: ``x-polar-harness`` if set, else derived from the user agent.
-
-    Pi talks through the provider SDKs, so it shows up as the SDK unless the runner says otherwise.
-    """
-    explicit = headers.get("x-polar-harness")
-    if explicit:
-        return explicit.strip()[:64]
-    if headers.get("originator", "").startswith("codex"):
-        return "codex"
-    ua = headers.get("user-agent", "").lower()
-    for marker, name in _HARNESS_MARKERS:
-        if marker in ua:
-            return name
-    return ua.split("/", 1)[0][:32] if ua else ""
 
 
 def scrub_headers(headers: Mapping[str, str]) -> dict[str, str]:

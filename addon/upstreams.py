@@ -1,4 +1,5 @@
-"""The inference servers behind the proxy: choice, stickiness, health and backoff.
+"""The inference servers behind the proxy: choice, stickiness, health and backoff; what each one
+serves (``model_info``); and the loopback relay that streams their answers (below).
 
 Why sticky: consecutive calls of one harness run share a long prompt prefix; sending them to the
 same server reuses its prefix cache. New sessions go to the least-loaded server (in-flight calls).
@@ -14,6 +15,9 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
 
 from polar_proxy import jsonutil
 
@@ -156,6 +160,24 @@ class UpstreamPool:
 
     def status(self) -> list[dict]:
         return [u.status() for u in self.upstreams]
+
+
+async def model_info(http: aiohttp.ClientSession, up: Upstream, want: str, timeout: aiohttp.ClientTimeout) -> None:
+    """Served model name and max_model_len from the upstream's /v1/models (cached per upstream).
+
+    ``want``: the served model name the proxy was told (``polar_served_model``); empty: the first listed."""
+    if up.served_model is not None:
+        return
+    async with http.get(up.url + "/v1/models", timeout=timeout) as resp:
+        if resp.status != 200:
+            raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
+                                              message=f"/v1/models answered {resp.status}")
+        data = orjson.loads(await resp.read()).get("data") or []
+    card = next((c for c in data if c.get("id") == want), data[0] if data else {})
+    up.served_model = want or card.get("id") or ""
+    up.max_model_len = card.get("max_model_len")
+    if not up.served_model:
+        raise aiohttp.ClientError("upstream serves no model")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ app = typer.Typer(add_completion=False)
 
 
 def make_record(fixture: str, provider: str, n_prompt: int, session: str, i: int):
-    from polar_analysis.schema import CallRecord
+    from polar_core.schema import CallRecord
 
     fx = common.load_fixture(fixture, provider)
     chat = common.chat_equivalent(fx, True)

@@ -27,8 +27,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from addon.process import ProxyProcess  # noqa: E402
-from polar_runtime.scripted_upstream import ServerThread  # noqa: E402
+from polar_proxy.process import ProxyProcess  # noqa: E402
+from polar_testing.scripted_upstream import ServerThread  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a shell command",
                                            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]

@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from polar_analysis import alignment, frames  # noqa: E402
 from polar_analysis.synthetic import fake_logprobs  # noqa: E402
 from polar_analysis.trajectories import prefix_merge  # noqa: E402
-from polar_runtime.paths import harness_request_fixtures  # noqa: E402
+from polar_core.paths import harness_request_fixtures  # noqa: E402
 
 FIXTURES = [harness_request_fixtures()]
 

@@ -27,7 +27,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from polar_runtime.paths import harness_request_fixtures
+from polar_core.net import OPENER, free_port  # noqa: F401 - free_port: common.free_port() in the benchmarks
+from polar_core.paths import harness_request_fixtures
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = harness_request_fixtures()
@@ -112,20 +113,13 @@ def rss_bytes(pid: int) -> int:
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with opener.open(url, timeout=timeout) as resp:
+        with OPENER.open(url, timeout=timeout) as resp:
             return 200 <= resp.status < 500
     except urllib.error.HTTPError as exc:
         return exc.code < 500
     except (OSError, ValueError):
         return False
-
-
-def free_port() -> int:
-    from polar_runtime.net import free_port as fp
-
-    return fp()
 
 
 class Service:
@@ -191,7 +185,7 @@ class Service:
 def scripted_upstream(port: int | None = None, max_model_len: int = 262_144) -> Service:
     """The fast scripted upstream (vLLM's wire format) as its own process."""
     port = port or free_port()
-    return Service("upstream", [python(), "-m", "polar_runtime.scripted_upstream", "--port", str(port),
+    return Service("upstream", [python(), "-m", "polar_testing.scripted_upstream", "--port", str(port),
                                 "--served-model-name", SERVED_MODEL, "--max-model-len", str(max_model_len)],
                    f"http://127.0.0.1:{port}/health")
 

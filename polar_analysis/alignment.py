@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ import orjson
 import polars as pl
 
 from polar_analysis.trajectories.common import TemplateInfo
+from polar_core import paths
+from polar_core.paths import model_dir_for  # noqa: F401 - also this module's API
 
 BILLING_HEADER = "x-anthropic-billing-header"
 _OPENAI_HOSTED = re.compile(r"^(gpt-|chatgpt-|o[1-9](-|$)|codex-|text-embedding-|davinci|babbage)", re.I)
@@ -349,6 +352,18 @@ class ChatTemplateRenderer(Renderer):
         )
 
 
+def tiktoken_encoding(name: str) -> Any:
+    """A tiktoken Encoding read offline from Polar's cache, where ``polar models build <name>`` puts it."""
+    import tiktoken
+
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(paths.tiktoken_cache_dir())
+    try:
+        return tiktoken.get_encoding(name)
+    except Exception as exc:  # not in the cache: tiktoken tried the network
+        raise RuntimeError(f"tiktoken {name} is not built in {paths.tiktoken_cache_dir()}; "
+                           f"run `polar models build {name}` ({type(exc).__name__}: {exc})") from None
+
+
 class TiktokenRenderer(Renderer):
     """OpenAI-hosted models: tiktoken counts (OpenAI's per-message accounting) and decodes ids."""
 
@@ -357,11 +372,9 @@ class TiktokenRenderer(Renderer):
     REPLY_PRIMING = 3
 
     def __init__(self, model: str):
-        from polar_runtime import models
-
         self.model = model
         self.encoding_name = "o200k_base" if not re.match(r"^(gpt-4(-|$)|gpt-3\.5|gpt-4-turbo)", model) else "cl100k_base"
-        self.encoding = models.tiktoken_encoding(self.encoding_name)
+        self.encoding = tiktoken_encoding(self.encoding_name)
         self.name = f"tiktoken:{self.encoding_name}"
 
     def count(self, request: dict[str, Any]) -> int:
@@ -386,19 +399,6 @@ class TiktokenRenderer(Renderer):
 
     def template_info(self, **chat_template_kwargs: Any) -> TemplateInfo:
         return TemplateInfo(eot_ids=frozenset(), decode=self.decode, source=self.name)
-
-
-def model_dir_for(name: str | None) -> Path | None:
-    """A built model directory for a served/requested model name (or a path), if there is one."""
-    if not name:
-        return None
-    p = Path(name).expanduser()
-    if p.is_dir() and (p / "tokenizer_config.json").exists():
-        return p
-    from polar_runtime.paths import models_dir
-
-    candidates = [models_dir() / name, models_dir() / name.rsplit("/", 1)[-1], models_dir() / name.lower().rsplit("/", 1)[-1]]
-    return next((c for c in candidates if (c / "tokenizer_config.json").exists()), None)
 
 
 def get_renderer(model: str | Path, *, chat_template: str | None = None) -> Renderer:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import polars as pl
 import typer
@@ -19,13 +19,12 @@ from rich.table import Table
 
 console = Console()
 
-SourceArg = typer.Argument(..., resolve_path=True, help="Capture directory, mitmproxy flow file, or calls Parquet.", show_default=False)
-ModelOpt = typer.Option(
-    None,
+SourceArg = Annotated[Path, typer.Argument(resolve_path=True, help="Capture directory, mitmproxy flow file, or calls Parquet.", show_default=False)]
+ModelOpt = Annotated[Optional[str], typer.Option(
     "--model",
     help="Model directory or built model name whose tokenizer/chat template to use "
     "(default: the capture's served model, looked up under POLAR_HOME/models).",
-)
+)]
 
 
 class Mode(str, Enum):
@@ -44,7 +43,7 @@ def _progress() -> Progress:
     )
 
 
-def _load(source: Path, rewards: Optional[Path] = None):
+def _load(source: Path, rewards: Optional[Path] = None, translate=None):
     """(calls LazyFrame, ScanReport or None) with a progress bar over JSONL conversion."""
     from polar_analysis import frames
 
@@ -61,7 +60,7 @@ def _load(source: Path, rewards: Optional[Path] = None):
 
             lf = frames.calls(source, report=report, progress=tick, rewards=rewards if rewards else "auto")
         return lf, report
-    lf = frames.load(source)
+    lf = frames.load(source, translate=translate)
     if rewards:
         lf = frames.attach_session_rewards(lf.drop("reward", "rollout_status", strict=False), None, rewards)
     return lf, None
@@ -139,14 +138,18 @@ def _print_history(lf: pl.LazyFrame) -> None:
         console.print(_table(h, "exact-history mode: prompt history per call"))
 
 
-def register(app: typer.Typer) -> None:
+def register(app: typer.Typer, *, translate=None) -> None:
+    """Add the analysis commands to ``app``. ``translate``: the proxy's request translators
+    (``polar_proxy.providers.chat_request_of``), which rebuild normalized requests of saved flows;
+    the ``polar`` CLI passes them in (this package does not import the proxy)."""
+
     @app.command("calls")
     def calls_cmd(
-        source: Path = SourceArg,
-        out: Path = typer.Option(..., "--out", "-o", resolve_path=True, help="Parquet file to write (one row per model call)."),
+        source: SourceArg,
+        out: Annotated[Path, typer.Option("--out", "-o", resolve_path=True, help="Parquet file to write (one row per model call).")],
     ) -> None:
         """Write the calls frame of a capture (token ids as list columns, nested JSON as strings)."""
-        lf, report = _load(source)
+        lf, report = _load(source, translate=translate)
         out.parent.mkdir(parents=True, exist_ok=True)
         lf.sink_parquet(out)
         n = pl.scan_parquet(out).select(pl.len()).collect().item()
@@ -156,15 +159,15 @@ def register(app: typer.Typer) -> None:
 
     @app.command("inspect")
     def inspect_cmd(
-        source: Path = SourceArg,
-        model: Optional[str] = ModelOpt,
-        rewards: Optional[Path] = typer.Option(None, resolve_path=True, help="Rewards file (see `polar trajectories --help`)."),
+        source: SourceArg,
+        model: ModelOpt = None,
+        rewards: Annotated[Optional[Path], typer.Option(resolve_path=True, help="Rewards file (see `polar trajectories --help`).")] = None,
     ) -> None:
         """A readable summary: sessions, calls per harness/provider, tokens, errors, merging, rewards."""
         from polar_analysis import alignment, frames
         from polar_analysis.trajectories import prefix_merge
 
-        lf, report = _load(source, rewards)
+        lf, report = _load(source, rewards, translate)
         if report:
             console.print(_scan_line(report))
         sess = frames.sessions(lf).collect()
@@ -212,15 +215,15 @@ def register(app: typer.Typer) -> None:
 
     @app.command("align")
     def align_cmd(
-        source: Path = SourceArg,
-        model: Optional[str] = ModelOpt,
-        out: Optional[Path] = typer.Option(None, "--out", "-o", resolve_path=True, help="Parquet of the per-call alignment."),
-        show: int = typer.Option(10, help="Divergent calls to print."),
+        source: SourceArg,
+        model: ModelOpt = None,
+        out: Annotated[Optional[Path], typer.Option("--out", "-o", resolve_path=True, help="Parquet of the per-call alignment.")] = None,
+        show: Annotated[int, typer.Option(help="Divergent calls to print.")] = 10,
     ) -> None:
         """Re-render every normalized request with the chat template and compare with the server's ids."""
         from polar_analysis import alignment
 
-        lf, _ = _load(source)
+        lf, _ = _load(source, translate=translate)
         renderer = _renderer(lf, model, required=True)
         total = lf.select(pl.len()).collect().item()
         with _progress() as prog:
@@ -236,15 +239,15 @@ def register(app: typer.Typer) -> None:
 
     @app.command("drift")
     def drift_cmd(
-        source: Path = SourceArg,
-        model: Optional[str] = ModelOpt,
-        out: Optional[Path] = typer.Option(None, "--out", "-o", resolve_path=True, help="Parquet of the per-call drift report."),
-        show: int = typer.Option(15, help="Non-exact continuations to print."),
+        source: SourceArg,
+        model: ModelOpt = None,
+        out: Annotated[Optional[Path], typer.Option("--out", "-o", resolve_path=True, help="Parquet of the per-call drift report.")] = None,
+        show: Annotated[int, typer.Option(help="Non-exact continuations to print.")] = 15,
     ) -> None:
         """Why each call's prompt is not the previous prompt + sampled ids, classified by cause."""
         from polar_analysis import alignment, drift
 
-        lf, _ = _load(source)
+        lf, _ = _load(source, translate=translate)
         renderer = _renderer(lf, model, required=False)
         report = drift.drift_report(lf, alignment.template_info_for(renderer, lf))
         console.print(_table(drift.summarize(report).filter(pl.col("calls") > 0), "drift causes"))
@@ -259,19 +262,18 @@ def register(app: typer.Typer) -> None:
 
     @app.command("trajectories")
     def trajectories_cmd(
-        source: Path = SourceArg,
-        mode: Mode = typer.Option(Mode.prefix_merge, "--mode", help="per-request: one sequence per call; prefix-merge: the turns of a conversation in one sequence."),
-        out: Path = typer.Option(..., "--out", "-o", resolve_path=True, help="Trajectory Parquet (schema.TRAJECTORY_COLUMNS)."),
-        rewards: Optional[Path] = typer.Option(
-            None,
+        source: SourceArg,
+        mode: Annotated[Mode, typer.Option("--mode", help="per-request: one sequence per call; prefix-merge: the turns of a conversation in one sequence.")] = Mode.prefix_merge,
+        out: Annotated[Path, typer.Option("--out", "-o", resolve_path=True, help="Trajectory Parquet (schema.TRAJECTORY_COLUMNS).")] = ...,
+        rewards: Annotated[Optional[Path], typer.Option(
             "--rewards",
             resolve_path=True,
             help="Rewards per session: Parquet, JSONL or CSV with session_id and reward (optional status: "
             "ok | timeout | failed; optional task_id, group_id). Default: <capture>/rollouts.parquet "
             "written by `polar rollout`, when present.",
-        ),
-        strict: bool = typer.Option(False, "--strict", help="Split wherever a merge is not exact (next prompt did not repeat the sampled ids)."),
-        model: Optional[str] = ModelOpt,
+        )] = None,
+        strict: Annotated[bool, typer.Option("--strict", help="Split wherever a merge is not exact (next prompt did not repeat the sampled ids).")] = False,
+        model: ModelOpt = None,
     ) -> None:
         """Rebuild training sequences from captured token ids (loss mask 1 exactly on sampled ids).
 
@@ -280,7 +282,7 @@ def register(app: typer.Typer) -> None:
         from polar_analysis import alignment, rewards as rw
         from polar_analysis import trajectories
 
-        lf, report = _load(source)
+        lf, report = _load(source, translate=translate)
         if report:
             console.print(_scan_line(report))
         template = None
@@ -300,9 +302,9 @@ def register(app: typer.Typer) -> None:
 
     @app.command("flows")
     def flows_cmd(
-        files: list[Path] = typer.Argument(..., resolve_path=True, help="Saved mitmproxy flow files (mitmdump -w).", show_default=False),
-        out: Optional[Path] = typer.Option(None, "--out", "-o", resolve_path=True, help="Calls Parquet to write."),
-        capture: Optional[Path] = typer.Option(None, "--capture", resolve_path=True, help="Capture directory to take token ids from (joined by call_id)."),
+        files: Annotated[list[Path], typer.Argument(resolve_path=True, help="Saved mitmproxy flow files (mitmdump -w).", show_default=False)],
+        out: Annotated[Optional[Path], typer.Option("--out", "-o", resolve_path=True, help="Calls Parquet to write.")] = None,
+        capture: Annotated[Optional[Path], typer.Option("--capture", resolve_path=True, help="Capture directory to take token ids from (joined by call_id).")] = None,
     ) -> None:
         """Rebuild calls from saved mitmproxy flows (bodies + flow.metadata['polar'])."""
         from polar_analysis import frames
@@ -313,7 +315,7 @@ def register(app: typer.Typer) -> None:
                 console.print(f"[red]{f} does not exist[/red]")
                 raise typer.Exit(2)
             st = frames.FileStats(path=str(f))
-            parts.append(frames.flows_calls(f, stats=st))
+            parts.append(frames.flows_calls(f, stats=st, translate=translate))
             all_stats.append(st)
         df = pl.concat(parts) if parts else frames.empty_calls()
         if capture is not None:

@@ -38,17 +38,19 @@ from typing import Any, Callable
 import numpy as np
 import polars as pl
 
-from polar_analysis.compaction import compaction_of
+from polar_core.compaction import compaction_of
 from polar_analysis.trajectories.common import (
     Call,
     TemplateInfo,
     by_session,
+    canonical_answer,
     collect_calls,
+    continues,
     infer_template_info,
     is_prefix,
     lcp,
+    message_text,
 )
-from polar_analysis.trajectories.prefix_merge import _message_text, canonical_answer, continues
 
 CAUSES = (
     "none",
@@ -112,7 +114,7 @@ def _messages(call: Call) -> list[dict[str, Any]] | None:
 
 
 def _system_text(msgs: list[dict[str, Any]]) -> str:
-    return "\n".join(_message_text(m.get("content")) for m in msgs if m.get("role") in ("system", "developer"))
+    return "\n".join(message_text(m.get("content")) for m in msgs if m.get("role") in ("system", "developer"))
 
 
 def _turns(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -177,7 +179,7 @@ def _history_diff(pm: list[dict[str, Any]], nm: list[dict[str, Any]]) -> tuple[s
             ta, tb = _tool_calls(a), _tool_calls(b)
             if [(n, v) for n, v, _ in ta] == [(n, v) for n, v, _ in tb] and ta != tb:
                 return "tool_args_reserialized", f"turn {i}"
-        if _message_text(a.get("content")) == _message_text(b.get("content")) and role != "assistant":
+        if message_text(a.get("content")) == message_text(b.get("content")) and role != "assistant":
             if role == "user":
                 return "tool_result_reformatted" if isinstance(a.get("content"), list) or isinstance(b.get("content"), list) else "other", f"turn {i}: same text, other shape"
         return "other", f"turn {i} ({role}) edited"
@@ -251,7 +253,7 @@ def classify_pair(prev: Call, nxt: Call, template: TemplateInfo | None = None) -
             got = prev.tool_calls
             if _same_tool_calls(got, answer_msg):
                 drift.cause = "tool_args_reserialized"
-            elif _message_text(answer_msg.get("content")).strip() == prev.output_text.strip() and not got:
+            elif message_text(answer_msg.get("content")).strip() == prev.output_text.strip() and not got:
                 drift.cause = "retokenized"
         return drift
 

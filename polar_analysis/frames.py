@@ -37,7 +37,7 @@ import orjson
 import polars as pl
 import pyarrow as pa
 
-from polar_analysis.schema import CALL_FIELDS, JSON_COLUMNS, SESSIONS_SUBDIR, CallRecord
+from polar_core.schema import CALL_FIELDS, JSON_COLUMNS, SESSIONS_SUBDIR, CallRecord, harness_name
 
 #: Bump when the Parquet layout of the cache changes: older caches are converted again.
 CACHE_VERSION = 1
@@ -326,7 +326,7 @@ def default_cache_dir(capture_dir: Path) -> Path:
         probe.unlink()
         return local
     except OSError:
-        from polar_runtime.paths import polar_home
+        from polar_core.paths import polar_home
 
         digest = hashlib.sha1(str(capture_dir.resolve()).encode()).hexdigest()[:16]
         return polar_home() / "capture-cache" / digest
@@ -547,29 +547,20 @@ def _json_body(message: Any) -> Any:
 _FLOW_META_ALIASES = {"session": "session_id", "sampled_tokens": "completion_tokens"}
 
 
-def _translate(provider: str, body: Any, path: str, query: dict[str, str]) -> dict[str, Any] | None:
-    """The normalized chat request, rebuilt with the proxy's own translator (None if impossible)."""
-    try:
-        from polar_proxy.providers import PROVIDERS
-    except ImportError:
-        return None
-    p = PROVIDERS.get(provider)
-    if p is None or not isinstance(body, dict):
-        return None
-    try:
-        return p.to_chat(body, path, query).chat_request
-    except Exception:
-        return None
+#: ``(provider, native body, path, query) -> normalized chat request`` (None when impossible): the
+#: proxy's translators, ``polar_proxy.providers.chat_request_of``. The analysis does not import the
+#: proxy; whoever wires the two (the ``polar`` CLI, a notebook) passes it in.
+Translate = Callable[[str, Any, str, dict[str, str]], dict[str, Any] | None]
 
 
-def flow_to_record(flow: Any) -> dict[str, Any] | None:
+def flow_to_record(flow: Any, translate: Translate | None = None) -> dict[str, Any] | None:
     """A CallRecord-like dict from one saved HTTP flow, or None when it is not an annotated model call.
 
     The proxy annotates each model call in ``flow.metadata["polar"]`` (session, provider,
     call_index, call_id, finish_reason, status, error_kind, upstream, policy_version, token
     counts); a full record under ``"record"`` or token id lists there are used as they are. The rest
     comes from the flow: the request body is the native request (and, run through the proxy's
-    translator, the normalized request), path, user agent and timestamps from request/response.
+    translator ``translate``, the normalized request), path, user agent and timestamps from request/response.
     Token ids are not part of a flow unless the proxy put them in the metadata: join them from the
     capture directory by call_id (``fill_from_capture``).
     """
@@ -589,14 +580,9 @@ def flow_to_record(flow: Any) -> dict[str, Any] | None:
     data.setdefault("native_path", path)
     data.setdefault("user_agent", req.headers.get("user-agent", ""))
     if "harness" not in data:
-        try:
-            from polar_proxy.sessions import harness_name
-
-            data["harness"] = harness_name(req.headers)
-        except ImportError:
-            pass
-    if "normalized_request" not in data and data.get("provider"):
-        data["normalized_request"] = _translate(data["provider"], native, path, dict(req.query))
+        data["harness"] = harness_name(req.headers)
+    if "normalized_request" not in data and data.get("provider") and translate is not None:
+        data["normalized_request"] = translate(data["provider"], native, path, dict(req.query))
     data.setdefault("t_request_in", req.timestamp_end or req.timestamp_start)
     data.setdefault("call_id", flow.id.replace("-", ""))
     if resp is not None:
@@ -634,8 +620,9 @@ def fill_from_capture(flows: pl.DataFrame, calls_lf: pl.LazyFrame) -> pl.DataFra
     return out.with_columns(fills).select(list(CALL_SCHEMA))
 
 
-def flows_calls(path: str | Path, *, stats: FileStats | None = None) -> pl.DataFrame:
-    """The calls frame rows of a saved mitmproxy flow file (``mitmdump -w FILE``)."""
+def flows_calls(path: str | Path, *, stats: FileStats | None = None, translate: Translate | None = None) -> pl.DataFrame:
+    """The calls frame rows of a saved mitmproxy flow file (``mitmdump -w FILE``); ``translate``
+    rebuilds the normalized request of flows whose metadata does not carry one."""
     from mitmproxy import http, io
 
     stats = stats or FileStats(path=str(path))
@@ -644,7 +631,7 @@ def flows_calls(path: str | Path, *, stats: FileStats | None = None) -> pl.DataF
         for i, flow in enumerate(io.FlowReader(fh).stream()):
             if not isinstance(flow, http.HTTPFlow):
                 continue
-            data = flow_to_record(flow)
+            data = flow_to_record(flow, translate)
             if data is None:
                 stats.other_records += 1
                 continue
@@ -661,8 +648,9 @@ def flows_calls(path: str | Path, *, stats: FileStats | None = None) -> pl.DataF
     return rows_to_frame(rows)
 
 
-def load(source: str | Path, **kwargs: Any) -> pl.LazyFrame:
-    """Calls frame of a capture directory, a flow file, a calls Parquet file or a JSONL file."""
+def load(source: str | Path, *, translate: Translate | None = None, **kwargs: Any) -> pl.LazyFrame:
+    """Calls frame of a capture directory, a flow file (``translate``: see ``flows_calls``), a calls
+    Parquet file or a JSONL file."""
     p = Path(source)
     if p.is_dir():
         return calls(p, **kwargs)
@@ -671,7 +659,7 @@ def load(source: str | Path, **kwargs: Any) -> pl.LazyFrame:
     if p.suffix == ".jsonl":
         df, _ = _convert_range(p, 0, FileStats(path=str(p)))
         return _with_derived(df.lazy())
-    return _with_derived(flows_calls(p).lazy())
+    return _with_derived(flows_calls(p, translate=translate).lazy())
 
 
 def decode_json(value: str | None) -> Any:

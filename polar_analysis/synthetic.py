@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from polar_analysis.alignment import ChatTemplateRenderer
-from polar_analysis.schema import SESSIONS_SUBDIR, CallRecord
+from polar_core.schema import SESSIONS_SUBDIR, CallRecord
 
 _UNSET: Any = object()
 

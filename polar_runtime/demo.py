@@ -56,7 +56,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from polar_runtime import paths
+from polar_core import paths
+from polar_training.config import LossConfig, TrainConfig
 
 # Reports are tables: when the output is not a terminal (CI logs, `| tee`) rich would assume 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 120)
@@ -80,8 +81,8 @@ class DemoConfig:
     seed: Optional[int] = 0  # base of the per-call sampling seeds: a rerun samples the same tokens
     timeout: float = 300.0
     concurrency: int = 2
-    lr: float = 1e-6
-    kl_coef: float = 0.001
+    lr: float = TrainConfig.lr
+    kl_coef: float = LossConfig.kl_coef
     max_model_len: int = 16384
     kv_cache_gib: float = 1.0  # ~43k tokens of 0.5B KV in float32: plenty for a few harness runs
     server_during_train: str = "auto"  # keep | stop | auto (stop when memory is short)
@@ -371,14 +372,14 @@ class TrainResult:
 
 
 def train_step(cfg: DemoConfig, model_dir: Path, trajectories: Path) -> TrainResult:
-    """One GRPO iteration as a ``polar train`` child process: its memory (policy, gradients, AdamW
+    """One GRPO iteration as a ``python -m polar_training`` child process: its memory (policy, gradients, AdamW
     state: ~8 GB for the 0.5B in float32) is returned to the system before the next rollout, and
     its peak RSS is measured. Ctrl-C reaches it too (same process group)."""
     from polar_training import checkpoint as ckpt
     from polar_training.plots import read_metrics
 
     run = cfg.out / "train"
-    cmd = [sys.executable, "-m", "polar_analysis.cli", "train", "--model", str(model_dir), "-t", str(trajectories),
+    cmd = [sys.executable, "-m", "polar_training", "--model", str(model_dir), "-t", str(trajectories),
            "-o", str(run), "--lr", repr(cfg.lr), "--kl-coef", repr(cfg.kl_coef),
            "--token-budget", str(max(4096, cfg.max_model_len // 2)), "--dtype", "bfloat16" if cfg.gpu else "float32"]
     if not cfg.gpu:
@@ -755,37 +756,37 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def demo_command(
-    out: Annotated[Path, typer.Option(resolve_path=True, help="Run directory (replaced unless --keep).")] = Path("runs/demo"),
-    harness: Annotated[str, typer.Option(help="Harness preset (see `polar harness list`).")] = "pi-chat",
-    model: Annotated[str, typer.Option(help="Polar model name or a Hugging Face model directory.")] = "qwen2.5-coder-0.5b-instruct",
-    tasks: Annotated[str, typer.Option(help="Tasks JSONL file or a built-in set (coding).")] = "coding",
+    out: Annotated[Path, typer.Option(resolve_path=True, help="Run directory (replaced unless --keep).")] = DemoConfig.out,
+    harness: Annotated[str, typer.Option(help="Harness preset (see `polar harness list`).")] = DemoConfig.harness,
+    model: Annotated[str, typer.Option(help="Polar model name or a Hugging Face model directory.")] = DemoConfig.model,
+    tasks: Annotated[str, typer.Option(help="Tasks JSONL file or a built-in set (coding).")] = DemoConfig.tasks,
     task: Annotated[Optional[list[str]], typer.Option("--task", help="Only these task ids (repeatable).")] = None,
-    n_tasks: Annotated[int, typer.Option("--n-tasks", help="The first N tasks of the file (0: all).")] = 2,
-    samples: Annotated[int, typer.Option(help="Samples per task (one GRPO group).")] = 4,
-    iterations: Annotated[int, typer.Option(help="Rollout -> train -> push iterations (then a final rollout).")] = 1,
+    n_tasks: Annotated[int, typer.Option("--n-tasks", help="The first N tasks of the file (0: all).")] = DemoConfig.n_tasks,
+    samples: Annotated[int, typer.Option(help="Samples per task (one GRPO group).")] = DemoConfig.samples,
+    iterations: Annotated[int, typer.Option(help="Rollout -> train -> push iterations (then a final rollout).")] = DemoConfig.iterations,
     max_tokens: Annotated[Optional[int], typer.Option(help="Cap on every answer's tokens (default 256 CPU, 1024 GPU).")] = None,
     temperature: Annotated[float, typer.Option(help="Sampling temperature the proxy enforces on every call "
-                                               "(plain sampling, the distribution the trainer uses).")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option(help="Base of the per-call sampling seeds (-1: unseeded).")] = 0,
-    timeout: Annotated[float, typer.Option(help="Hard timeout per harness run, seconds.")] = 300.0,
-    concurrency: Annotated[int, typer.Option(help="Harness runs at once (vLLM batches them).")] = 2,
-    lr: Annotated[float, typer.Option(help="Learning rate of the GRPO step.")] = 1e-6,
+                                               "(plain sampling, the distribution the trainer uses).")] = DemoConfig.temperature,
+    seed: Annotated[Optional[int], typer.Option(help="Base of the per-call sampling seeds (-1: unseeded).")] = DemoConfig.seed,
+    timeout: Annotated[float, typer.Option(help="Hard timeout per harness run, seconds.")] = DemoConfig.timeout,
+    concurrency: Annotated[int, typer.Option(help="Harness runs at once (vLLM batches them).")] = DemoConfig.concurrency,
+    lr: Annotated[float, typer.Option(help="Learning rate of the GRPO step.")] = DemoConfig.lr,
     kl_coef: Annotated[Optional[float], typer.Option(
-        help="KL coefficient. Default: 0.001 (the recipe's) when there are several iterations or a GPU; 0 for a "
+        help=f"KL coefficient. Default: {DemoConfig.kl_coef:g} (the recipe's) when there are several iterations or a GPU; 0 for a "
              "single CPU iteration, whose one update starts at the reference, so the KL term is exactly 0 and its "
              "reference model would only cost a forward pass and 2 GB.")] = None,
-    max_model_len: Annotated[int, typer.Option(help="vLLM context length.")] = 16384,
+    max_model_len: Annotated[int, typer.Option(help="vLLM context length.")] = DemoConfig.max_model_len,
     tool_parser: Annotated[str, typer.Option(help="vLLM tool-call parser: lenient (Hermes + Markdown JSON tool calls), hermes (or another "
-                                             "vLLM parser), none.")] = "lenient",
+                                             "vLLM parser), none.")] = DemoConfig.tool_parser,
     server_during_train: Annotated[str, typer.Option(
         help="keep vLLM running while training (in-place push), stop it (push = restart on the checkpoint), "
-             "or auto: stop it only when free memory is below the trainer's estimated peak.")] = "auto",
+             "or auto: stop it only when free memory is below the trainer's estimated peak.")] = DemoConfig.server_during_train,
     gpu: Annotated[Optional[bool], typer.Option("--gpu/--cpu", help="Default: a GPU when paths.has_gpu().")] = None,
-    notebooks: Annotated[bool, typer.Option(help="Execute the notebooks on the run at the end.")] = True,
-    keep: Annotated[bool, typer.Option(help="Keep an existing run directory (finished samples are reused).")] = False,
+    notebooks: Annotated[bool, typer.Option(help="Execute the notebooks on the run at the end.")] = DemoConfig.notebooks,
+    keep: Annotated[bool, typer.Option(help="Keep an existing run directory (finished samples are reused).")] = DemoConfig.keep,
     exact_history: Annotated[bool, typer.Option(
         help="Exact multi-turn history (proxy option polar_exact_history): the model is prompted with its own "
-             "sampled ids for every answer the harness re-sends.")] = True,
+             "sampled ids for every answer the harness re-sends.")] = DemoConfig.exact_history,
 ) -> None:
     """The main job: serve a model, run a harness through the proxy, train one GRPO step, push, run again."""
     if server_during_train not in ("auto", "keep", "stop"):
@@ -795,7 +796,7 @@ def demo_command(
                      samples=samples, iterations=iterations, max_tokens=max_tokens or (1024 if on_gpu else 256),
                      temperature=temperature, seed=None if seed is None or seed < 0 else seed,
                      timeout=timeout, concurrency=concurrency, lr=lr,
-                     kl_coef=kl_coef if kl_coef is not None else (0.001 if iterations > 1 or on_gpu else 0.0), max_model_len=max_model_len,
+                     kl_coef=kl_coef if kl_coef is not None else (DemoConfig.kl_coef if iterations > 1 or on_gpu else 0.0), max_model_len=max_model_len,
                      tool_parser=tool_parser, server_during_train=server_during_train, gpu=on_gpu, notebooks=notebooks, keep=keep,
                      exact_history=exact_history)
     try:

@@ -16,7 +16,6 @@ Running and timing out is the caller's business (``run_invocation`` kills the wh
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -27,10 +26,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Literal
+from typing import Callable, Literal
 
-from polar_runtime import paths
-from polar_runtime.processes import kill_group
+from polar_core import paths
+from polar_core.processes import file_lock, kill_group
 
 Mode = Literal["base_url", "proxy"]
 MODES: tuple[Mode, ...] = ("base_url", "proxy")
@@ -96,18 +95,6 @@ PACKAGES: dict[str, Package] = {
 }
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Serialize installs of one package across processes (setup and tests may race)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _fix_vendored_binaries(prefix: Path) -> None:
     """Qwen Code ships ripgrep without the execute bit (its grep tool then falls back to a slow
     JavaScript search and warns on every run): restore it."""
@@ -127,7 +114,7 @@ def install(name: str, *, force: bool = False, timeout: float = 900.0, log: Call
     npm = shutil.which("npm")
     if npm is None:
         raise RuntimeError("npm not found: the harnesses need Node 20+ and npm on PATH")
-    with _locked(paths.harnesses_dir() / f".{name}.lock"):
+    with file_lock(paths.harnesses_dir() / f".{name}.lock"):
         if not force and pkg.installed():  # another process finished it while we waited
             return pkg.bin_path
         pkg.prefix.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,6 @@ parallel test sessions never see half a model.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import gzip
 import hashlib
 import json
@@ -23,7 +21,7 @@ import subprocess
 import sys
 import time
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from polar_runtime import paths
+from polar_core import paths
+from polar_core.processes import file_lock
 
 #: Bump a target's number when its builder changes in a way that invalidates earlier builds.
 BUILD_VERSIONS = {"tiny-qwen": 3, "smollm2-135m-instruct": 3}
@@ -185,18 +184,6 @@ def _spec(name: str) -> ModelSpec:
         return SPECS[name]
     except KeyError:
         raise ModelError(f"unknown model {name!r}; known: {', '.join(SPECS)}") from None
-
-
-@contextlib.contextmanager
-def _lock(name: str) -> Iterator[None]:
-    lock_dir = paths.models_dir() / ".locks"
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    with open(lock_dir / f"{name}.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 # ---- packages -----------------------------------------------------------------------------------
@@ -551,7 +538,7 @@ def build(name: str, *, force: bool = False, quiet: bool = False) -> dict[str, A
     spec = _spec(name)
     for dep in spec.depends_on:
         ensure_model(dep, quiet=quiet)
-    with _lock(name):
+    with file_lock(paths.models_dir() / ".locks" / f"{name}.lock"):
         if not force and status(name) == "ready":  # someone else built it while we waited
             return read_stamp(name) or {}
         t0 = time.monotonic()

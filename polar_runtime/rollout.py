@@ -37,8 +37,8 @@ from typing import Any, Callable, Iterator
 
 import polars as pl
 
-from polar_analysis.schema import SESSIONS_SUBDIR, read_capture_lines, valid_session_id
-from polar_runtime import paths
+from polar_core import paths
+from polar_core.schema import SESSIONS_SUBDIR, read_capture_lines, valid_session_id
 from polar_runtime.harnesses import Endpoint, Preset, Session, kill_group, run_invocation, terminate_all
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -405,7 +405,7 @@ class Stack:
 
 def served_model_of(upstream: str, timeout: float = 10.0) -> str:
     """The first model an OpenAI-compatible server lists (``GET /v1/models``)."""
-    from polar_runtime.serve import http_json
+    from polar_core.net import http_json
 
     data = http_json(upstream.rstrip("/").removesuffix("/v1") + "/v1/models", timeout=timeout)
     return data["data"][0]["id"]
@@ -461,8 +461,8 @@ def open_stack(
     interception of the hosted API hostnames) for ``proxy`` runs. Everything started is stopped on
     exit, also on errors and Ctrl-C.
     """
-    from polar_proxy.process import ProxyControl, ProxyProcess
-    from polar_runtime import paths
+    from polar_core.control import ProxyControl
+    from polar_proxy.process import ProxyProcess
 
     with contextlib.ExitStack() as stack:
         if proxy:

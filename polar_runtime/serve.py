@@ -18,14 +18,12 @@ import os
 import re
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any
 
-from polar_runtime import models, paths
-from polar_runtime.net import free_port, port_in_use
-from polar_runtime.processes import kill_group
+from polar_core import paths
+from polar_core.net import free_port, http_json, port_in_use
+from polar_core.processes import kill_group
+from polar_runtime import models
 
 DEFAULT_MODEL = models.QWEN05
 MAX_AUTO_KV_CACHE_GIB = 4.0
@@ -35,10 +33,6 @@ START_TIMEOUT_S = 900.0
 _ERROR_LINE = re.compile(
     r"^(?:\(\S+ pid=\d+\) ERROR [^\]]*\] )?((?:[\w.]+(?:Error|Exception)): .+|.*died unexpectedly.*)$", re.M
 )
-
-# urllib without the environment's proxies: a harness test may set HTTP(S)_PROXY to mitmproxy.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
 
 class ServeError(RuntimeError):
     """The server cannot be started or used; the message says why and what to do."""
@@ -50,20 +44,6 @@ class PortInUseError(ServeError):
 
 class VLLMStartError(ServeError):
     pass
-
-
-def http_json(url: str, body: Any | None = None, *, timeout: float = 30.0, method: str | None = None) -> Any:
-    """GET (or POST `body` as JSON) and decode the JSON answer; raises ServeError on HTTP errors."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method or ("GET" if body is None else "POST"))
-    req.add_header("Content-Type", "application/json")
-    try:
-        with _OPENER.open(req, timeout=timeout) as resp:
-            raw = resp.read()
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")[:2000]
-        raise ServeError(f"{req.method} {url} -> HTTP {exc.code}: {detail}") from None
-    return json.loads(raw) if raw.strip() else None
 
 
 def usable_cpus() -> list[int]:

@@ -1,9 +1,10 @@
 """Polar's GRPO trainer: learns from captured trajectories and pushes the weights back to vLLM.
 
-Modules: ``advantages`` (group-relative advantages, Polars), ``loss`` (PPO-clip + TIS + k3 KL),
-``packing`` (first-fit-decreasing token-budget micro-batches), ``policy`` (chunked sampled-token
-logprobs), ``trainer`` (the loop), ``distributed`` (FSDP2 under torchrun), ``checkpoint``,
-``weights_push`` (pause proxy -> reload vLLM -> new policy version), ``run`` / ``commands``
-(``polar train``), ``plots``, ``toy`` (a torch-sampled toy task for learning checks).
+Modules: ``config`` (every setting and its default), ``advantages`` (group-relative advantages,
+Polars), ``loss`` (PPO-clip + TIS + k3 KL), ``packing`` (first-fit-decreasing token-budget
+micro-batches), ``policy`` (chunked sampled-token logprobs), ``trainer`` (the loop),
+``distributed`` (FSDP2 under torchrun; ``parity`` checks it), ``checkpoint``, ``weights_push``
+(pause proxy -> reload vLLM -> new policy version), ``run`` / ``commands`` (``polar train``,
+``python -m polar_training``), ``plots``, ``toy`` (a torch-sampled toy task for learning checks).
 Heavy dependencies (torch, transformers) are imported by those modules, not here.
 """

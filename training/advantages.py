@@ -21,29 +21,11 @@ Choices (all in :class:`AdvantageConfig`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import polars as pl
 
+from .config import AdvantageConfig
+
 SAMPLE_KEYS = ("group_id", "session_id")
-
-
-@dataclass
-class AdvantageConfig:
-    baseline: Literal["mean", "loo"] = "mean"
-    scale_std: bool = True
-    failure: Literal["zero_advantage", "zero_reward"] = "zero_advantage"
-    drop_zero_variance: bool = False
-    eps: float = 1e-6
-    ok_statuses: tuple[str, ...] = ("ok",)
-
-    def __post_init__(self) -> None:
-        if self.baseline not in ("mean", "loo"):
-            raise ValueError(f"baseline must be 'mean' or 'loo', not {self.baseline!r}")
-        if self.failure not in ("zero_advantage", "zero_reward"):
-            raise ValueError(f"failure must be 'zero_advantage' or 'zero_reward', not {self.failure!r}")
-        self.ok_statuses = tuple(self.ok_statuses)
 
 
 def sample_rewards(trajectories: pl.DataFrame | pl.LazyFrame) -> pl.LazyFrame:

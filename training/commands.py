@@ -1,127 +1,116 @@
-"""`polar train`: GRPO on a trajectory Parquet, checkpoint, curves, optional push to a running vLLM.
+"""`polar train` (also ``python -m polar_training``): GRPO on a trajectory Parquet, checkpoint, curves,
+optional push to a running vLLM.
 
 Heavy imports (torch, transformers) happen inside the command so `polar --help` stays fast.
-Multi-GPU: ``torchrun --nproc-per-node N -m polar_analysis.cli train ...`` (FSDP2).
+Multi-GPU: ``torchrun --nproc-per-node N -m polar_training ...`` (FSDP2).
+
+Every default comes from the config dataclasses (``polar_training.config``); the parameter names
+are their field names, so the command builds them without repeating a name or a value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
+from .config import AdvantageConfig, LossConfig, TrainConfig
+
+_TRAIN, _ADV, _LOSS = TrainConfig(), AdvantageConfig(), LossConfig()
+
+
+def _fields(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """The options that are fields of ``cls`` (dataclass), by name."""
+    return {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
+
+
+def train_command(
+    model: Annotated[Path, typer.Option("--model", resolve_path=True, help="Base model directory (Hugging Face format).")],
+    trajectories: Annotated[list[Path], typer.Option(
+        "--trajectories", "-t", resolve_path=True, help="Trajectory Parquet file(s) from `polar trajectories` (repeatable).")],
+    out: Annotated[Path, typer.Option("--out", "-o", resolve_path=True, help="Run directory: checkpoints, metrics.jsonl, metrics.png.")],
+    resume: Annotated[Optional[str], typer.Option(
+        help="Checkpoint or run directory to continue from; 'auto' = latest in --out.")] = None,
+    ref_model: Annotated[Optional[Path], typer.Option(resolve_path=True, help="KL reference (default: the base model).")] = None,
+    lr: Annotated[float, typer.Option()] = _TRAIN.lr,
+    warmup_steps: Annotated[int, typer.Option()] = _TRAIN.warmup_steps,
+    lr_schedule: Annotated[str, typer.Option(help="constant | linear | cosine")] = _TRAIN.lr_schedule,
+    total_steps: Annotated[Optional[int], typer.Option(help="Decay length for linear/cosine.")] = _TRAIN.total_steps,
+    weight_decay: Annotated[float, typer.Option()] = _TRAIN.weight_decay,
+    max_grad_norm: Annotated[float, typer.Option()] = _TRAIN.max_grad_norm,
+    clip_low: Annotated[float, typer.Option()] = _LOSS.clip_low,
+    clip_high: Annotated[float, typer.Option()] = _LOSS.clip_high,
+    tis_cap: Annotated[float, typer.Option(help="Truncated IS cap C; 0 disables TIS.")] = _LOSS.tis_cap or 0.0,
+    kl_coef: Annotated[float, typer.Option(help="0 disables the KL term (and the reference model).")] = _LOSS.kl_coef,
+    kl_estimator: Annotated[str, typer.Option(help="low_var_kl | k3")] = _LOSS.kl_estimator,
+    aggregation: Annotated[str, typer.Option(
+        help="token-mean | seq-mean-token-mean | seq-mean-token-sum")] = _LOSS.aggregation,
+    baseline: Annotated[str, typer.Option(help="mean | loo (leave-one-out)")] = _ADV.baseline,
+    scale_std: Annotated[bool, typer.Option(
+        "--std-scale/--no-std-scale", help="Divide advantages by group std.")] = _ADV.scale_std,
+    failure: Annotated[str, typer.Option(
+        help="zero_advantage | zero_reward for failed/timed-out samples")] = _ADV.failure,
+    drop_zero_variance: Annotated[bool, typer.Option(
+        "--drop-zero-variance", help="Skip groups with equal rewards.")] = _ADV.drop_zero_variance,
+    token_budget: Annotated[int, typer.Option(help="Tokens per packed micro-batch.")] = _TRAIN.token_budget,
+    num_minibatches: Annotated[int, typer.Option(
+        "--minibatches", help="Optimizer steps per rollout batch.")] = _TRAIN.num_minibatches,
+    ppo_epochs: Annotated[int, typer.Option()] = _TRAIN.ppo_epochs,
+    attention: Annotated[str, typer.Option(help="position_ids | block_mask")] = _TRAIN.attention,
+    gradient_checkpointing: Annotated[bool, typer.Option(
+        "--gradient-checkpointing")] = _TRAIN.gradient_checkpointing,
+    dtype: Annotated[str, typer.Option(help="float32 (fast on CPUs without bf16) | bfloat16")] = "float32",
+    seed: Annotated[int, typer.Option()] = _TRAIN.seed,
+    push_to: Annotated[Optional[str], typer.Option(
+        help="Base URL of the running vLLM to reload the new weights into.")] = None,
+    proxy_control: Annotated[Optional[str], typer.Option(
+        help="Base URL of the proxy's /_polar control API (pause/resume/version).")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+) -> None:
+    """Train the policy with GRPO on captured trajectories and write a servable checkpoint."""
+    options = {**locals(), "tis_cap": tis_cap or None}
+    from rich.console import Console
+
+    from .run import TrainJob, run_training
+
+    console = Console(stderr=True)
+    try:
+        cfg = TrainConfig(**_fields(TrainConfig, options), adv=AdvantageConfig(**_fields(AdvantageConfig, options)),
+                          loss=LossConfig(**_fields(LossConfig, options)))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    job = TrainJob(
+        model=str(model),
+        trajectories=[str(p) for p in trajectories],
+        out=str(out),
+        config=cfg,
+        resume=resume,
+        ref_model=str(ref_model) if ref_model else None,
+        dtype=dtype,
+        push_to=push_to,
+        proxy_control=proxy_control,
+        show_progress=progress,
+    )
+    result = run_training(job, console=console)
+    from . import distributed as pdist
+
+    if pdist.is_main():
+        last = result.history[-1] if result.history else {}
+        console.print(
+            f"[green]step {result.step}[/] checkpoint {result.checkpoint}  "
+            f"loss {last.get('loss', float('nan')):+.5f}  reward {last.get('reward_mean', float('nan')):.3f}  "
+            f"padding waste {100 * last.get('padding_waste', 0.0):.1f}%  "
+            f"{last.get('tokens_per_s', 0.0):.0f} tok/s"
+        )
+        if result.push is not None:
+            console.print(
+                f"pushed as policy version {result.push.policy_version} via {result.push.method} "
+                f"(held calls {result.push.paused_s:.1f}s)"
+            )
+        print(result.checkpoint)
+
 
 def register(app: typer.Typer) -> None:
-    @app.command("train")
-    def train(
-        model: Path = typer.Option(..., "--model", resolve_path=True, help="Base model directory (Hugging Face format)."),
-        trajectories: list[Path] = typer.Option(
-            ..., "--trajectories", "-t", resolve_path=True, help="Trajectory Parquet file(s) from `polar trajectories` (repeatable)."
-        ),
-        out: Path = typer.Option(..., "--out", "-o", resolve_path=True, help="Run directory: checkpoints, metrics.jsonl, metrics.png."),
-        resume: Optional[str] = typer.Option(
-            None, "--resume", help="Checkpoint or run directory to continue from; 'auto' = latest in --out."
-        ),
-        ref_model: Optional[Path] = typer.Option(None, "--ref-model", resolve_path=True, help="KL reference (default: the base model)."),
-        lr: float = typer.Option(1e-6, "--lr"),
-        warmup_steps: int = typer.Option(0, "--warmup-steps"),
-        lr_schedule: str = typer.Option("constant", "--lr-schedule", help="constant | linear | cosine"),
-        total_steps: Optional[int] = typer.Option(None, "--total-steps", help="Decay length for linear/cosine."),
-        weight_decay: float = typer.Option(0.0, "--weight-decay"),
-        max_grad_norm: float = typer.Option(1.0, "--max-grad-norm"),
-        clip_low: float = typer.Option(0.2, "--clip-low"),
-        clip_high: float = typer.Option(0.28, "--clip-high"),
-        tis_cap: float = typer.Option(2.0, "--tis-cap", help="Truncated IS cap C; 0 disables TIS."),
-        kl_coef: float = typer.Option(0.001, "--kl-coef", help="0 disables the KL term (and the reference model)."),
-        kl_estimator: str = typer.Option("low_var_kl", "--kl-estimator", help="low_var_kl | k3"),
-        aggregation: str = typer.Option(
-            "token-mean", "--aggregation", help="token-mean | seq-mean-token-mean | seq-mean-token-sum"
-        ),
-        baseline: str = typer.Option("mean", "--baseline", help="mean | loo (leave-one-out)"),
-        std_scale: bool = typer.Option(True, "--std-scale/--no-std-scale", help="Divide advantages by group std."),
-        failure: str = typer.Option(
-            "zero_advantage", "--failure", help="zero_advantage | zero_reward for failed/timed-out samples"
-        ),
-        drop_zero_variance: bool = typer.Option(False, "--drop-zero-variance", help="Skip groups with equal rewards."),
-        token_budget: int = typer.Option(4096, "--token-budget", help="Tokens per packed micro-batch."),
-        minibatches: int = typer.Option(1, "--minibatches", help="Optimizer steps per rollout batch."),
-        ppo_epochs: int = typer.Option(1, "--ppo-epochs"),
-        attention: str = typer.Option("position_ids", "--attention", help="position_ids | block_mask"),
-        gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing"),
-        dtype: str = typer.Option("float32", "--dtype", help="float32 (fast on CPUs without bf16) | bfloat16"),
-        seed: int = typer.Option(0, "--seed"),
-        push_to: Optional[str] = typer.Option(
-            None, "--push-to", help="Base URL of the running vLLM to reload the new weights into."
-        ),
-        proxy_control: Optional[str] = typer.Option(
-            None, "--proxy-control", help="Base URL of the proxy's /_polar control API (pause/resume/version)."
-        ),
-        progress: bool = typer.Option(True, "--progress/--no-progress"),
-    ) -> None:
-        """Train the policy with GRPO on captured trajectories and write a servable checkpoint."""
-        from rich.console import Console
-
-        from .advantages import AdvantageConfig
-        from .loss import LossConfig
-        from .run import TrainJob, run_training
-        from .trainer import TrainConfig
-
-        console = Console(stderr=True)
-        try:
-            cfg = TrainConfig(
-                lr=lr,
-                weight_decay=weight_decay,
-                warmup_steps=warmup_steps,
-                lr_schedule=lr_schedule,
-                total_steps=total_steps,
-                max_grad_norm=max_grad_norm,
-                token_budget=token_budget,
-                num_minibatches=minibatches,
-                ppo_epochs=ppo_epochs,
-                attention=attention,
-                gradient_checkpointing=gradient_checkpointing,
-                seed=seed,
-                adv=AdvantageConfig(
-                    baseline=baseline, scale_std=std_scale, failure=failure, drop_zero_variance=drop_zero_variance
-                ),
-                loss=LossConfig(
-                    clip_low=clip_low,
-                    clip_high=clip_high,
-                    tis_cap=tis_cap or None,
-                    kl_coef=kl_coef,
-                    kl_estimator=kl_estimator,
-                    aggregation=aggregation,
-                ),
-            )
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc)) from exc
-        job = TrainJob(
-            model=str(model),
-            trajectories=[str(p) for p in trajectories],
-            out=str(out),
-            config=cfg,
-            resume=resume,
-            ref_model=str(ref_model) if ref_model else None,
-            dtype=dtype,
-            push_to=push_to,
-            proxy_control=proxy_control,
-            show_progress=progress,
-        )
-        result = run_training(job, console=console)
-        from . import distributed as pdist
-
-        if pdist.is_main():
-            last = result.history[-1] if result.history else {}
-            console.print(
-                f"[green]step {result.step}[/] checkpoint {result.checkpoint}  "
-                f"loss {last.get('loss', float('nan')):+.5f}  reward {last.get('reward_mean', float('nan')):.3f}  "
-                f"padding waste {100 * last.get('padding_waste', 0.0):.1f}%  "
-                f"{last.get('tokens_per_s', 0.0):.0f} tok/s"
-            )
-            if result.push is not None:
-                console.print(
-                    f"pushed as policy version {result.push.policy_version} via {result.push.method} "
-                    f"(held calls {result.push.paused_s:.1f}s)"
-                )
-            print(result.checkpoint)
+    app.command("train")(train_command)

@@ -1,17 +1,11 @@
-"""Multi-process training with PyTorch FSDP2 (``fully_shard``), and a parity self-check.
+"""Multi-process training with PyTorch FSDP2 (``fully_shard``).
 
 ``polar train`` run under ``torchrun --nproc-per-node N`` initializes a process group (NCCL on
 GPUs, gloo on CPU), shards every decoder layer and then the root module, and every rank trains on
 its share of the packed micro-batches (see :mod:`polar_training.trainer`). Everything here is a
 no-op in a plain single process.
 
-Self-check (what the multi-process test runs, and what a multi-GPU user can run on their setup)::
-
-    torchrun --nproc-per-node 2 -m polar_training.distributed parity \\
-        --model DIR --trajectories T.parquet --out grads.pt
-
-computes one mini-batch's loss and full (unsharded) gradients without stepping the optimizer.
-Run it with one process and with N and compare the files: they must agree to float tolerance.
+Its self-check (one process and N agree) is :mod:`polar_training.parity`.
 """
 
 from __future__ import annotations
@@ -156,47 +150,3 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             g = g.full_tensor()
         out[name] = g.detach().cpu().clone()
     return out
-
-
-def parity(model_dir: str, trajectories: str, out: str, token_budget: int = 256, seed: int = 0) -> dict[str, Any]:
-    """One mini-batch's loss and full gradients, single- or multi-process (see the module doc)."""
-    import polars as pl
-
-    from .trainer import GRPOTrainer, TrainConfig, load_models
-
-    init_from_env()
-    torch.manual_seed(seed)
-    cfg = TrainConfig(token_budget=token_budget, seed=seed)
-    model, ref = load_models(model_dir, cfg)
-    trainer = GRPOTrainer(model, cfg, ref_model=ref)
-    prep = trainer.prepare(pl.read_parquet(trajectories))
-    acc = trainer.accumulate(prep.minibatches[0])
-    grads = full_gradients(trainer.policy)
-    result = {"loss": acc.loss, "n_tokens": acc.sums.get("n_tokens", 0.0), "world": rank_and_world()[1], "grads": grads}
-    if is_main():
-        torch.save(result, out)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return result
-
-
-def _main() -> None:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m polar_training.distributed")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("parity", help="one mini-batch's loss and full gradients (compare 1 vs N processes)")
-    p.add_argument("--model", required=True)
-    p.add_argument("--trajectories", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--token-budget", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
-    r = parity(a.model, a.trajectories, a.out, a.token_budget, a.seed)
-    if is_main():
-        print(f"world={r['world']} loss={r['loss']:.8f} sampled_tokens={int(r['n_tokens'])} grads={len(r['grads'])}")
-
-
-if __name__ == "__main__":
-    _main()

@@ -31,41 +31,13 @@ so packing, gradient accumulation and data-parallel sharding never change the re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-KL_ESTIMATORS = ("low_var_kl", "k3")
+from .config import LossConfig
 
 #: Bound on log-ratios before exponentiating (a -inf behaviour logprob must not produce inf/nan).
 LOG_RATIO_CLAMP = 20.0
-
-
-@dataclass
-class LossConfig:
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    tis_cap: float | None = 2.0
-    kl_coef: float = 0.001
-    kl_estimator: Literal["low_var_kl", "k3"] = "low_var_kl"
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-
-    def __post_init__(self) -> None:
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, not {self.aggregation!r}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, not {self.kl_estimator!r}")
-        if self.clip_low < 0 or self.clip_high < 0:
-            raise ValueError("clip ranges must be >= 0")
-
-    @property
-    def use_tis(self) -> bool:
-        return bool(self.tis_cap) and self.tis_cap > 0
-
-    @property
-    def use_kl(self) -> bool:
-        return self.kl_coef > 0
 
 
 def aggregation_weights(seq_index: torch.Tensor, n_sequences: int, mode: str) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Any
 
 import polars as pl
 
-from polar_analysis.schema import TRAJECTORY_COLUMNS
+from polar_core.schema import TRAJECTORY_COLUMNS
 
 from . import checkpoint as ckpt
 from . import distributed as pdist
@@ -62,7 +62,7 @@ def load_trajectories(paths: list[str]) -> pl.DataFrame:
     names = lf.collect_schema().names()
     missing = [c for c in NEEDED_COLUMNS if c not in names]
     if missing:
-        raise ValueError(f"trajectory Parquet lacks columns {missing} (see polar_analysis.schema.TRAJECTORY_COLUMNS)")
+        raise ValueError(f"trajectory Parquet lacks columns {missing} (see polar_core.schema.TRAJECTORY_COLUMNS)")
     keep = [c for c in names if c in TRAJECTORY_COLUMNS]
     return lf.select(keep).collect()
 

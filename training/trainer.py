@@ -18,58 +18,18 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 import polars as pl
 import torch
 
 from . import distributed as pdist
-from .advantages import AdvantageConfig, advantage_stats, compute_advantages, compute_sample_advantages
-from .loss import LossConfig, grpo_token_loss
+from .advantages import advantage_stats, compute_advantages, compute_sample_advantages
+from .config import TrainConfig
+from .loss import grpo_token_loss
 from .packing import MicroBatch, PackStats, PackedSequence, build_microbatches, sequences_from_frame
 from .policy import TokenLogprobs, policy_logprobs
-
-
-@dataclass
-class TrainConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    warmup_steps: int = 0
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    total_steps: int | None = None  # length of the decay for linear/cosine
-    min_lr_ratio: float = 0.0
-    max_grad_norm: float = 1.0
-    token_budget: int = 4096
-    num_minibatches: int = 1
-    ppo_epochs: int = 1
-    attention: Literal["position_ids", "block_mask"] = "position_ids"
-    gradient_checkpointing: bool = False
-    seed: int = 0
-    adv: AdvantageConfig = field(default_factory=AdvantageConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-
-    def __post_init__(self) -> None:
-        if self.lr_schedule not in ("constant", "linear", "cosine"):
-            raise ValueError(f"lr_schedule must be constant, linear or cosine, not {self.lr_schedule!r}")
-        if self.attention not in ("position_ids", "block_mask"):
-            raise ValueError(f"attention must be position_ids or block_mask, not {self.attention!r}")
-        if self.token_budget <= 0 or self.num_minibatches <= 0 or self.ppo_epochs <= 0:
-            raise ValueError("token_budget, num_minibatches and ppo_epochs must be positive")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
-        d = dict(d)
-        adv = AdvantageConfig(**d.pop("adv", {}))
-        loss = LossConfig(**d.pop("loss", {}))
-        if "adam_betas" in d:
-            d["adam_betas"] = tuple(d["adam_betas"])
-        return cls(adv=adv, loss=loss, **d)
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:

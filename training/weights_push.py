@@ -37,13 +37,12 @@ import json
 import logging
 import os
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from polar_proxy.process import ProxyControl
+from polar_core.control import ProxyControl
+from polar_core.net import http_json, http_request
 
 log = logging.getLogger("polar.train.push")
 
@@ -52,23 +51,8 @@ class PushError(RuntimeError):
     pass
 
 
-# Never route control traffic through HTTP(S)_PROXY: a harness environment may point it at the proxy.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _get_json(url: str, timeout: float = 30.0) -> Any:
-    with _OPENER.open(url, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
 def _post(url: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> tuple[int, bytes]:
-    data = json.dumps(body or {}).encode()
-    req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
-    try:
-        with _OPENER.open(req, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+    return http_request(url, body or {}, timeout=timeout)
 
 
 def pause_proxy(control: Any, drain_timeout: float) -> None:
@@ -141,7 +125,7 @@ def server_url(server: Any) -> str | None:
 
 def served_model(base: str) -> tuple[str, str | None]:
     """(served model name, the model path it was started from) from ``/v1/models``."""
-    data = _get_json(f"{base}/v1/models")["data"][0]
+    data = http_json(f"{base}/v1/models")["data"][0]
     return data["id"], data.get("root")
 
 
@@ -150,7 +134,7 @@ def served_tied(base: str) -> bool:
     try:
         _, root = served_model(base)
         cfg = json.loads((Path(root) / "config.json").read_text()) if root else {}
-    except (OSError, ValueError, KeyError, urllib.error.URLError):
+    except (OSError, ValueError, KeyError):  # HTTP errors are OSErrors too
         return False
     text = cfg.get("text_config") or cfg
     return bool(text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))

@@ -28,11 +28,24 @@ def detect_provider(method: str, path: str, headers: dict[str, str], body: Any) 
     return None
 
 
+def chat_request_of(provider: str, body: Any, path: str, query: dict[str, str]) -> dict[str, Any] | None:
+    """The normalized chat request the proxy would send for a native request, or None when the
+    translator refuses it. Used to read saved flows back into records (``polar flows``)."""
+    p = PROVIDERS.get(provider)
+    if p is None or not isinstance(body, dict):
+        return None
+    try:
+        return p.to_chat(body, path, query).chat_request
+    except Exception:
+        return None
+
+
 __all__ = [
     "PROVIDERS",
     "NormalizedCall",
     "Provider",
     "ProviderError",
     "StreamTranslator",
+    "chat_request_of",
     "detect_provider",
 ]

@@ -30,6 +30,7 @@ from .common import (
     dump_arguments,
     iter_text_parts,
     load_arguments,
+    path_only,
     read_answer,
     refuse_media,
     require_dict,
@@ -52,10 +53,6 @@ IGNORED_FIELDS = (
     "cache_control",
     "inference_geo",
 )
-
-
-def _path_only(path: str) -> str:
-    return path.split("?", 1)[0].rstrip("/")
 
 
 def _strip_billing(text: str, notes: Notes) -> str | None:
@@ -310,13 +307,13 @@ class AnthropicProvider(Provider):
     name = "anthropic"
 
     def detect(self, method: str, path: str, headers: dict[str, str], body: Any) -> bool:
-        p = _path_only(path)
+        p = path_only(path)
         return method.upper() == "POST" and (
             p.endswith("/v1/messages") or p.endswith("/v1/messages/count_tokens")
         )
 
     def side_call(self, method: str, path: str) -> str | None:
-        return "count_tokens" if _path_only(path).endswith("/messages/count_tokens") else None
+        return "count_tokens" if path_only(path).endswith("/messages/count_tokens") else None
 
     def count_tokens_answer(self, input_tokens: int) -> dict[str, Any]:
         """The body of a ``/v1/messages/count_tokens`` answer (the core counts the tokens of

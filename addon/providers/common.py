@@ -60,6 +60,11 @@ def arguments_complete(raw: str | None) -> bool:
         return False
 
 
+def path_only(path: str) -> str:
+    """A request path without its query string and trailing slash (what ``detect`` matches)."""
+    return path.split("?", 1)[0].rstrip("/")
+
+
 def sse(data: Any, event: str | None = None) -> bytes:
     """One server-sent event; ``data`` is JSON-encoded unless already bytes/str."""
     if isinstance(data, bytes):

@@ -29,6 +29,7 @@ from .common import (
     context_overflow_numbers,
     dump_arguments,
     load_arguments,
+    path_only,
     read_answer,
     refuse_media,
     require_dict,
@@ -45,12 +46,8 @@ IGNORED_FIELDS = ("safetySettings", "labels", "store")
 PLAIN_RESPONSE_KEYS = ("output", "result", "content")
 
 
-def _path_only(path: str) -> str:
-    return path.split("?", 1)[0].rstrip("/")
-
-
 def parse_path(path: str) -> tuple[str, str] | None:
-    m = PATH_RE.search(_path_only(path))
+    m = PATH_RE.search(path_only(path))
     return (m.group("model"), m.group("method")) if m else None
 
 

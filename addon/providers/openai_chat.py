@@ -23,6 +23,7 @@ from .common import (
     Notes,
     context_overflow_numbers,
     iter_text_parts,
+    path_only,
     require_dict,
     require_list,
     require_str,
@@ -50,10 +51,6 @@ DROPPED_FIELDS = (
 ENGINE_RESPONSE_FIELDS = ("prompt_token_ids", "prompt_logprobs", "prompt_text", "kv_transfer_params",
                           "ec_transfer_params", "metrics")
 ENGINE_CHOICE_FIELDS = ("token_ids", "stop_reason", "routed_experts")
-
-
-def _path_only(path: str) -> str:
-    return path.split("?", 1)[0].rstrip("/")
 
 
 def _content_text(content: Any, where: str) -> Any:
@@ -148,7 +145,7 @@ class OpenAIChatProvider(Provider):
     name = "openai_chat"
 
     def detect(self, method: str, path: str, headers: dict[str, str], body: Any) -> bool:
-        return method.upper() == "POST" and _path_only(path).endswith("/chat/completions")
+        return method.upper() == "POST" and path_only(path).endswith("/chat/completions")
 
     def to_chat(self, body: dict[str, Any], path: str, query: dict[str, str]) -> NormalizedCall:
         body = require_dict(body)

@@ -8,6 +8,8 @@ sampled ids) are counted, never silently dropped.
 
 from __future__ import annotations
 
+import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -17,7 +19,7 @@ import orjson
 import polars as pl
 import pyarrow as pa
 
-from polar_analysis.schema import TRAJECTORY_COLUMNS
+from polar_core.schema import TRAJECTORY_COLUMNS
 
 #: Polars types of the trajectory Parquet (names and order from schema.TRAJECTORY_COLUMNS).
 TRAJECTORY_SCHEMA: dict[str, pl.DataType] = {
@@ -414,3 +416,60 @@ def attach_rewards(traj: pl.DataFrame, rewards: pl.LazyFrame | None) -> pl.DataF
         task_id=pl.col("task_id").fill_null(pl.col("_task_id")),
         group_id=pl.col("group_id").fill_null(pl.col("_group_id")),
     ).select(list(TRAJECTORY_SCHEMA))
+
+
+# ---- conversations: what two calls' messages say (shared by prefix merging and drift) ----------
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def canonical_json(text: str) -> str:
+    """JSON text (a tool call, its arguments) in one canonical spelling; other text stripped."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text.strip()
+    if isinstance(obj, dict) and isinstance(obj.get("arguments"), str):
+        try:
+            obj["arguments"] = json.loads(obj["arguments"])
+        except ValueError:
+            pass
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def canonical_answer(text: str) -> str:
+    """Answer text with Hermes ``<tool_call>`` JSON canonicalized, whitespace around the tags and
+    at both ends dropped: what must be equal for two renderings to say the same thing."""
+    text = _TOOL_CALL_RE.sub(lambda m: "<tool_call>" + canonical_json(m.group(1)) + "</tool_call>", text)
+    return re.sub(r"\s*(</?tool_call>)\s*", r"\1", text).strip()
+
+
+def message_text(content) -> str:
+    """The text of a message's content (a string or a list of text parts)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") == "text")
+    return str(content)
+
+
+def conversation(call: Call) -> list[dict] | None:
+    """The request's messages without system/developer ones (None when it has no message list)."""
+    req = call.request
+    if not req or not isinstance(req.get("messages"), list):
+        return None
+    return [m for m in req["messages"] if isinstance(m, dict) and m.get("role") not in ("system", "developer")]
+
+
+def continues(prev: Call, nxt: Call) -> bool:
+    """True when ``nxt`` carries on ``prev``'s conversation (same opening message, more turns)."""
+    pm, nm = conversation(prev), conversation(nxt)
+    if pm is None or nm is None:
+        return lcp(prev.prompt, nxt.prompt) * 2 > prev.prompt.size
+    if not pm or len(nm) <= len(pm):
+        return False
+    if [m.get("role") for m in pm] != [m.get("role") for m in nm[: len(pm)]]:
+        return False
+    return message_text(pm[0].get("content")).strip() == message_text(nm[0].get("content")).strip()

@@ -42,7 +42,6 @@ the (small) number of concurrent chains of a session.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,11 +53,15 @@ from polar_analysis.trajectories.common import (
     Sequence,
     TemplateInfo,
     by_session,
+    canonical_answer,
+    canonical_json,
     collect_calls,
+    continues,
+    conversation,
     count_skipped,
     infer_template_info,
     is_prefix,
-    lcp,
+    message_text,
     sequences_frame,
 )
 
@@ -71,72 +74,20 @@ class Merge:
     tail_start: int  # index in the next prompt where its mask-0 tail starts
 
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-
-
-def _canonical_json(text: str) -> str:
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return text.strip()
-    if isinstance(obj, dict) and isinstance(obj.get("arguments"), str):
-        try:
-            obj["arguments"] = json.loads(obj["arguments"])
-        except ValueError:
-            pass
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def canonical_answer(text: str) -> str:
-    """Answer text with Hermes ``<tool_call>`` JSON canonicalized, whitespace around the tags and
-    at both ends dropped: what must be equal for two renderings to say the same thing."""
-    text = _TOOL_CALL_RE.sub(lambda m: "<tool_call>" + _canonical_json(m.group(1)) + "</tool_call>", text)
-    return re.sub(r"\s*(</?tool_call>)\s*", r"\1", text).strip()
-
-
-def _message_text(content) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") == "text")
-    return str(content)
-
-
-def _conversation(call: Call) -> list[dict] | None:
-    req = call.request
-    if not req or not isinstance(req.get("messages"), list):
-        return None
-    return [m for m in req["messages"] if isinstance(m, dict) and m.get("role") not in ("system", "developer")]
-
-
-def continues(prev: Call, nxt: Call) -> bool:
-    """True when ``nxt`` carries on ``prev``'s conversation (same opening message, more turns)."""
-    pm, nm = _conversation(prev), _conversation(nxt)
-    if pm is None or nm is None:
-        return lcp(prev.prompt, nxt.prompt) * 2 > prev.prompt.size
-    if not pm or len(nm) <= len(pm):
-        return False
-    if [m.get("role") for m in pm] != [m.get("role") for m in nm[: len(pm)]]:
-        return False
-    return _message_text(pm[0].get("content")).strip() == _message_text(nm[0].get("content")).strip()
-
-
 def _same_answer_by_messages(prev: Call, nxt: Call) -> bool:
     """Message-level check (no tokenizer): the next request re-sent prev's answer unchanged."""
-    pm, nm = _conversation(prev), _conversation(nxt)
+    pm, nm = conversation(prev), conversation(nxt)
     if pm is None or nm is None or len(nm) <= len(pm) or prev.output_reasoning:
         return False
     msg = nm[len(pm)]
-    if msg.get("role") != "assistant" or _message_text(msg.get("content")).strip() != prev.output_text.strip():
+    if msg.get("role") != "assistant" or message_text(msg.get("content")).strip() != prev.output_text.strip():
         return False
     sent = [(tc.get("function") or {}) for tc in msg.get("tool_calls") or []]
     got = prev.tool_calls
     if len(sent) != len(got):
         return False
     for s, g in zip(sent, got):
-        if s.get("name") != g.get("name") or _canonical_json(_as_json(s.get("arguments"))) != _canonical_json(_as_json(g.get("arguments"))):
+        if s.get("name") != g.get("name") or canonical_json(_as_json(s.get("arguments"))) != canonical_json(_as_json(g.get("arguments"))):
             return False
     return True
 

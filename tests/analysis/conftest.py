@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from polar_analysis.alignment import ChatTemplateRenderer
-from polar_runtime.paths import harness_request_fixtures
+from polar_core.paths import harness_request_fixtures
 
 _REPO = Path(__file__).resolve().parents[2]
 _FIXTURE_DIRS = (harness_request_fixtures(),)

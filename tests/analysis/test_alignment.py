@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from polar_analysis import alignment, frames
 from polar_analysis.alignment import ChatTemplateRenderer, vllm_conversation
-from polar_analysis.schema import CallRecord
+from polar_core.schema import CallRecord
 from polar_analysis.synthetic import SyntheticSession, write_capture
 
 

@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 
 from polar_analysis import frames
-from polar_analysis.schema import CallRecord
+from polar_core.schema import CallRecord
 from polar_analysis.synthetic import SyntheticSession, write_capture
 
 
@@ -150,7 +150,9 @@ def test_flow_files_rebuild_calls_and_join_token_ids(tmp_path, renderer, pi_chat
         w.add(flow)
         w.add(side)
     st = frames.FileStats(path=str(path))
-    df = frames.flows_calls(path, stats=st)
+    from polar_proxy.providers import chat_request_of
+
+    df = frames.flows_calls(path, stats=st, translate=chat_request_of)
     assert (st.records, st.other_records) == (1, 1)
     row = df.row(0, named=True)
     assert row["session_id"] == "flowsess" and row["call_id"] == r.call_id and row["policy_version"] == 3

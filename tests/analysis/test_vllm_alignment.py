@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from polar_analysis import alignment, frames
-from polar_analysis.schema import CallRecord
+from polar_core.schema import CallRecord
 from polar_analysis.synthetic import write_capture
 from polar_analysis.trajectories import prefix_merge
 

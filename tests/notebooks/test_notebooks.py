@@ -1,6 +1,6 @@
 """The three notebooks execute headless on the committed real capture and their plots render.
 
-The capture (tests/data/demo-run, see its README) was recorded once by ``polar demo`` through the
+The capture (tests/fixtures/demo-run, see its README) was recorded once by ``polar demo`` through the
 real proxy, a real vLLM and the real Pi harness, with a real ``polar train`` metrics file. The
 notebooks run on a copy, so the frames' Parquet cache never lands in the checkout. Jupyter's config,
 data and runtime dirs are temporary (tests/conftest.py).
@@ -19,10 +19,10 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from polar_runtime.paths import REPO_ROOT
+from polar_core.paths import REPO_ROOT
 
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
-FIXTURE = REPO_ROOT / "tests" / "data" / "demo-run"
+FIXTURE = REPO_ROOT / "tests" / "fixtures" / "demo-run"
 #: For development: run the notebooks on another run directory instead of the fixture.
 RUN_OVERRIDE = os.environ.get("POLAR_TEST_NOTEBOOK_RUN")
 #: Plots each notebook draws (every one must come out as a non-empty PNG).

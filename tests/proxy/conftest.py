@@ -22,8 +22,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from polar_proxy.process import ProxyProcess
-from polar_runtime.scripted_upstream import ServerThread
-from polar_runtime.paths import harness_request_fixtures
+from polar_testing.scripted_upstream import ServerThread
+from polar_core.paths import harness_request_fixtures
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = harness_request_fixtures()

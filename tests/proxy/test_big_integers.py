@@ -3,7 +3,7 @@ or captures: orjson refuses them, so the proxy falls back to the standard librar
 
 import json
 
-from polar_analysis.schema import CallRecord
+from polar_core.schema import CallRecord
 from polar_proxy.capture import encode_record
 from polar_proxy.providers import PROVIDERS
 

@@ -6,7 +6,7 @@ import threading
 import time
 
 from polar_proxy.process import free_port
-from polar_runtime.scripted_upstream import ServerThread
+from polar_testing.scripted_upstream import ServerThread
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi #scenario:text"}]}
 

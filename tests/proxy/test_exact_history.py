@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from polar_runtime.scripted_upstream import ServerThread
+from polar_testing.scripted_upstream import ServerThread
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command",
                                            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}},
@@ -87,7 +87,7 @@ def test_resent_answers_are_spliced_as_sampled(helpers, exact_proxy, session_id,
 
 
 def test_ledger_is_rebuilt_from_the_capture_after_kill_9(helpers, scripted, confdir, tmp_path, session_id) -> None:
-    from addon.process import ProxyProcess
+    from polar_proxy.process import ProxyProcess
 
     cap = tmp_path / "cap"
     proxy = ProxyProcess(scripted.url, cap, confdir=confdir, upstream_timeout=5,

@@ -14,7 +14,7 @@ import pytest
 from mitmproxy import io
 
 from polar_analysis import drift, frames
-from polar_runtime.scripted_upstream import ServerThread, resolve_scenario
+from polar_testing.scripted_upstream import ServerThread, resolve_scenario
 
 ANTHROPIC = {"anthropic-version": "2023-06-01"}
 

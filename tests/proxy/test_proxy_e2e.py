@@ -12,7 +12,7 @@ import copy
 
 import pytest
 
-from polar_runtime.scripted_upstream import DEFAULT_SCENARIOS
+from polar_testing.scripted_upstream import DEFAULT_SCENARIOS
 
 PROVIDERS = {
     # provider: (fixture prefix, hosted API host for regular mode)

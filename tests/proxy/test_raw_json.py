@@ -8,7 +8,7 @@ import uuid
 import orjson
 import pytest
 
-from polar_analysis.schema import CallRecord
+from polar_core.schema import CallRecord
 from polar_proxy import jsonutil
 from polar_proxy.capture import encode_record
 from polar_proxy.engines import TokenData, get_engine

@@ -161,7 +161,7 @@ def test_polar_proxy_cli(upstream, tmp_path):
     import time
     from pathlib import Path
 
-    from polar_proxy.process import ProxyControl
+    from polar_core.control import ProxyControl
 
     port = free_port()
     env = {**os.environ, "POLAR_HOME": str(tmp_path)}

@@ -47,10 +47,10 @@ def test_option_is_validated_in_configure(tmp_path) -> None:
     addon = Polar()
     with taddons.context(addon) as tctx:
         tctx.configure(addon, polar_capture_dir=str(tmp_path), polar_sampling="temperature=1,seed=5")
-        assert addon.sampling == {"temperature": 1.0, "seed": 5}
+        assert addon.state.sampling == {"temperature": 1.0, "seed": 5}
         with pytest.raises(exceptions.OptionsError, match="polar_sampling"):
             tctx.configure(addon, polar_sampling="warmth=3")
-        assert addon.sampling == {"temperature": 1.0, "seed": 5}  # a refused value keeps the old one
+        assert addon.state.sampling == {"temperature": 1.0, "seed": 5}  # a refused value keeps the old one
 
 
 @pytest.mark.slow

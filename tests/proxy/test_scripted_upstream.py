@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 
 from polar_proxy.process import free_port
-from polar_runtime import paths
-from polar_runtime.scripted_upstream import DEFAULT_SCENARIOS, ServerThread, token_logprob
+from polar_core import paths
+from polar_testing.scripted_upstream import DEFAULT_SCENARIOS, ServerThread, token_logprob
 
 TINY = paths.models_dir() / "tiny-qwen"
 
@@ -103,9 +103,9 @@ def test_real_chat_template_prompt_ids(helpers):
 
 
 def test_cli_and_throughput(tmp_path):
-    """``python -m polar_runtime.scripted_upstream`` serves; hundreds of requests per second at least."""
+    """``python -m polar_testing.scripted_upstream`` serves; hundreds of requests per second at least."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "polar_runtime.scripted_upstream", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "polar_testing.scripted_upstream", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         rate = asyncio.run(_hammer(f"http://127.0.0.1:{port}", 600, 16))
@@ -143,7 +143,7 @@ async def _hammer(url: str, n: int, concurrency: int) -> float:
 def test_script_file_per_session(helpers, tmp_path):
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"alice": [{"text": "A0"}, {"text": "A1"}], "*": ["words:2"]}))
-    from polar_runtime.scripted_upstream import Script
+    from polar_testing.scripted_upstream import Script
 
     with ServerThread(script=Script.load(script)) as server:
         def ask(session, n_assistant):

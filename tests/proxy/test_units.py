@@ -15,8 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mitmproxy.test import tflow
 
-from polar_analysis.schema import CallRecord
-from polar_proxy.addon import Call, ChatAccumulator, Polar, SSEStream, synthetic_chunks
+from polar_core.schema import CallRecord
+from polar_proxy.accumulate import ChatAccumulator, synthetic_chunks
+from polar_proxy.addon import Polar
+from polar_proxy.calls import Call
+from polar_proxy.state import ProxyState
+from polar_proxy.streaming import SSEStream
 from polar_proxy.capture import CaptureError, CaptureWriter
 from polar_proxy.engines import get_engine
 from polar_proxy.engines.base import TokenData
@@ -242,12 +246,12 @@ def _vllm_stream() -> tuple[bytes, list[int], list[float]]:
 
 
 def _run_stream(provider: str, pieces: list[bytes]) -> tuple[bytes, Call]:
-    addon = Polar()
+    state = ProxyState()
     flow = tflow.tflow()
     prov = PROVIDERS[provider]
     call = Call(CallRecord(session_id="s", provider=provider), prov, flow)
     call.translator = prov.new_stream("asked-model", None)
-    stream = SSEStream(addon, call)
+    stream = SSEStream(state, call)
     out = []
     for p in pieces + [b""]:
         res = stream(p)
@@ -329,24 +333,27 @@ def test_addon_options_validation_and_commands(tmp_path):
     with taddons.context(addon) as tctx:
         tctx.configure(addon, polar_upstream="http://127.0.0.1:1,127.0.0.1:2", polar_capture_dir=str(tmp_path),
                        polar_upstream_timeout="2.5", polar_intercept_hosts=["api.example.com", "*.corp.dev"])
-        assert [u.url for u in addon.pool.upstreams] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-        assert addon.timeout == 2.5 and addon.writer.root == tmp_path.resolve()
-        assert addon._host_intercepted("api.example.com", 443, None)
-        assert addon._host_intercepted("llm.corp.dev", 443, None)
-        assert addon._host_intercepted("127.0.0.1", 2, None)  # an upstream itself
-        assert not addon._host_intercepted("github.com", 443, None)
+        s = addon.state
+        assert [u.url for u in s.pool.upstreams] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+        assert s.timeout == 2.5 and s.writer.root == tmp_path.resolve()
+        assert addon.intercept.host("api.example.com", 443, None, s.pool)
+        assert addon.intercept.host("llm.corp.dev", 443, None, s.pool)
+        assert addon.intercept.host("127.0.0.1", 2, None, s.pool)  # an upstream itself
+        assert not addon.intercept.host("github.com", 443, None, s.pool)
         for bad in ({"polar_upstream_timeout": "soon"}, {"polar_upstream_timeout": "0"},
                     {"polar_upstream": "ftp://x"}, {"polar_intercept_hosts": ["a b"]},
                     {"polar_max_tokens_cap": -1}, {"polar_pause_timeout": "-1"}, {"polar_engine": "tgi"},
-                    {"polar_proxy_id": "../x"}):
+                    {"polar_proxy_id": "../x"}, {"polar_policy_version": -1}):
             with pytest.raises(exceptions.OptionsError):
                 tctx.configure(addon, **bad)
-        assert addon.timeout == 2.5  # a refused value leaves the old one in place
+        assert s.timeout == 2.5  # a refused value leaves the old one in place
         tctx.configure(addon, polar_engine="sglang", polar_policy_version=3)
-        assert addon.engine.name == "sglang" and addon.policy_version == 3
+        assert s.engine.name == "sglang" and s.policy_version == 3
+        tctx.configure(addon, polar_policy_version=None)  # unset: unknown
+        assert s.policy_version is None
         tctx.command(addon.pause_cmd)
-        assert addon.paused and json.loads(tctx.command(addon.status_cmd))["paused"] is True
+        assert s.gate.paused and json.loads(tctx.command(addon.status_cmd))["paused"] is True
         tctx.command(addon.resume_cmd)
-        assert not addon.paused
+        assert not s.gate.paused
         tctx.configure(addon, polar_pause=True)
-        assert addon.paused
+        assert s.gate.paused

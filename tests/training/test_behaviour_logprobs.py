@@ -1,5 +1,5 @@
 """The trainer's logprobs against vLLM's, on a real capture (Pi + Qwen2.5-Coder-0.5B, the demo run
-in tests/data/demo-run): where a token is trained in the context it was sampled in, the float32
+in tests/fixtures/demo-run): where a token is trained in the context it was sampled in, the float32
 trainer must reproduce vLLM's (float32, CPU) logprob; where a non-exact prefix merge changed that
 context, the gap is what the trainer's mismatch_kl reports."""
 
@@ -16,7 +16,7 @@ from polar_training.policy import policy_logprobs
 
 pytestmark = pytest.mark.slow
 
-STEP0 = Path(__file__).resolve().parents[1] / "data" / "demo-run" / "trajectories" / "step-0.parquet"
+STEP0 = Path(__file__).resolve().parents[1] / "fixtures" / "demo-run" / "trajectories" / "step-0.parquet"
 
 
 @pytest.fixture(scope="module")

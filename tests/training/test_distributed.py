@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from polar_training.distributed import parity
+from polar_training.parity import parity
 
 
 @pytest.mark.slow
@@ -22,7 +22,7 @@ def test_two_process_fsdp2_matches_one_process(small_qwen_dir, make_frame, tmp_p
     env["OMP_NUM_THREADS"] = "1"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "polar_training.distributed", "parity",
+        "-m", "polar_training.parity", "parity",
         "--model", str(small_qwen_dir), "--trajectories", str(traj), "--out", str(tmp_path / "two.pt"),
         "--token-budget", budget,
     ]  # fmt: skip

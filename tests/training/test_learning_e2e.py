@@ -16,6 +16,8 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+
+from polar_core.net import OPENER  # never via HTTP(S)_PROXY
 import torch
 
 PROMPTS = (
@@ -73,8 +75,7 @@ def _chat(url: str, prompt: str, session: str, task: str, sample: int, seed: int
         "x-polar-sample": str(sample),
     }
     req = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(), headers)
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(req, timeout=300) as resp:
+    with OPENER.open(req, timeout=300) as resp:
         assert resp.status == 200
         return json.loads(resp.read())
 

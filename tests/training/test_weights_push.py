@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from polar_core.net import OPENER  # never via HTTP(S)_PROXY
 from polar_training import checkpoint as ckpt
 from polar_training.weights_push import PushError, push_weights
 
@@ -184,7 +185,7 @@ def test_bare_url_uses_collective_rpc_and_resets_the_prefix_cache(fake, tmp_path
 
 
 def _served_prompt_logprobs(server, ids):
-    from polar_runtime.serve import http_json
+    from polar_core.net import http_json
 
     out = http_json(
         f"{server.base_url}/v1/completions",
@@ -202,8 +203,7 @@ def _chat(url: str, session: str, results: dict, key: str) -> None:
     req = urllib.request.Request(
         f"{url}/v1/chat/completions", json.dumps(body).encode(), {"content-type": "application/json", "x-polar-session": session}
     )
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(req, timeout=300) as resp:
+    with OPENER.open(req, timeout=300) as resp:
         results[key] = (resp.status, json.loads(resp.read()))
 
 

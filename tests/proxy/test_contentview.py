@@ -1,0 +1,136 @@
+"""The Polar content view: a captured call's tokens in mitmproxy, from the committed real capture.
+
+tests/fixtures/demo-run/captures holds real Pi sessions (0.5B on vLLM through the proxy) and the flows
+the proxy saved while recording them (``save_stream_file``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mitmproxy import io
+from mitmproxy.http import HTTPFlow
+
+from polar_proxy import contentview as cv
+from polar_core.paths import REPO_ROOT
+
+FIXTURE = REPO_ROOT / "tests" / "fixtures" / "demo-run" / "captures"
+MITMDUMP = Path(sys.executable).with_name("mitmdump")
+
+
+def _flows(path: Path) -> list[HTTPFlow]:
+    with open(path, "rb") as fh:
+        return [f for f in io.FlowReader(fh).stream() if isinstance(f, HTTPFlow)]
+
+
+def _records() -> dict[str, dict]:
+    out = {}
+    for p in (FIXTURE / "sessions").glob("*.jsonl"):
+        for line in p.read_text().splitlines():
+            rec = json.loads(line)
+            out[rec["call_id"]] = rec
+    return out
+
+
+@pytest.fixture
+def capture(tmp_path: Path) -> Path:
+    """A copy of the fixture capture (flows.mitm next to sessions/, as the demo saves it)."""
+    target = tmp_path / "captures"
+    shutil.copytree(FIXTURE, target, ignore=shutil.ignore_patterns(".polar-cache"))
+    return target
+
+
+def test_flows_carry_polar_annotations() -> None:
+    flows = _flows(FIXTURE / "flows.mitm")
+    calls = [f for f in flows if cv.polar_meta(f)]
+    records = _records()
+    assert len(calls) == len(records) >= 3
+    for f in calls:
+        meta, rec = f.metadata["polar"], records[f.metadata["polar"]["call_id"]]
+        assert meta["session"] == rec["session_id"] and meta["provider"] == rec["provider"] == "openai_chat"
+        assert meta["prompt_tokens"] == len(rec["prompt_token_ids"])
+        assert meta["sampled_tokens"] == len(rec["sampled_token_ids"])
+        assert meta["finish_reason"] == rec["finish_reason"]
+        assert f.comment.startswith(f"polar openai_chat session={rec['session_id']}#{rec['call_index']}")
+
+
+def test_view_renders_every_token_with_its_loss_mask_style(capture: Path) -> None:
+    flow = next(f for f in _flows(capture / "flows.mitm") if cv.polar_meta(f))
+    rec = _records()[flow.metadata["polar"]["call_id"]]
+    view = cv.PolarTokensView()
+    assert view.render_priority(flow.request.content, flow=flow, http_message=flow.request) > 1
+    assert view.render_priority(b"{}", flow=flow, http_message=flow.response) == 0
+    found, source = cv.find_record(rec["session_id"], rec["call_id"], [capture])
+    assert found == rec and source == capture / "sessions" / f"{rec['session_id']}.jsonl"
+    tok = cv.tokenizer_for(rec["served_model"])
+    assert tok is not None, "the 0.5B tokenizer is built by setup"
+    lines = list(cv.render_call(flow.metadata["polar"], found, source, tok))
+    pieces = [p for line in lines for p in line]
+    assert sum(1 for style, _ in pieces if style == cv.PROMPT_STYLE) == len(rec["prompt_token_ids"])
+    n_sampled = len(rec["sampled_token_ids"])
+    # every sampled token twice: in the token stream and in the logprob table
+    assert sum(1 for style, _ in pieces if style == cv.SAMPLED_STYLE) == 2 * n_sampled
+    table = [line for line in lines if len(line) == 2 and line[1][0] == cv.SAMPLED_STYLE and line[0][0] == ""]
+    assert len(table) == n_sampled
+    for k, line in enumerate(table):
+        pos, tid, lp = line[0][1].split()[:3]
+        assert int(pos) == len(rec["prompt_token_ids"]) + k and int(tid) == rec["sampled_token_ids"][k]
+        assert float(lp) == pytest.approx(rec["sampled_logprobs"][k], abs=5e-5)
+    text = "".join(t for _, t in pieces)
+    assert "<|im_start|>" in text and f"boundary at {len(rec['prompt_token_ids'])}" in text
+
+
+def test_view_without_capture_says_where_it_looked(tmp_path: Path) -> None:
+    flow = next(f for f in _flows(FIXTURE / "flows.mitm") if cv.polar_meta(f))
+    rec, source = cv.find_record(flow.metadata["polar"]["session"], flow.metadata["polar"]["call_id"], [tmp_path])
+    assert rec is None and source is None
+    lines = list(cv.render_call(flow.metadata["polar"], None, None, None))
+    text = "\n".join("".join(t for _, t in line) for line in lines)
+    assert "not found" in text and str(flow.metadata["polar"]["sampled_tokens"]) in text
+
+
+@pytest.mark.slow
+def test_mitmdump_flow_detail_shows_the_view(capture: Path, tmp_path: Path) -> None:
+    """``mitmdump -nr flows.mitm --flow-detail 4 -s addon/polar.py``: no capture dir given, the
+    view finds sessions/ next to the flow file and prints every call's tokens."""
+    empty = tmp_path / "proxy-writes-here"
+    proc = subprocess.run(
+        [str(MITMDUMP), "-nr", str(capture / "flows.mitm"), "--flow-detail", "4", "-s", str(REPO_ROOT / "addon" / "polar.py"),
+         "--set", f"confdir={tmp_path / 'mitm'}", "--set", f"polar_capture_dir={empty}"],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    records = _records()
+    for rec in records.values():
+        assert f"session         {rec['session_id']} #{rec['call_index']}" in out
+        assert f"--- prompt: {len(rec['prompt_token_ids'])} ids, loss_mask 0 ---" in out
+        assert f"--- sampled: {len(rec['sampled_token_ids'])} ids, loss_mask 1" in out
+    assert out.count("tokens from     " + str(capture / "sessions")) == len(records)
+    assert "not found" not in out
+    assert not any(empty.rglob("*.jsonl")), "reading flows must not capture anything"
+
+
+def test_polar_flows_reads_the_saved_flows_into_the_capture_frame(capture: Path, tmp_path: Path) -> None:
+    """`polar flows FILE --capture DIR`: the flows saved by the proxy become the same calls frame as
+    the capture directory (token ids joined by call id, never re-derived)."""
+    import polars as pl
+    from typer.testing import CliRunner
+
+    from polar_analysis import frames
+    from polar_runtime.cli import app
+
+    out = tmp_path / "flows.parquet"
+    res = CliRunner().invoke(app, ["flows", str(capture / "flows.mitm"), "--capture", str(capture), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    from_flows = pl.read_parquet(out).sort("call_id")
+    from_capture = frames.calls(capture, rewards=None).collect().sort("call_id")
+    assert from_flows["call_id"].to_list() == from_capture["call_id"].to_list()
+    for col in ("session_id", "call_index", "provider", "finish_reason", "prompt_token_ids", "sampled_token_ids",
+                "sampled_logprobs", "policy_version", "status"):
+        assert from_flows[col].to_list() == from_capture[col].to_list(), col

@@ -1,0 +1,179 @@
+"""``polar demo``: Ctrl-C stops what it started, and a reduced run completes end to end.
+
+The reduced run serves tiny-qwen (2 layers, the real Qwen2.5 tokenizer and template) on the real
+vLLM, runs the real Pi harness through the real proxy on one built-in task, trains one GRPO step,
+pushes the weights in place, runs again, executes the notebooks and writes the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from polar_runtime import demo
+from polar_runtime import harnesses as h
+from polar_runtime import rollout as r
+from polar_core.paths import REPO_ROOT
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_stop_children_signals_each_process_group_but_the_excluded() -> None:
+    keep = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    older = set(demo._children(os.getpid()))  # `keep`, and any server another test left running
+    procs = [subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(2)]
+    try:
+        assert set(demo.stop_children(exclude=older)) == {p.pid for p in procs}
+        for p in procs:
+            assert p.wait(5) == -signal.SIGTERM
+        assert keep.poll() is None
+    finally:
+        for p in [keep, *procs]:
+            p.kill()
+            p.wait()
+
+
+def test_ctrl_c_stops_the_running_harness_and_keeps_no_result(tmp_path: Path) -> None:
+    """SIGINT during a rollout: the harness (its own process group) is killed at once, the
+    interrupted sample leaves no result (a re-run redoes it), KeyboardInterrupt reaches the caller."""
+    marker = tmp_path / "started"
+    preset = h.get_preset("generic", f"touch {marker}; sleep 60; echo late > late.txt")
+    task = r.Task(id="slow", instruction="wait", evaluator="test -f late.txt")
+    endpoint = h.Endpoint(mode="base_url", base_url="http://127.0.0.1:9")
+    cfg = r.RolloutConfig(tasks=[task], preset=preset, endpoint=endpoint, capture_dir=tmp_path / "cap",
+                          model="m", samples=2, concurrency=2, timeout=120)
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 20
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with demo.interruptible() as stop:
+            demo.run_rollouts(cfg, None, stop, "test")
+    assert time.monotonic() - t0 < 30
+    assert not list((tmp_path / "cap").rglob("late.txt"))
+    assert r.ResultStore(tmp_path / "cap").rows() == []
+    time.sleep(0.5)
+    assert [p for p in demo._children(os.getpid()) if _alive(p)] == []
+
+
+#: Sample 0 of step 0 passes, every other sample fails: step 0 has a group with reward variance (one
+#: GRPO update, one push), step 1 has none (its update is skipped, no push), step 2 is the final
+#: rollout. tiny-qwen's random weights cannot solve a real task, so the verdict comes from the session.
+VARIANCE_ONCE = {"id": "echo", "instruction": "Say hello.",
+                 "evaluator": 'case "$POLAR_SESSION" in *.st0.s0) exit 0;; esac; exit 1'}
+
+
+@pytest.mark.vllm
+@pytest.mark.harness
+@pytest.mark.slow
+def test_reduced_demo_end_to_end(tmp_path: Path, tiny_qwen_dir: Path) -> None:
+    """`polar demo` as a newcomer runs it: the installed script, a *relative* --out and --tasks, from a
+    directory that is not the repository root (the harness runs in its own cwd: every path it is
+    given must be absolute)."""
+    pi = h.get_preset("pi-chat")
+    if not pi.installed():
+        pytest.fail("Pi is not installed: run `polar harness install pi` (setup does)")
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    (cwd / "tasks.jsonl").write_text(json.dumps(VARIANCE_ONCE) + "\n")
+    out = cwd / "run"
+    polar = Path(sys.executable).with_name("polar")
+    cmd = [str(polar), "demo", "--model", "tiny-qwen", "--tasks", "tasks.jsonl", "--samples", "2", "--iterations", "2",
+           "--max-tokens", "16", "--timeout", "300", "--max-model-len", "8192", "--server-during-train", "keep",
+           "--out", "run"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    wall = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    text = proc.stdout
+    for needle in ("polar demo: report", "calls captured:", "reward before/after:", "phase times", "where things are"):
+        assert needle in text
+
+    report = json.loads((out / "report.json").read_text())
+    print(f"reduced demo: {wall:.0f} s; phases " + ", ".join(f"{p['name']} {p['seconds']:.0f}s" for p in report["phases"]))
+    assert report["config"]["out"] == str(out)  # resolved against the cwd, once
+    assert [s["step"] for s in report["steps"]] == [0, 1, 2]
+    for s in report["steps"]:
+        assert s["rewards"]["samples"] == 2 and s["rewards"]["calls"] > 0
+        assert s["trajectories"]["coverage"] == 1.0
+        assert s["trajectories"]["sampled_tokens"] == s["trajectories"]["covered_tokens"] > 0
+    assert [s["rewards"]["solved"] for s in report["steps"]] == [1, 0, 0]
+    trained, skipped = report["training"]
+    assert trained["groups_with_variance"] == ["echo.st0"] and not trained["skipped"]
+    assert trained["push"] is not None, trained["note"]
+    assert trained["push"]["policy_version"] == 1 and trained["push"]["method"] == "reload_weights"
+    assert skipped["skipped"] and skipped["push"] is None and skipped["groups_with_variance"] == []
+    assert "zero reward variance" in skipped["note"] and report["skipped_steps"] == 1
+    assert [s["policy_version"] for s in report["steps"]] == [0, 1, 1]
+    assert trained["peak_rss_gib"] > 0
+    assert any(n.startswith("probe max |dlogp|") for n in trained["push"]["notes"])
+    assert Path(trained["checkpoint"]).is_dir()
+
+    from polar_analysis import frames
+
+    calls = frames.calls(out / "captures", rewards=None).collect()
+    # step 0 ran on policy v0, steps 1 and 2 on the pushed v1: the proxy recorded which weights served each call
+    versions = dict(calls.select(pl.col("session_id").str.extract(r"\.st(\d)\.").alias("step"), "policy_version")
+                    .unique().iter_rows())
+    assert versions == {"0": 0, "1": 1, "2": 1}
+    # the demo's sampling is enforced and seeded per call (a rerun samples the same tokens)
+    sent = [c["normalized_request"] for c in calls.select("normalized_request").to_series().to_list()]
+    assert all(r["temperature"] == 1.0 and r["top_p"] == 1.0 and r["top_k"] == -1 and "seed" in r for r in sent)
+    assert report["captures"]["calls"] == calls.height >= 6
+    assert (out / "captures" / "flows.mitm").stat().st_size > 0
+    assert len(list((out / "trajectories").glob("step-*.parquet"))) == 3
+    metrics = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 1 and metrics[0]["n_sampled_tokens"] == report["steps"][0]["trajectories"]["sampled_tokens"]
+    assert not list(out.rglob("work/run")), "a relative path was resolved inside a harness's work dir"
+
+    import nbformat
+
+    executed = sorted((out / "notebooks").glob("*.ipynb"))
+    assert [p.name for p in executed] == [p.name for p in sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))]
+    for p in executed:
+        nb = nbformat.read(p, as_version=4)
+        assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"], p
+    assert {ph["name"] for ph in report["phases"]} >= {"setup", "serve", "proxy", "rollout 0", "trajectories 0",
+                                                       "train 0", "push 0", "rollout 1", "rollout 2", "notebooks"}
+    assert "train 1" not in {ph["name"] for ph in report["phases"]}
+
+
+@pytest.mark.vllm
+@pytest.mark.harness
+@pytest.mark.slow
+def test_demo_stops_at_the_first_step_that_captured_nothing(tmp_path: Path, tiny_qwen_dir: Path) -> None:
+    """Every sample killed by a 1 s timeout: the demo stops after rollout 0 with exit 1, naming the
+    harness, the first sample's error and its stderr log; it trains nothing and runs no more steps."""
+    (tmp_path / "tasks.jsonl").write_text(json.dumps(VARIANCE_ONCE) + "\n")
+    polar = Path(sys.executable).with_name("polar")
+    cmd = [str(polar), "demo", "--model", "tiny-qwen", "--tasks", "tasks.jsonl", "--samples", "2", "--timeout", "1",
+           "--max-model-len", "4096", "--out", "run", "--no-notebooks"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    text = " ".join(proc.stdout.split())
+    assert "polar demo failed: rollout step 0 produced nothing to learn from: pi-chat: all 2 samples failed or timed out" in text
+    assert "killed after 1 s" in text
+    assert str(tmp_path / "run" / "captures" / "work" / "echo.st0.s0" / "logs" / "pi-chat.stderr") in proc.stdout.replace("\n", "")
+    assert "train 0" not in text and "rollout 1" not in text and "Traceback" not in proc.stdout + proc.stderr
