@@ -46,6 +46,7 @@ from .calls import client_gone, restore_request
 from .capture import CaptureWriter
 from .engines import ENGINES, get_engine
 from .exact_history import ExactHistory
+from .providers import media
 from .httputil import scrub
 from .intercept import DEFAULT_INTERCEPT_HOSTS, Interception
 from .state import ProxyState
@@ -95,6 +96,10 @@ class Polar:
                           "'temperature=1,top_p=1,top_k=-1,seed=7' (seed: a base, each call gets its own seed "
                           "derived from it, the session and the call index). Unset: the harness's (or vLLM's "
                           "generation-config defaults).")
+        loader.add_option("polar_media", str, "placeholder",
+                          "Images and documents in requests: placeholder (a short text in their place, for a "
+                          "text-only served model) or pass (images reach a model that reads them).",
+                          choices=list(media.MODES))
         loader.add_option("polar_fsync", bool, False, "fsync the capture file after every record (slow).")
         loader.add_option("polar_stream_at_once", bool, True,
                           "A stream that has wholly arrived when the proxy first looks (the proxy is behind) "
@@ -119,6 +124,7 @@ class Polar:
         s.max_tokens_cap = o.polar_max_tokens_cap or 0
         s.passthrough = o.polar_passthrough
         s.stream_at_once = o.polar_stream_at_once
+        s.media_mode = o.polar_media
         s.served_model = o.polar_served_model or ""
         if "polar_upstream_timeout" in updated:
             s.timeout = _seconds(o.polar_upstream_timeout, "polar_upstream_timeout")
@@ -316,11 +322,22 @@ class Polar:
         if call is None or call.ticket is None or flow.response is None:
             if flow.response is not None and (flow.metadata.get("polar") or {}).get("passthrough"):
                 scrub(flow)  # already sent upstream: keep secrets out of saved flows
+                if "set-cookie" in flow.response.headers:
+                    # the client gets its headers now (streamed body); ``response`` then removes
+                    # the cookies before the flow is saved
+                    flow.response.stream = True
             return
         restore_request(call)
         flow.response.stream = streaming.SSEStream(self.state, call)  # the relay's head is already the harness's
 
+    def response(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None and (flow.metadata.get("polar") or {}).get("passthrough") \
+                and flow.response.stream and "set-cookie" in flow.response.headers:
+            del flow.response.headers["set-cookie"]  # already sent: out of saved flows
+
     def error(self, flow: http.HTTPFlow) -> None:
+        if (flow.metadata.get("polar") or {}).get("passthrough"):
+            scrub(flow)  # failed before any response: responseheaders never ran
         call = self.state.calls.get(flow.id)
         if call is None or call.finalized:
             return

@@ -57,6 +57,7 @@ class Call:
         self.stream_done = False  # [DONE] seen, or an error emitted: ignore what follows
         self.cancelled = False  # the harness went away: a broken upstream read is our doing
         self.native_size = 0  # bytes of the harness's request body
+        self.max_tokens_sent: int | None = None  # None: the engine's default (the room left)
         self.relay_restore: tuple | None = None  # the request's own target and body while relayed
 
 

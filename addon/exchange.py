@@ -27,11 +27,11 @@ from mitmproxy import http
 from polar_core.schema import CallRecord
 from polar_proxy import jsonutil
 
-from . import sampling
+from . import budget, sampling
 from .accumulate import synthetic_chunks
 from .calls import Call, answer_error, fail, finalize, guess_provider, is_context_error
 from .httputil import header_dict, make_response, scrub
-from .providers import detect_provider
+from .providers import detect_provider, media
 from .providers.base import NormalizedCall, ProviderError
 from .sessions import SessionError, harness_name, resolve_session, scrub_query_string
 from .side_calls import provider_side_call, side_call
@@ -40,9 +40,6 @@ from .streaming import answer_finished_stream, to_relay
 from .upstreams import Upstream, model_info
 
 log = logging.getLogger("polar")
-
-#: Never set max_tokens below this because of our (rough) prompt estimate; the engine clamps anyway.
-MIN_MAX_TOKENS = 64
 
 
 async def model_call(s: ProxyState, flow: http.HTTPFlow) -> None:
@@ -143,6 +140,7 @@ async def model_call(s: ProxyState, flow: http.HTTPFlow) -> None:
         log.warning(f"polar: {provider.name}.to_chat failed: {exc!r}")
         fail(s, call, 400, "invalid_request", f"could not translate request: {exc}")
         return
+    media.settle(normalized, s.media_mode)  # images: placeholders for a text-only model
     call.normalized = normalized
     rec.requested_model = normalized.requested_model or ""
     rec.stream = bool(normalized.stream)
@@ -166,20 +164,15 @@ async def model_call(s: ProxyState, flow: http.HTTPFlow) -> None:
 
 
 def prepare(s: ProxyState, call: Call, normalized: NormalizedCall, up: Upstream, stream_upstream: bool) -> dict[str, Any]:
-    """The chat request for ``up``: its served model, max_tokens within its context, stream options."""
+    """The chat request for ``up``: its served model, the output budget (budget.py), stream options."""
     chat = dict(normalized.chat_request)
     chat["model"] = up.served_model
     requested = chat.pop("max_completion_tokens", None)
-    requested = chat.get("max_tokens") or requested
-    limits = [int(requested)] if requested else []
-    if s.max_tokens_cap:
-        limits.append(s.max_tokens_cap)
-    if up.max_model_len:
-        est = call.native_size // 4  # the harness's body: messages and tools, ~4 bytes a token
-        limits.append(max(min(MIN_MAX_TOKENS, up.max_model_len), up.max_model_len - est))
-        limits.append(up.max_model_len)
-    if limits:
-        chat["max_tokens"] = max(1, min(limits))
+    requested = chat.pop("max_tokens", None) or requested
+    # No guess at the prompt length: the engine knows it (see budget.py).
+    call.max_tokens_sent = budget.output_budget(requested, s.max_tokens_cap, up.max_model_len)
+    if call.max_tokens_sent is not None:
+        chat["max_tokens"] = call.max_tokens_sent
     if s.sampling:
         sampling.apply(chat, s.sampling, call.record.session_id, call.record.call_index)
     call.record.sampling = sampling.effective(chat, up.sampling_server, s.sampling)
@@ -262,6 +255,10 @@ async def exchange(s: ProxyState, call: Call, normalized: NormalizedCall) -> Non
     rec.t_upstream_first_byte = time.time()
     up = call.upstream
     assert up is not None
+    if resp.status == 400 and call.max_tokens_sent is not None:
+        resp = await budget_retry(s, call, resp, chat, stream_upstream)
+        if resp is None:
+            return
     if resp.status != 200:
         await upstream_status_error(s, call, resp)
         return
@@ -298,6 +295,7 @@ async def exchange(s: ProxyState, call: Call, normalized: NormalizedCall) -> Non
         fail(s, call, 502, "upstream_error", f"upstream sent malformed JSON: {raw[:200]!r}")
         return
     s.engine.read_response(answer, call.tokens)
+    budget.mark_cut(call, answer)
     call.acc.feed_whole(answer)
     try:
         if rec.stream:  # synthetic stream mode
@@ -319,16 +317,63 @@ async def exchange(s: ProxyState, call: Call, normalized: NormalizedCall) -> Non
     call.flow.response = make_response(200, content, headers)
 
 
-async def upstream_status_error(s: ProxyState, call: Call, resp: aiohttp.ClientResponse) -> None:
+async def budget_retry(s: ProxyState, call: Call, resp: aiohttp.ClientResponse, chat: dict[str, Any],
+                       stream_upstream: bool) -> aiohttp.ClientResponse | None:
+    """An engine that refuses a ``max_tokens`` above the room its real prompt leaves (older
+    vLLM) says how long the prompt is: ask once more with exactly that room."""
+    raw = await _read_quietly(resp)
+    room = budget.room_from_error(_error_message(raw))
+    up = call.upstream
+    if room is None or call.finalized or s.http is None or up is None:
+        if not call.finalized:
+            await upstream_status_error(s, call, resp, raw)
+        return None
+    rec = call.record
+    chat["max_tokens"] = call.max_tokens_sent = room[0]
+    rec.translation_notes.append(f"max_tokens lowered to the {room[0]} tokens the {room[1]}-token prompt leaves")
+    body = jsonutil.dumps(chat)
+    rec.normalized_request = jsonutil.raw_json(body) or chat
+    try:
+        return await s.http.post(
+            up.url + "/v1/chat/completions", data=body,
+            headers={"content-type": "application/json", "x-polar-session": rec.session_id,
+                     "x-request-id": rec.call_id,
+                     "accept": "text/event-stream" if stream_upstream else "application/json"},
+            timeout=s.client_timeout())
+    except asyncio.TimeoutError:
+        fail(s, call, 504, "timeout", f"upstream {up.url} did not answer within {s.timeout:g}s")
+    except (aiohttp.ClientError, OSError) as exc:
+        fail(s, call, 502, "upstream_refused", f"upstream {up.url} failed: {exc}")
+    return None
+
+
+async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
+    """An error answer's body (empty if it cannot be read); the connection is released."""
+    try:
+        return await resp.read()
+    except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
+        return b""
+    finally:
+        resp.release()
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        err = orjson.loads(raw).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return raw.decode("utf-8", "replace")
+    if isinstance(err, dict):
+        return str(err.get("message") or "")
+    return err if isinstance(err, str) else raw.decode("utf-8", "replace")
+
+
+async def upstream_status_error(s: ProxyState, call: Call, resp: aiohttp.ClientResponse,
+                                raw: bytes | None = None) -> None:
     """A non-200 answer from the upstream, as the error kind and status the harness understands."""
     up = call.upstream
     assert up is not None
-    try:
-        raw = await resp.read()
-    except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
-        raw = b""
-    finally:
-        resp.release()
+    if raw is None:
+        raw = await _read_quietly(resp)
     message = raw.decode("utf-8", "replace")[:2000]
     try:
         err = orjson.loads(raw).get("error")

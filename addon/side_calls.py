@@ -20,6 +20,7 @@ from polar_proxy import jsonutil
 
 from .calls import answer_error
 from .httputil import json_response
+from .providers import media
 from .providers.base import Provider, ProviderError
 from .state import ProxyState
 from .upstreams import model_info
@@ -74,6 +75,7 @@ async def provider_side_call(s: ProxyState, flow: http.HTTPFlow, provider: Provi
     if kind != "count_tokens":
         answer_error(flow, provider, 404, "not_found", f"polar: unsupported side call {kind}")
         return
+    media.settle(normalized, s.media_mode)
     count = await _count_tokens(s, normalized.chat_request)
     json_response(flow, 200, provider.count_tokens_answer(count))
 

@@ -37,6 +37,7 @@ class ProxyState:
         self.stream_mode = "passthrough"
         self.stream_at_once = True
         self.max_tokens_cap = 0
+        self.media_mode = "placeholder"  # polar_media: images for a text-only model (providers/media.py)
         self.sampling: dict[str, Any] = {}  # polar_sampling, enforced on every call (see sampling.py)
         self.passthrough = False
         self.served_model = ""  # polar_served_model; empty: ask the upstream

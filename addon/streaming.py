@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from .budget import mark_cut
 from .calls import Call, finalize, is_context_error
 from .httputil import make_response
 from .state import ProxyState
@@ -114,6 +115,7 @@ class SSEStream:
             msg = str(err.get("message", "upstream error"))
             return stream_failed(self.state, call, "context_length" if is_context_error(msg) else "upstream_error", msg)
         engine.read_chunk(chunk, call.tokens)  # ids first: kept even if translation fails
+        mark_cut(call, chunk)
         try:
             call.acc.feed_chunk(chunk)
             assert call.translator is not None

@@ -38,6 +38,7 @@ from typing import Any, Callable
 import numpy as np
 import polars as pl
 
+from polar_core.compaction import compaction_of
 from polar_analysis.trajectories.common import (
     Call,
     TemplateInfo,
@@ -261,6 +262,11 @@ def classify_pair(prev: Call, nxt: Call, template: TemplateInfo | None = None) -
     if pm is not None and nm is not None:
         tp, tn = _turns(pm), _turns(nm)
         prev_tools, next_tools = _tools_key(prev), _tools_key(nxt)
+        kind = compaction_of(nm)
+        if kind is not None:  # a summary call, or a history that restarts from a summary
+            drift.cause = "compacted"
+            drift.detail = f"{kind}: {len(tp)} -> {len(tn)} turns"
+            return drift
         if (prev_tools != "[]" and next_tools == "[]") or len(tn) < len(tp):
             drift.cause = "compacted"
             drift.detail = f"{len(tp)} -> {len(tn)} turns, tools {'removed' if next_tools == '[]' else 'kept'}"
@@ -320,7 +326,13 @@ def drift_report(calls_lf: pl.LazyFrame, template: TemplateInfo | None = None) -
                 continue
             prev = predecessor(call, seen)
             base = {"session_id": session_id, "call_id": call.call_id, "call_index": call.call_index}
-            if prev is None:
+            kind = compaction_of(_messages(call)) if prev is None and seen else None
+            if kind is not None:  # the history was replaced by a summary: a break, named
+                last = seen[-1]
+                rows.append(base | {"prev_call_id": last.call_id, "prev_call_index": last.call_index, "exact": False,
+                                    "cause": "compacted", "detail": kind,
+                                    "common_prefix": lcp(last.prompt, call.prompt)})
+            elif prev is None:
                 rows.append(base | {"cause": "new_conversation", "exact": False})
             else:
                 d = classify_pair(prev, call, template)

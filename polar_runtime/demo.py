@@ -19,7 +19,7 @@ Phases (each timed; Ctrl-C or SIGTERM stops everything the demo started):
 8. rollouts again with the new policy (phases 4-7 repeat ``--iterations`` times), the notebooks
    executed on the run, and a short report (also written to ``<out>/report.json``).
 
-On CPU the default run is small on purpose (2 tasks x 4 samples, answers capped at 256 tokens):
+On CPU the default run is small on purpose (2 tasks x 6 samples, answers capped at 256 tokens):
 the 0.5B model decodes ~7 tokens/s on two cores. The two default tasks (hello-file, make-dir) are
 the built-in ones the base model solves sometimes but not always (docs/tasks.md has the measured
 table): a group whose samples all score alike has zero advantages, and a step without any group
@@ -74,7 +74,7 @@ class DemoConfig:
     tasks: str = "coding"
     task_ids: list[str] = field(default_factory=list)
     n_tasks: int = 2
-    samples: int = 4
+    samples: int = 6
     iterations: int = 1
     max_tokens: int = 256
     temperature: float = 1.0  # plain sampling at this temperature, enforced by the proxy (polar_sampling)
@@ -381,7 +381,11 @@ def train_step(cfg: DemoConfig, model_dir: Path, trajectories: Path) -> TrainRes
     run = cfg.out / "train"
     cmd = [sys.executable, "-m", "polar_training", "--model", str(model_dir), "-t", str(trajectories),
            "-o", str(run), "--lr", repr(cfg.lr), "--kl-coef", repr(cfg.kl_coef),
-           "--token-budget", str(max(4096, cfg.max_model_len // 2)), "--dtype", "bfloat16" if cfg.gpu else "float32"]
+           "--token-budget", str(max(4096, cfg.max_model_len // 2)), "--dtype", "bfloat16" if cfg.gpu else "float32",
+           # Groups whose samples all scored alike carry no policy-gradient signal (every advantage
+           # is 0): leaving them out (as DAPO's dynamic sampling does) saves their forward/backward,
+           # minutes per group of long agent sequences on a CPU.
+           "--drop-zero-variance"]
     if not cfg.gpu:
         cmd.append("--gradient-checkpointing")
     before = ckpt.latest_checkpoint(run) if run.exists() else None

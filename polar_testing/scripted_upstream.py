@@ -13,7 +13,8 @@ fail on demand. It speaks vLLM's chat-completions dialect with ``return_token_id
 * ``GET /v1/models`` with ``max_model_len``, ``POST /tokenize``, ``GET /health``.
 
 What to answer comes from a script: built-in scenarios (``text``, ``reasoning``, ``tool``,
-``tools2``, ``length``, ``words:N``) or a JSON script file (a list of turns, or a dict of lists keyed
+``tools2``, ``length``, ``summary``, ``words:N``; a harness's compaction request, recognized by
+``polar_core.compaction``, always gets ``summary``) or a JSON script file (a list of turns, or a dict of lists keyed
 by session id with ``"*"`` as default). The turn is the number of assistant messages in the request.
 Directives in the last user message override it: ``#scenario:NAME`` and ``#fault:KIND`` where KIND
 is ``500``, ``429``, ``hang``, ``hang_stream``, ``cut``, ``refuse`` or ``context``; the header
@@ -45,6 +46,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from polar_core.compaction import compaction_of
+
 DEFAULT_SCENARIOS: dict[str, dict[str, Any]] = {
     "text": {"text": "Hello from the scripted upstream. The file is ready."},
     "reasoning": {"reasoning": "The user wants a number. 42 is a fine one.", "text": "The answer is 42."},
@@ -58,6 +61,9 @@ DEFAULT_SCENARIOS: dict[str, dict[str, Any]] = {
             {"name": "read", "arguments": {"path": "README.md"}},
         ]
     },
+    # What a harness's compaction (summary) request is answered with.
+    "summary": {"text": "Summary: the task is under way; the steps so far ran and wrote their files. "
+                        "Next: finish the remaining steps, then report."},
     # Sampled tokens but no visible content: a tool call cut by max_tokens (the parser hides it).
     "length": {"raw": '<tool_call>\n{"name": "bash", "arguments": {"command": "cat very', "finish_reason": "length"},
 }
@@ -75,7 +81,7 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
 
 FAULTS = ("500", "429", "hang", "hang_stream", "cut", "refuse", "context")
 
-_DIRECTIVE_RE = re.compile(r"#(scenario|fault|delay|send):([A-Za-z0-9_:.-]+)")
+_DIRECTIVE_RE = re.compile(r"#(scenario|fault|delay|send|budget):([A-Za-z0-9_:.-]+)")
 _WORD_RE = re.compile(r"\s*\S+|\s+")
 EOS_TEXT = "<|im_end|>"
 SYSTEM_FINGERPRINT = "vllm-scripted"
@@ -275,8 +281,13 @@ class ScriptedUpstream:
         tokenizer: str | Path | Any | None = None,
         script: Script | None = None,
         log_size: int = 64,
+        reject_large_max_tokens: bool = False,
+        summary: Any = "summary",
     ):
         self.served_model = served_model
+        self.reject_large_max_tokens = reject_large_max_tokens
+        #: the answer to a harness's compaction (summary) request: a scenario name or a turn
+        self.summary = summary
         self.max_model_len = max_model_len
         self.tok = Tokenizer(tokenizer)
         self.script = script or Script()
@@ -380,12 +391,26 @@ class ScriptedUpstream:
 
         if "scenario" in directives:
             turn = resolve_scenario(directives["scenario"])
+        elif (compaction_of(messages) or "").startswith("summary call"):
+            turn = resolve_scenario(self.summary)  # a harness compacting its history gets a summary
         else:
             n_assistant = sum(1 for m in messages if m.get("role") == "assistant")
             turn = self.script.turn(request.headers.get("x-polar-session"), n_assistant)
         reply = self.build_reply(turn)
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
-        max_tokens = min(int(max_tokens), self.max_model_len - len(prompt_ids)) if max_tokens else None
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        room = self.max_model_len - len(prompt_ids)
+        if max_tokens and int(max_tokens) > room and (self.reject_large_max_tokens or directives.get("budget") == "reject"):
+            # vLLM before the clamp in get_max_tokens (and forks that kept the check) refuse it
+            param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
+            return _error(
+                400,
+                f"'{param}' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+                f"length is {self.max_model_len} tokens and your request has {len(prompt_ids)} input tokens "
+                f"({max_tokens} > {self.max_model_len} - {len(prompt_ids)}).",
+                "BadRequestError",
+            )
+        # vLLM 0.32 (get_max_tokens): the request's max_tokens, clamped to the room the prompt leaves
+        max_tokens = min(int(max_tokens), room) if max_tokens else room
         pieces, finish = reply.pieces, reply.finish_reason
         if max_tokens is not None and len(pieces) > max_tokens:
             pieces, finish = pieces[:max_tokens], "length"
@@ -605,6 +630,26 @@ class ScriptedUpstream:
         content = "".join(p.text for p in pieces if p.kind == "content")
         reasoning = "".join(p.text for p in pieces if p.kind == "reasoning")
         calls = [c for c, end in zip(reply.tool_calls, reply.tool_ends) if end < len(pieces)]
+        finish = "length" if truncated else finish
+        started = [i for i, s in enumerate(reply.tool_starts) if s < len(pieces)]
+        if truncated and len(started) > len(calls):
+            # vLLM's hermes parser on a cut answer: every started <tool_call> is read, the last
+            # one up to the end of the text; if its JSON is whole, the answer reports the calls
+            # and finish_reason "tool_calls" (although length cut it), else no call at all and
+            # the raw text as content.
+            cut = reply.tool_calls[started[-1]]
+            try:
+                orjson.loads(_call_json(pieces[reply.tool_starts[started[-1]]:]))
+                whole_json = True
+            except orjson.JSONDecodeError:
+                whole_json = False
+            if whole_json:
+                calls = calls + [cut]
+                finish = "tool_calls"
+            else:
+                calls = []
+                content = "".join(p.text for p in pieces if p.kind in ("content", "markup")
+                                  and not p.text.startswith("<think>"))
         message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None,
                                    "refusal": None, "annotations": None, "audio": None, "function_call": None,
                                    "reasoning": reasoning or None}
@@ -612,7 +657,7 @@ class ScriptedUpstream:
             message["tool_calls"] = calls
         choice = {"index": 0, "message": message,
                   "logprobs": self._logprobs(pieces, 0) if want_lp else None,
-                  "finish_reason": "length" if truncated else finish, "stop_reason": None,
+                  "finish_reason": finish, "stop_reason": None,
                   "token_ids": [p.token_id for p in pieces] if want_ids else None, "routed_experts": None}
         resp = {
             "id": _request_id(), "object": "chat.completion", "created": int(time.time()),
@@ -651,6 +696,7 @@ class ScriptedUpstream:
         ends = {e: i for i, e in enumerate(reply.tool_ends)}
         n = len(pieces)
         cut_at = n // 2 if fault == "cut" else -1
+        open_call: int | None = None
         for i, p in enumerate(pieces):
             if i == cut_at:
                 assert request.transport is not None
@@ -671,6 +717,16 @@ class ScriptedUpstream:
                 tc = reply.tool_calls[ends[i]]
                 delta.setdefault("tool_calls", []).append(
                     {"index": ends[i], "function": {"arguments": tc["function"]["arguments"]}})
+            elif i == n - 1 and finish == "length" and open_call is not None:
+                # cut by the budget inside a call: what vLLM streamed of its arguments so far
+                partial = _partial_arguments(pieces[reply.tool_starts[open_call]:],
+                                             reply.tool_calls[open_call]["function"]["arguments"])
+                if partial:
+                    delta.setdefault("tool_calls", []).append({"index": open_call, "function": {"arguments": partial}})
+            if i in starts:
+                open_call = starts[i]
+            if i in ends:
+                open_call = None
             c: dict[str, Any] = {"index": 0, "delta": delta,
                                  "logprobs": self._logprobs([p], i) if want_lp else None,
                                  "finish_reason": finish if i == n - 1 else None}
@@ -713,6 +769,22 @@ class _Burst:
 
     def response(self) -> web.Response:
         return web.Response(body=b"".join(self.parts), status=200, headers=self.headers)
+
+
+def _partial_arguments(pieces: list[Piece], arguments: str) -> str:
+    """What of a tool call's ``arguments`` the pieces (from its ``<tool_call>`` on) have generated."""
+    text = "".join(p.text for p in pieces)
+    at = text.find('"arguments":')
+    if at < 0:
+        return ""
+    rest = text[at + len('"arguments":'):].lstrip(" ")
+    return arguments[:min(len(rest), len(arguments))]
+
+
+def _call_json(pieces: list[Piece]) -> str:
+    """The JSON text after ``<tool_call>`` in the pieces of one (maybe cut) call."""
+    text = "".join(p.text for p in pieces)
+    return text.split("<tool_call>", 1)[-1].lstrip("\n").split("\n", 1)[0]
 
 
 def _lp_entry(token: str, token_id: int, position: int) -> dict[str, Any]:
@@ -791,9 +863,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--tokenizer", default=None, help="HF directory whose chat template renders prompt ids")
     ap.add_argument("--script", default=None, help="JSON script: list of turns or {session: [turns]}")
+    ap.add_argument("--reject-large-max-tokens", action="store_true",
+                    help="refuse max_tokens above the room the prompt leaves, as older vLLM did (400)")
     args = ap.parse_args(argv)
     up = ScriptedUpstream(served_model=args.served_model_name, max_model_len=args.max_model_len,
-                          tokenizer=args.tokenizer, script=Script.load(args.script))
+                          tokenizer=args.tokenizer, script=Script.load(args.script),
+                          reject_large_max_tokens=args.reject_large_max_tokens)
     web.run_app(up.app(), host=args.host, port=args.port, access_log=None, print=None,
                 handler_cancellation=True, shutdown_timeout=0.5)
 

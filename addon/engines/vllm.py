@@ -132,6 +132,9 @@ class VLLMEngine(Engine):
             return orjson.loads(payload)
         if ids:
             into.prompt_token_ids = ids
+            # the bytes stay lifted; translators that show a prompt count before the usage
+            # chunk (Anthropic's message_start) read its length
+            out["prompt_token_ids"] = ids
         return out
 
     def read_response(self, response: dict[str, Any], into: TokenData) -> None:

@@ -5,7 +5,9 @@ block (it changes on every call and would break prefix merging) is stripped; ``r
 messages inside ``messages`` (Claude Code without ``--bare``) that come before the conversation
 are merged into the system prompt, later ones stay where they are as chat system messages
 (merging them would change the system prompt mid-session and break every later prefix);
-``defer_loading`` placeholder tools and server tools are dropped and counted.
+server tools are dropped and counted; ``defer_loading`` tools reach the engine once a
+``tool_reference`` in the history (ToolSearch's answer) names them (the tool-search contract), and
+are dropped (counted) until then.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from . import media
 from .base import NormalizedCall, Provider, ProviderError, StreamTranslator
 from .common import (
     PART_SEPARATOR,
@@ -20,6 +23,7 @@ from .common import (
     ChunkReader,
     Event,
     Notes,
+    arguments_complete,
     base_id,
     cached_tokens,
     context_overflow_numbers,
@@ -36,6 +40,8 @@ from .common import (
 )
 
 BILLING_PREFIX = "x-anthropic-billing-header:"
+#: How a tool_result with ``is_error: true`` reaches the model.
+TOOL_ERROR_PREFIX = "Error: "
 MEDIA_BLOCKS = ("image", "document", "container_upload")
 #: Top-level request fields that do not reach the engine (metadata is dropped without a note).
 IGNORED_FIELDS = (
@@ -76,18 +82,20 @@ def _system_text(value: Any, notes: Notes, where: str) -> str | None:
     return PART_SEPARATOR.join(texts) if texts else None
 
 
-def _tool_result_text(block: dict[str, Any], notes: Notes) -> str:
+def _tool_result_text(block: dict[str, Any], notes: Notes) -> Any:
     content = block.get("content")
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    texts = []
+    texts: list[Any] = []
     for part in require_list(content, "tool_result content"):
         part = require_dict(part, "tool_result content block")
         kind = part.get("type")
         if kind == "text":
             texts.append(require_str(part.get("text"), "tool_result text"))
+        elif kind in ("image", "document"):
+            texts.append(media.anthropic_media(part))  # e.g. Claude Code's Read of a PNG
         elif kind in MEDIA_BLOCKS:
             raise refuse_media(f"tool_result: {kind}")
         elif kind == "tool_reference":
@@ -96,7 +104,7 @@ def _tool_result_text(block: dict[str, Any], notes: Notes) -> str:
             notes.add("tool_reference block rendered as its tool name")
         else:
             raise ProviderError(f"tool_result: unsupported block type {kind!r}")
-    return PART_SEPARATOR.join(texts)
+    return media.join(texts, PART_SEPARATOR)
 
 
 def _user_messages(content: Any, index: int, notes: Notes) -> list[dict[str, Any]]:
@@ -105,7 +113,7 @@ def _user_messages(content: Any, index: int, notes: Notes) -> list[dict[str, Any
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     tools: list[dict[str, Any]] = []
-    texts: list[str] = []
+    texts: list[Any] = []
     for block in require_list(content, f"{where}.content"):
         block = require_dict(block, f"{where} block")
         kind = block.get("type")
@@ -114,15 +122,23 @@ def _user_messages(content: Any, index: int, notes: Notes) -> list[dict[str, Any
         elif kind == "tool_result":
             if texts:
                 notes.add("user text before tool_result moved after the tool results")
+            text = _tool_result_text(block, notes)
             if block.get("is_error"):
-                notes.add("tool_result is_error flag not representable in chat")
+                # chat has no error flag: the model reads it as the result's first word
+                if isinstance(text, str):
+                    text = TOOL_ERROR_PREFIX + text
+                else:
+                    text = [{"type": "text", "text": TOOL_ERROR_PREFIX}, *text]
+                notes.add("tool_result is_error rendered as an error prefix")
             tools.append(
                 {
                     "role": "tool",
                     "tool_call_id": require_str(block.get("tool_use_id"), "tool_use_id"),
-                    "content": _tool_result_text(block, notes),
+                    "content": text,
                 }
             )
+        elif kind in ("image", "document"):
+            texts.append(media.anthropic_media(block))
         elif kind in MEDIA_BLOCKS:
             raise refuse_media(f"{where}: {kind}")
         elif kind == "search_result":
@@ -133,7 +149,7 @@ def _user_messages(content: Any, index: int, notes: Notes) -> list[dict[str, Any
             raise ProviderError(f"{where}: unsupported user block type {kind!r}")
     out = tools
     if texts or not tools:
-        out.append({"role": "user", "content": PART_SEPARATOR.join(texts)})
+        out.append({"role": "user", "content": media.join(texts, PART_SEPARATOR)})
     return out
 
 
@@ -180,14 +196,32 @@ def _assistant_message(content: Any, index: int, notes: Notes) -> dict[str, Any]
     return message
 
 
-def _tools(tools: Any, notes: Notes) -> list[dict[str, Any]]:
+def referenced_tools(raw_messages: list[Any]) -> set[str]:
+    """Names of the tools that ``tool_reference`` blocks in the history point to (Claude Code's
+    ToolSearch answers with them: from then on the tool's schema is part of the model's tools)."""
+    names: set[str] = set()
+    for msg in raw_messages:
+        if not isinstance(msg, dict) or msg.get("role") != "user" or not isinstance(msg.get("content"), list):
+            continue
+        for block in msg["content"]:
+            if isinstance(block, dict) and block.get("type") == "tool_result" and isinstance(block.get("content"), list):
+                for part in block["content"]:
+                    if isinstance(part, dict) and part.get("type") == "tool_reference" \
+                            and isinstance(part.get("tool_name"), str):
+                        names.add(part["tool_name"])
+    return names
+
+
+def _tools(tools: Any, notes: Notes, referenced: set[str] = frozenset()) -> list[dict[str, Any]]:
     out = []
     for tool in require_list(tools, "tools"):
         tool = require_dict(tool, "tool")
         kind = tool.get("type")
         if tool.get("defer_loading"):
-            notes.add("dropped defer_loading tool")
-            continue
+            if tool.get("name") not in referenced:
+                notes.add("dropped defer_loading tool")
+                continue
+            notes.add("deferred tool loaded (referenced by a tool_reference)")
         if kind not in (None, "custom"):
             notes.add(f"dropped tool kind {kind}")
             continue
@@ -219,11 +253,12 @@ def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
 
 def stop_reason_of(finish: str | None, stop_reason: Any, has_tools: bool,
                    stop_sequences: list[str]) -> tuple[str, str | None]:
-    """chat finish_reason -> (Anthropic stop_reason, stop_sequence)."""
-    if has_tools or finish == "tool_calls":
-        return "tool_use", None
+    """chat finish_reason -> (Anthropic stop_reason, stop_sequence). A budget that ended the
+    answer wins over tool calls: a call cut mid-way is not one to run."""
     if finish == "length":
         return "max_tokens", None
+    if has_tools or finish == "tool_calls":
+        return "tool_use", None
     if isinstance(stop_reason, str) and stop_reason in stop_sequences:
         return "stop_sequence", stop_reason
     return "end_turn", None
@@ -325,7 +360,7 @@ class AnthropicProvider(Provider):
             chat["add_generation_prompt"] = False
             notes.add("assistant prefill continued")
         if body.get("tools") is not None:
-            tools = _tools(body["tools"], notes)
+            tools = _tools(body["tools"], notes, referenced_tools(raw_messages))
             if tools:
                 chat["tools"] = tools
         if body.get("tool_choice") is not None and chat.get("tools"):
@@ -351,6 +386,10 @@ class AnthropicProvider(Provider):
             if kind not in ("enabled", "adaptive", "disabled"):
                 raise ProviderError(f"unknown thinking type {kind!r}")
             chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
+        elif not is_count:
+            # The Messages API thinks only when asked; a template's default (Qwen3: on) must
+            # not decide for the harness.
+            chat["chat_template_kwargs"] = {"enable_thinking": False}
         for key in IGNORED_FIELDS:
             if key in body:
                 notes.add(f"ignored field {key}")
@@ -375,6 +414,8 @@ class AnthropicProvider(Provider):
         if answer.content:
             content.append({"type": "text", "text": answer.content})
         for tc in answer.tool_calls:
+            if answer.finish_reason == "length" and not arguments_complete(tc.arguments):
+                continue  # cut by max_tokens: the real API's answer ends before a whole call
             content.append({"type": "tool_use", "id": tc.id, "name": tc.name,
                             "input": load_arguments(tc.arguments)})
         stop_reason, stop_sequence = stop_reason_of(

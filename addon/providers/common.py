@@ -49,6 +49,17 @@ def load_arguments(raw: str | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {RAW_ARGUMENTS_KEY: raw}
 
 
+def arguments_complete(raw: str | None) -> bool:
+    """True when a chat ``arguments`` string is a whole JSON object (a call the output budget cut
+    mid-way is not: it must never reach a harness as a finished call)."""
+    if raw is None or raw.strip() == "":
+        return True  # a call without arguments
+    try:
+        return isinstance(json.loads(raw), dict)
+    except ValueError:
+        return False
+
+
 def path_only(path: str) -> str:
     """A request path without its query string and trailing slash (what ``detect`` matches)."""
     return path.split("?", 1)[0].rstrip("/")
@@ -104,7 +115,18 @@ def refuse_media(kind: str) -> ProviderError:
 
 
 _CTX_PATTERNS = (
-    # vLLM: "This model's maximum context length is 32768 tokens. However, you requested 40000 ..."
+    # vLLM 0.32 (renderers/params.py): "This model's maximum context length is 4096 tokens.
+    # However, your prompt contains [at least ]5000 input tokens, which exceeds this limit ..."
+    re.compile(r"maximum context length is (?P<max>\d+) tokens\. However, your prompt contains "
+               r"(?:at least )?(?P<req>\d+) input tokens", re.S),
+    # vLLM 0.32 (v1/engine/input_processor.py): "The decoder prompt (length 5000) is longer than
+    # the maximum model length of 4096." / "... (length 4096) plus the number of requested output
+    # tokens (at least 1) is longer than the maximum model length of 4096."
+    re.compile(r"prompt \(length (?P<req>\d+)\).*?longer than the maximum model length of (?P<max>\d+)",
+               re.S),
+    # vLLM 0.32 (get_max_tokens): "Input length (5000) exceeds model's maximum context length (4096)."
+    re.compile(r"Input length \((?P<req>\d+)\) exceeds model's maximum context length \((?P<max>\d+)\)"),
+    # older vLLM: "This model's maximum context length is 32768 tokens. However, you requested 40000 ..."
     re.compile(r"maximum context length is (?P<max>\d+) tokens.*?(?P<req>\d+) tokens", re.S),
     # "... (40000 tokens) ... maximum (32768) ..." in either order, or "40000 tokens > 32768 maximum"
     re.compile(r"(?P<req>\d+) tokens? > (?P<max>\d+)"),
@@ -244,8 +266,10 @@ class ChunkReader:
             self.usage = chunk["usage"]
         # only a count, for usage shown before the engine's usage chunk arrives (Anthropic's
         # message_start); the ids themselves are the engine adapter's business
-        if self.prompt_token_count is None and isinstance(chunk.get("prompt_token_ids"), list):
-            self.prompt_token_count = len(chunk["prompt_token_ids"])
+        ids = chunk.get("prompt_token_ids")
+        if self.prompt_token_count is None and ids is not None and not isinstance(ids, (str, bytes, dict)) \
+                and hasattr(ids, "__len__"):  # a list, or the engine's lifted raw ids
+            self.prompt_token_count = len(ids)
         for choice in chunk.get("choices") or []:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
@@ -317,8 +341,11 @@ def cached_tokens(usage: dict[str, Any]) -> int:
 
 def iter_text_parts(
     parts: Iterable[Any], *, text_types: tuple[str, ...], media_types: tuple[str, ...], where: str
-) -> Iterator[str]:
-    """Text of typed parts; media parts are refused, unknown kinds are malformed input."""
+) -> Iterator[Any]:
+    """Text (str) of typed parts, and a media part (dict, see ``media``) for each image, file or
+    audio part; unknown kinds are malformed input."""
+    from .media import openai_media
+
     for part in parts:
         if isinstance(part, str):
             yield part
@@ -332,6 +359,6 @@ def iter_text_parts(
                 raise ProviderError(f"{where}: {kind} part without text")
             yield text
         elif kind in media_types:
-            raise refuse_media(f"{where}: {kind}")
+            yield openai_media(part)
         else:
             raise ProviderError(f"{where}: unknown content part type {kind!r}")

@@ -17,11 +17,13 @@ from typing import Any
 
 from polar_proxy import jsonutil
 
+from . import media
 from .base import NormalizedCall, Provider, ProviderError, StreamTranslator
 from .common import (
     PART_SEPARATOR,
     ChunkReader,
     Notes,
+    arguments_complete,
     base_id,
     cached_tokens,
     context_overflow_numbers,
@@ -51,7 +53,8 @@ def parse_path(path: str) -> tuple[str, str] | None:
 
 def _lower_types(schema: Any) -> Any:
     """Gemini ``parameters`` (OpenAPI subset) may spell types in upper case; JSON Schema wants
-    lower case. ``parametersJsonSchema`` is already JSON Schema and passes unchanged."""
+    lower case. Applied to ``parametersJsonSchema`` and ``responseJsonSchema`` too (Gemini CLI
+    sends upper-case types there as well); lower-case types pass unchanged."""
     if isinstance(schema, list):
         return [_lower_types(s) for s in schema]
     if not isinstance(schema, dict):
@@ -60,6 +63,8 @@ def _lower_types(schema: Any) -> Any:
     for key, value in schema.items():
         if key == "type" and isinstance(value, str):
             out[key] = value.lower()
+        elif key == "type" and isinstance(value, list):
+            out[key] = [v.lower() if isinstance(v, str) else v for v in value]
         elif key in ("properties", "$defs", "definitions") and isinstance(value, dict):
             out[key] = {k: _lower_types(v) for k, v in value.items()}
         elif key in ("items", "anyOf", "oneOf", "allOf", "additionalProperties", "not"):
@@ -151,29 +156,31 @@ class _History:
         return f"call_{ci}_{pi}"
 
     def user_turn(self, ci: int, parts: list[dict[str, Any]]) -> None:
-        texts: list[str] = []
+        texts: list[Any] = []
         for pi, part in enumerate(parts):
             if "functionResponse" in part:
                 fr = require_dict(part["functionResponse"], f"contents[{ci}] functionResponse")
                 name = require_str(fr.get("name"), f"contents[{ci}] functionResponse.name")
-                for inner in fr.get("parts") or []:
+                content: list[Any] = [_response_text(fr.get("response", {}))]
+                for inner in fr.get("parts") or []:  # multimodal function responses
                     if isinstance(inner, dict) and any(k in inner for k in MEDIA_KEYS):
-                        raise refuse_media(f"contents[{ci}] functionResponse: inlineData")
+                        content.append(media.google_media(inner))
                 if texts:
                     self.notes.add("user text before functionResponse moved after the results")
                 self.messages.append({"role": "tool",
                                       "tool_call_id": self._match(fr.get("id"), name, ci, pi),
-                                      "content": _response_text(fr.get("response", {}))})
+                                      "content": media.join(content, PART_SEPARATOR)})
             elif isinstance(part.get("text"), str):
                 texts.append(part["text"])
             elif any(k in part for k in MEDIA_KEYS):
-                raise refuse_media(f"contents[{ci}]: inlineData")
+                # e.g. Gemini CLI's read_file of an image: an inlineData part in the user turn
+                texts.append(media.google_media(part))
             elif "functionCall" in part:
                 raise ProviderError(f"contents[{ci}]: functionCall in a user turn")
             else:
                 raise ProviderError(f"contents[{ci}].parts[{pi}]: unsupported part {sorted(part)}")
         if texts or not parts:
-            self.messages.append({"role": "user", "content": PART_SEPARATOR.join(texts)})
+            self.messages.append({"role": "user", "content": media.join(texts, PART_SEPARATOR)})
 
 
 def _tools(tools: list[Any], notes: Notes) -> list[dict[str, Any]]:
@@ -190,7 +197,7 @@ def _tools(tools: list[Any], notes: Notes) -> list[dict[str, Any]]:
                 if decl.get("description"):
                     fn["description"] = decl["description"]
                 if isinstance(decl.get("parametersJsonSchema"), dict):
-                    fn["parameters"] = decl["parametersJsonSchema"]
+                    fn["parameters"] = _lower_types(decl["parametersJsonSchema"])
                 elif isinstance(decl.get("parameters"), dict):
                     fn["parameters"] = _lower_types(decl["parameters"])
                 else:
@@ -239,8 +246,9 @@ def _generation_config(cfg: dict[str, Any], chat: dict[str, Any], notes: Notes) 
             chat["chat_template_kwargs"] = {"enable_thinking": True}
     schema = cfg.get("responseJsonSchema") or cfg.get("responseSchema")
     if schema is not None:
-        if cfg.get("responseSchema") is not None and cfg.get("responseJsonSchema") is None:
-            schema = _lower_types(schema)
+        # Gemini CLI's router sends responseJsonSchema with OBJECT / STRING; JSON Schema (and
+        # vLLM's guided decoding) wants lower case. Lower-case types pass unchanged.
+        schema = _lower_types(schema)
         chat["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": "response", "schema": schema}}
     elif cfg.get("responseMimeType") == "application/json":
@@ -364,7 +372,8 @@ class GoogleProvider(Provider):
             parts.append({"text": answer.reasoning, "thought": True})
         if answer.content:
             parts.append({"text": answer.content})
-        parts.extend(_call_part(tc.id, tc.name, tc.arguments) for tc in answer.tool_calls)
+        parts.extend(_call_part(tc.id, tc.name, tc.arguments) for tc in answer.tool_calls
+                     if answer.finish_reason != "length" or arguments_complete(tc.arguments))
         usage = answer.usage
         return {
             "candidates": [{"content": {"parts": parts, "role": "model"},
@@ -417,7 +426,10 @@ class GoogleStream(StreamTranslator):
     def _flush_calls(self, parts: list[dict[str, Any]]) -> None:
         for index in self.order:
             t = self.pending.pop(index)
-            parts.append(_call_part(t["id"], t["name"], "".join(t["args"])))
+            arguments = "".join(t["args"])
+            if self.reader.finish_reason == "length" and not arguments_complete(arguments):
+                continue  # cut by the budget: Gemini never sends half a call (MAX_TOKENS says why)
+            parts.append(_call_part(t["id"], t["name"], arguments))
         self.order = []
 
     def _apply(self, events: Any, parts: list[dict[str, Any]]) -> None:

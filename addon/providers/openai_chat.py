@@ -15,6 +15,7 @@ from typing import Any
 
 from polar_proxy import jsonutil
 
+from . import media
 from .base import NormalizedCall, Provider, ProviderError, StreamTranslator
 from .common import (
     PART_SEPARATOR,
@@ -52,16 +53,18 @@ ENGINE_RESPONSE_FIELDS = ("prompt_token_ids", "prompt_logprobs", "prompt_text", 
 ENGINE_CHOICE_FIELDS = ("token_ids", "stop_reason", "routed_experts")
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str) -> Any:
+    """Parts joined with ``"\n"``; a part array when images or files are among them (settled
+    for the served model by the core, see ``media``)."""
     parts = require_list(content, f"{where}.content")
-    texts = []
+    texts: list[Any] = []
     for part in parts:
         if isinstance(part, dict) and part.get("type") == "refusal":
             texts.append(require_str(part.get("refusal"), f"{where} refusal"))
         else:
             texts.extend(iter_text_parts([part], text_types=TEXT_PARTS, media_types=MEDIA_PARTS,
                                          where=where))
-    return PART_SEPARATOR.join(texts)
+    return media.join(texts, PART_SEPARATOR)
 
 
 def normalize_messages(raw: list[Any], notes: Notes) -> list[dict[str, Any]]:
@@ -79,6 +82,8 @@ def normalize_messages(raw: list[Any], notes: Notes) -> list[dict[str, Any]]:
         content = msg.get("content")
         if isinstance(content, list):
             new["content"] = _content_text(content, f"messages[{i}]")
+            if role not in ("user", "tool"):
+                new["content"] = media.as_text(new["content"])
             notes.add(f"{role} content parts joined")
         elif content is not None and not isinstance(content, str):
             raise ProviderError(f"messages[{i}].content must be a string or an array")
@@ -162,6 +167,8 @@ class OpenAIChatProvider(Provider):
                 chat["messages"] = messages
             elif key in ("stream_options", "logprobs", "top_logprobs"):
                 notes.add(f"harness {key} handled by the proxy")
+                if key == "top_logprobs" and body.get("logprobs") and isinstance(value, int) and value > 0:
+                    chat["top_logprobs"] = value  # the engine computes them; the capture ignores them
             elif key in DROPPED_FIELDS:
                 notes.add(f"ignored field {key}")
             elif key == "max_completion_tokens":

@@ -16,14 +16,19 @@ objects and the stream translator are in ``openai_responses_answer``.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
+from polar_core.compaction import COMPACT_ITEM_MARKER, COMPACT_REQUEST, COMPACT_SUMMARY_PREFIX
+
+from . import media
 from .base import NormalizedCall, Provider, ProviderError, StreamTranslator
 from .common import (
     PART_SEPARATOR,
     SYSTEM_SEPARATOR,
     Notes,
+    arguments_complete,
     base_id,
     dump_arguments,
     iter_text_parts,
@@ -69,31 +74,37 @@ HANDLED_FIELDS = (
 DROPPED_ITEMS = (
     "web_search_call", "file_search_call", "computer_call", "computer_call_output",
     "image_generation_call", "code_interpreter_call", "mcp_call", "mcp_list_tools",
-    "mcp_approval_request", "mcp_approval_response", "compaction", "tool_search_call",
+    "mcp_approval_request", "mcp_approval_response", "tool_search_call",
     "tool_search_output",
 )
 
 
-def _parts_text(content: Any, where: str) -> str:
+COMPACT_PATH = "/responses/compact"
+
+
+def _parts_text(content: Any, where: str, keep_media: bool = False) -> Any:
+    """Text of parts joined with ``"\n"``; with ``keep_media`` a part array when images or files
+    are among them (user turns and tool outputs; settled by the core, see ``media``)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    texts = []
+    texts: list[Any] = []
     for part in require_list(content, where):
         if isinstance(part, dict) and part.get("type") == "refusal":
             texts.append(require_str(part.get("refusal"), f"{where} refusal"))
         else:
             texts.extend(iter_text_parts([part], text_types=TEXT_PARTS, media_types=MEDIA_PARTS,
                                          where=where))
-    return PART_SEPARATOR.join(texts)
+    joined = media.join(texts, PART_SEPARATOR)
+    return joined if keep_media else media.as_text(joined)
 
 
-def _tool_output_text(output: Any, where: str) -> str:
+def _tool_output_text(output: Any, where: str) -> Any:
     if isinstance(output, str):
         return output
     if isinstance(output, list):
-        return _parts_text(output, where)
+        return _parts_text(output, where, keep_media=True)
     raise ProviderError(f"{where}: output must be a string or an array of parts")
 
 
@@ -165,7 +176,7 @@ def _input_items(items: list[Any], b: _Builder) -> None:
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
-            text = _parts_text(item.get("content"), where)
+            text = _parts_text(item.get("content"), where, keep_media=role == "user")
             if role in ("system", "developer"):
                 b.system_text(text, role)
             elif role == "user":
@@ -210,6 +221,14 @@ def _input_items(items: list[Any], b: _Builder) -> None:
             call_id = item.get("call_id") or item.get("id")
             b.tool_output(require_str(call_id, f"{where}.call_id"),
                           _tool_output_text(item.get("output"), where))
+        elif kind in ("compaction", "compaction_summary"):
+            # Codex's remote compaction: the summary our /responses/compact answer carried
+            content = item.get("encrypted_content")
+            if isinstance(content, str) and content.startswith(COMPACT_ITEM_MARKER):
+                b.user(COMPACT_SUMMARY_PREFIX + content[len(COMPACT_ITEM_MARKER):])
+                notes.add("compaction: compaction item rendered as a summary user message")
+            else:
+                notes.add("compaction: dropped a compaction item another server encrypted")
         elif kind == "item_reference":
             raise ProviderError("item_reference needs stored responses, which the proxy does "
                                 "not keep: send the items themselves", kind="unsupported")
@@ -217,6 +236,19 @@ def _input_items(items: list[Any], b: _Builder) -> None:
             notes.add(f"dropped input item {kind}")
         else:
             raise ProviderError(f"{where}: unknown input item type {kind!r}")
+
+
+def _codex_request_kind(body: dict[str, Any]) -> str | None:
+    """``request_kind`` of Codex's ``client_metadata["x-codex-turn-metadata"]`` (turn, compaction)."""
+    meta = body.get("client_metadata")
+    raw = meta.get("x-codex-turn-metadata") if isinstance(meta, dict) else None
+    if not isinstance(raw, str):
+        return None
+    try:
+        kind = json.loads(raw).get("request_kind")
+    except (ValueError, AttributeError):
+        return None
+    return kind if isinstance(kind, str) else None
 
 
 def _function_tool(tool: dict[str, Any]) -> dict[str, Any]:
@@ -228,6 +260,21 @@ def _function_tool(tool: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
+def _custom_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A freeform ``custom`` tool (Codex's ``apply_patch`` for some models) as a function with one
+    string parameter ``input`` -- the shape ``custom_tool_call`` items take in the history."""
+    fn: dict[str, Any] = {"name": require_str(tool.get("name"), "tool name")}
+    description = tool.get("description") or ""
+    fmt = tool.get("format") if isinstance(tool.get("format"), dict) else {}
+    if fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+        description += (f"\n\nThe input is free text in this {fmt.get('syntax') or ''} grammar:\n"
+                        + fmt["definition"])
+    if description:
+        fn["description"] = description
+    fn["parameters"] = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+    return {"type": "function", "function": fn}
+
+
 def _tools(tools: list[Any], notes: Notes) -> list[dict[str, Any]]:
     out = []
     for tool in tools:
@@ -235,6 +282,9 @@ def _tools(tools: list[Any], notes: Notes) -> list[dict[str, Any]]:
         kind = tool.get("type")
         if kind == "function":
             out.append(_function_tool(tool))
+        elif kind == "custom":
+            out.append(_custom_tool(tool))
+            notes.add("custom tool sent as a function with one string parameter input")
         elif kind == "namespace":
             inner = [t for t in tool.get("tools") or [] if isinstance(t, dict)
                      and t.get("type", "function") == "function"]
@@ -286,10 +336,13 @@ class OpenAIResponsesProvider(Provider):
     name = "openai_responses"
 
     def detect(self, method: str, path: str, headers: dict[str, str], body: Any) -> bool:
-        return method.upper() == "POST" and path_only(path).endswith("/responses")
+        p = path_only(path)
+        return method.upper() == "POST" and (p.endswith("/responses") or p.endswith(COMPACT_PATH))
 
     def to_chat(self, body: dict[str, Any], path: str, query: dict[str, str]) -> NormalizedCall:
         body = require_dict(body)
+        if path_only(path).endswith(COMPACT_PATH):
+            return self._compact_to_chat(body, path, query)
         notes = Notes()
         model = require_str(body.get("model"), "model")
         for key in ("previous_response_id", "conversation"):
@@ -340,6 +393,8 @@ class OpenAIResponsesProvider(Provider):
                     chat["response_format"] = fmt
             if "verbosity" in text:
                 notes.add("ignored text.verbosity")
+        if _codex_request_kind(body) == "compaction":  # Codex's own (local) compaction call
+            notes.add("compaction: codex summary call (request_kind compaction)")
         for key in body:
             if key in IGNORED_FIELDS:
                 notes.add(f"ignored field {key}")
@@ -353,22 +408,62 @@ class OpenAIResponsesProvider(Provider):
             "temperature": body.get("temperature"),
             "top_p": body.get("top_p"),
             "reasoning_effort": effort,
+            "custom_tools": sorted({t.get("name") for t in body.get("tools") or []
+                                    if isinstance(t, dict) and t.get("type") == "custom"
+                                    and isinstance(t.get("name"), str)}),
         }
         return NormalizedCall(chat_request=chat, stream=stream, requested_model=model,
                               notes=notes.render(), options=options)
 
+    def _compact_to_chat(self, body: dict[str, Any], path: str, query: dict[str, str]) -> NormalizedCall:
+        """Codex's ``POST /v1/responses/compact`` (``remote_compaction_v2``): the history, then a
+        request for a handoff summary, as one normal (captured) call without tools."""
+        plain = {k: v for k, v in body.items() if k not in ("tools", "tool_choice", "parallel_tool_calls",
+                                                            "stream", "text")}
+        call = self.to_chat(plain, path.replace(COMPACT_PATH, "/responses"), query)
+        call.chat_request["messages"].append({"role": "user", "content": COMPACT_REQUEST})
+        call.chat_request["stream"] = False
+        call.stream = False
+        call.notes.insert(0, "compaction: codex /responses/compact summary call")
+        if body.get("tools"):
+            call.notes.append("compaction: tools left out of the summary call")
+        users = []
+        for item in body.get("input") or []:
+            if isinstance(item, dict) and (item.get("type") or "message") == "message" and item.get("role") == "user":
+                users.append({"type": "message", "role": "user", "content": item.get("content")})
+        call.options["compact"] = {"user_items": users}
+        return call
+
+    def _compact_answer(self, answer: Any, requested_model: str, users: list[dict[str, Any]]) -> dict[str, Any]:
+        """A ``response.compaction`` object: the user's own messages, then one ``compaction`` item
+        whose ``encrypted_content`` is the summary (plain text after our marker: only this proxy
+        reads it back)."""
+        b = base_id(answer.id)
+        output = [{"id": f"msg_{b}_{i}", "status": "completed", **u} for i, u in enumerate(users)]
+        output.append({"id": f"cmp_{b}", "type": "compaction",
+                       "encrypted_content": COMPACT_ITEM_MARKER + answer.content.strip()})
+        usage = answer.usage
+        return {"id": f"resp_{b}", "object": "response.compaction", "created_at": answer.created or int(time.time()),
+                "output": output,
+                "usage": usage_object(usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0, usage)}
+
     def from_chat(self, response: dict[str, Any], requested_model: str,
                   call: NormalizedCall | None = None) -> dict[str, Any]:
         answer = read_answer(response)
+        if call is not None and call.options.get("compact") is not None:
+            return self._compact_answer(answer, requested_model, call.options["compact"]["user_items"])
         b = base_id(answer.id)
         output: list[dict[str, Any]] = []
         if answer.reasoning:
             output.append(reasoning_item(f"rs_{b}", answer.reasoning))
         if answer.content:
             output.append(message_item(f"msg_{b}", answer.content))
-        for i, tc in enumerate(answer.tool_calls):
-            output.append(call_item(f"fc_{b}_{i}", tc.id, tc.name, tc.arguments))
         status = "incomplete" if answer.finish_reason == "length" else "completed"
+        custom = set((call.options.get("custom_tools") if call else None) or ())
+        for i, tc in enumerate(answer.tool_calls):
+            cut = status == "incomplete" and not arguments_complete(tc.arguments)
+            output.append(call_item(f"fc_{b}_{i}", tc.id, tc.name, tc.arguments,
+                                    "incomplete" if cut else "completed", tc.name in custom))
         usage = answer.usage
         return response_object(
             f"resp_{b}", requested_model, answer.created or int(time.time()), status, output,

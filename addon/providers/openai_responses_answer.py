@@ -6,11 +6,12 @@ chat chunks -> the Responses event sequence, ``sequence_number`` on every event,
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from .base import StreamTranslator
-from .common import ChunkReader, Event, base_id, cached_tokens, sse
+from .common import ChunkReader, Event, arguments_complete, base_id, cached_tokens, sse
 from .openai_chat import openai_error
 
 
@@ -65,8 +66,23 @@ def reasoning_item(item_id: str, text: str | None) -> dict[str, Any]:
     return {"id": item_id, "type": "reasoning", "summary": summary}
 
 
+def custom_input(arguments: str) -> str:
+    """The freeform input of a call to a custom tool: ``input`` of its arguments (the raw
+    arguments when they are not an object with a string ``input``)."""
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return arguments
+    if isinstance(value, dict) and isinstance(value.get("input"), str):
+        return value["input"]
+    return arguments
+
+
 def call_item(item_id: str, call_id: str, name: str, arguments: str,
-               status: str = "completed") -> dict[str, Any]:
+              status: str = "completed", custom: bool = False) -> dict[str, Any]:
+    if custom:  # a call of a freeform tool: its input, not JSON arguments
+        return {"id": item_id, "type": "custom_tool_call", "status": status, "call_id": call_id,
+                "name": name, "input": custom_input(arguments)}
     return {"id": item_id, "type": "function_call", "status": status, "arguments": arguments,
             "call_id": call_id, "name": name}
 
@@ -87,6 +103,7 @@ class ResponsesStream(StreamTranslator):
         self.open: dict[str, Any] | None = None  # {kind, index, id, text[]}
         self.tools: dict[int, dict[str, Any]] = {}  # chat tool index -> state
         self.tool_seq = 0
+        self.custom = set(options.get("custom_tools") or ())
 
     def _emit(self, kind: str, payload: dict[str, Any]) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **payload}
@@ -112,7 +129,7 @@ class ResponsesStream(StreamTranslator):
         self.output.append(None)
         return len(self.output) - 1
 
-    def _close(self) -> bytes:
+    def _close(self, cut: bool = False) -> bytes:
         o = self.open
         if o is None:
             return b""
@@ -141,10 +158,19 @@ class ResponsesStream(StreamTranslator):
         else:
             t = o["tool"]
             arguments = "".join(t["args"])
-            item = call_item(item_id, t["call_id"], t["name"], arguments)
-            out = self._emit("response.function_call_arguments.done",
-                             {"item_id": item_id, "output_index": idx, "name": t["name"],
-                              "arguments": arguments})
+            # a call the output budget cut is closed as incomplete, never as a call to run
+            status = "incomplete" if cut and not arguments_complete(arguments) else "completed"
+            custom = t["name"] in self.custom
+            item = call_item(item_id, t["call_id"], t["name"], arguments, status, custom)
+            if custom:  # its input goes out whole: JSON fragments are not pieces of it
+                out = self._emit("response.custom_tool_call_input.delta",
+                                 {"item_id": item_id, "output_index": idx, "delta": item["input"]})
+                out += self._emit("response.custom_tool_call_input.done",
+                                  {"item_id": item_id, "output_index": idx, "input": item["input"]})
+            else:
+                out = self._emit("response.function_call_arguments.done",
+                                 {"item_id": item_id, "output_index": idx, "name": t["name"],
+                                  "arguments": arguments})
         self.output[idx] = item
         return out + self._emit("response.output_item.done", {"output_index": idx, "item": item})
 
@@ -193,11 +219,16 @@ class ResponsesStream(StreamTranslator):
             return out + self._emit(
                 "response.output_item.added",
                 {"output_index": idx,
-                 "item": call_item(item_id, ev.call_id, ev.name, "", "in_progress")})
+                 "item": call_item(item_id, ev.call_id, ev.name, "", "in_progress",
+                                   ev.name in self.custom)})
         t = self.tools[ev.index]  # tool_args
         t["args"].append(ev.text)
+        custom = t["name"] in self.custom
         if self.output[t["index"]] is not None:  # fragment after its item closed: keep it
-            self.output[t["index"]]["arguments"] = "".join(t["args"])
+            key, value = ("input", custom_input("".join(t["args"]))) if custom else ("arguments", "".join(t["args"]))
+            self.output[t["index"]][key] = value
+        if custom:
+            return b""
         return self._emit("response.function_call_arguments.delta",
                           {"item_id": t["id"], "output_index": t["index"], "delta": ev.text})
 
@@ -207,8 +238,8 @@ class ResponsesStream(StreamTranslator):
 
     def finish(self) -> bytes:
         out = self._start() + b"".join(self._event(ev) for ev in self.reader.flush())
-        out += self._close()
         status = "incomplete" if self.reader.finish_reason == "length" else "completed"
+        out += self._close(cut=status == "incomplete")
         usage = usage_object(self.reader.prompt_tokens, self.reader.completion_tokens, self.reader.usage)
         # Always ``response.completed`` (an incomplete answer says so in its status and
         # incomplete_details): Codex treats a ``response.incomplete`` event as a failed stream and

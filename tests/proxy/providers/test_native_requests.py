@@ -5,11 +5,13 @@ Responses input (developer items, namespace / web_search tools, reasoning items)
 
 from __future__ import annotations
 
+import base64
+import copy
 import json
 
 import pytest
 
-from polar_proxy.providers import PROVIDERS, ProviderError, detect_provider
+from polar_proxy.providers import PROVIDERS, ProviderError, detect_provider, media
 
 from .handbuilt import CLAUDE_NON_BARE, CODEX, GEMINI_CLI, GEMINI_PATH, OBJ
 
@@ -30,13 +32,14 @@ def test_codex_responses_shape():
     assert msgs[5] == {"role": "assistant", "content": "Done."}
     assert msgs[7] == {"role": "system", "content": "<permissions changed>"}  # kept in place
     assert [t["function"]["name"] for t in chat["tools"]] == ["shell_command", "update_plan",
-                                                              "mcp__fs__read"]
+                                                              "mcp__fs__read", "apply_patch"]
+    assert chat["tools"][3]["function"]["parameters"]["properties"] == {"input": {"type": "string"}}
     assert "strict" not in chat["tools"][0]["function"]
     assert chat["parallel_tool_calls"] is False and chat["tool_choice"] == "auto"
     assert chat["chat_template_kwargs"] == {"enable_thinking": True}
     assert not {"include", "store", "prompt_cache_key", "reasoning", "text", "input"} & set(chat)
     notes = " | ".join(call.notes)
-    for expected in ("dropped tool kind web_search", "dropped tool kind custom",
+    for expected in ("dropped tool kind web_search", "custom tool sent as a function",
                      "dropped tool kind local_shell", "dropped tool kind namespace",
                      "flattened namespace tool mcp__fs", "ignored reasoning encrypted_content",
                      "developer role mapped to system (x3)", "ignored field include"):
@@ -150,7 +153,7 @@ def test_claude_code_non_bare():
     assert a["tool_calls"][0]["function"]["arguments"] == \
         '{"file_path": "/a.py", "limit": 5, "note": "naïve"}'
     assert msgs[3] == {"role": "tool", "tool_call_id": "toolu_01", "content": "line1\nline2"}
-    assert msgs[4] == {"role": "tool", "tool_call_id": "toolu_02", "content": "boom"}
+    assert msgs[4] == {"role": "tool", "tool_call_id": "toolu_02", "content": "Error: boom"}  # is_error
     assert msgs[5] == {"role": "user", "content": "continue"}
     assert msgs[6] == {"role": "system", "content": "<system-reminder>todo</system-reminder>"}
     assert [t["function"]["name"] for t in chat["tools"]] == ["Read", "Bash"]
@@ -219,7 +222,8 @@ def test_chat_normalization():
         {"role": "system", "content": "late"},
     ]
     assert chat["max_tokens"] == 99 and "max_completion_tokens" not in chat
-    assert not {"logprobs", "top_logprobs", "stream_options", "store", "metadata"} & set(chat)
+    assert not {"logprobs", "stream_options", "store", "metadata"} & set(chat)
+    assert chat["top_logprobs"] == 3  # the engine computes what the harness asked for
     assert (chat["temperature"], chat["seed"], chat["tool_choice"]) == (0.2, 7, "auto")
     assert chat["response_format"] == {"type": "json_object"} and chat["parallel_tool_calls"]
     assert [t["function"]["name"] for t in chat["tools"]] == ["f"]
@@ -254,11 +258,45 @@ IMAGE_CASES = [
 
 
 @pytest.mark.parametrize("provider,path,body", IMAGE_CASES)
-def test_images_refused(provider, path, body):
-    with pytest.raises(ProviderError) as e:
-        PROVIDERS[provider].to_chat(body, path, {})
-    assert e.value.kind == "unsupported" and e.value.status == 400
-    assert "text-only" in e.value.message
+def test_images_become_placeholders(provider, path, body):
+    """An image in the history (a tool that read a PNG) no longer ends the session with a 400:
+    a text-only model gets a placeholder naming it; a model that reads images gets the image."""
+    call = PROVIDERS[provider].to_chat(copy.deepcopy(body), path, {})
+    assert media.settle(call, "placeholder") == 1
+    msgs = call.chat_request["messages"]
+    assert all(isinstance(m.get("content"), str) for m in msgs), msgs
+    text = " ".join(m["content"] for m in msgs if m["role"] in ("user", "tool"))
+    assert "[image: " in text and "text only" in text and "_polar_media" not in json.dumps(call.chat_request)
+    assert any("image replaced by a text placeholder" in n for n in call.notes), call.notes
+
+    call = PROVIDERS[provider].to_chat(copy.deepcopy(body), path, {})
+    media.settle(call, "pass")
+    parts = [p for m in call.chat_request["messages"] if isinstance(m.get("content"), list) for p in m["content"]]
+    assert [p["type"] for p in parts if p["type"] != "text"] == ["image_url"]
+    assert parts[-1]["image_url"]["url"].startswith("data:") and "_polar_media" not in json.dumps(parts)
+
+
+def test_image_placeholder_names_kind_type_and_size():
+    png = base64.b64encode(b"\x89PNG" + b"\0" * 996).decode()
+    body = {"model": "m", "max_tokens": 5, "messages": [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "Read", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "text", "text": "the file:"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]},
+            {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "notes"}},
+            {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": png}}]}]}
+    call = PROVIDERS["anthropic"].to_chat(body, "/v1/messages", {})
+    media.settle(call)
+    msgs = call.chat_request["messages"]
+    assert msgs[1] == {"role": "tool", "tool_call_id": "t", "content":
+                       "the file:\n[image: image/png, 1000 bytes; not shown: the served model reads text only]"}
+    assert msgs[2]["content"] == ("notes\n[document: application/pdf, 1000 bytes; not shown: the served model "
+                                  "reads text only]")
+    # a history without media renders exactly as before (plain strings, no notes)
+    plain = PROVIDERS["anthropic"].to_chat({"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
+        "/v1/messages", {})
+    assert media.settle(plain) == 0 and plain.chat_request["messages"][0]["content"] == "a\nb"
 
 
 MALFORMED = [

@@ -1,0 +1,78 @@
+"""Compaction: how a harness's long history becomes a summary, recognized from a call's messages.
+
+Part of the small shared contract (polar_core): the proxy writes the Codex compaction texts below into the
+requests it sends (a ``/v1/responses/compact`` call becomes a normal captured chat call ending in
+``COMPACT_REQUEST``; a ``compaction`` input item comes back as a user message starting with
+``COMPACT_SUMMARY_PREFIX``), and the drift report names the compaction from the same texts. The
+other harnesses compact with a request of their own (a summary prompt, with ``tools`` present or
+absent); their prompts are recognized by the phrases in ``HARNESS_SUMMARY_REQUESTS``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: The last user message of the summary call the proxy makes for Codex's ``/responses/compact``.
+COMPACT_REQUEST = (
+    "[polar compaction] The conversation above is about to be replaced by a summary. Write a "
+    "concise handoff summary for yourself to continue the task: the goal, what has been done "
+    "(files read or changed, commands run and their results), what is left, and any facts needed "
+    "to finish. Answer with the summary only."
+)
+#: How the summary of a ``compaction`` item reaches the model in later calls.
+COMPACT_SUMMARY_PREFIX = "[polar compaction] Summary of the earlier conversation:\n"
+#: The proxy's own marker in a ``compaction`` item's ``encrypted_content`` (plain text follows).
+COMPACT_ITEM_MARKER = "polar-compaction-v1:"
+
+#: Phrases of the harnesses' own summary requests (the last user message of a compaction call).
+HARNESS_SUMMARY_REQUESTS = (
+    ("claude-code", "create a detailed summary of the conversation"),
+    ("gemini-cli", "<state_snapshot>"),
+    ("qwen-code", "<state_snapshot>"),
+    ("opencode", "summary of our conversation"),
+    ("opencode", "Provide a detailed prompt for continuing our conversation"),
+    ("pi", "summarize the conversation"),
+    ("codex", "CONTEXT CHECKPOINT COMPACTION"),  # Codex's local compaction (a custom provider)
+)
+
+
+#: How the harnesses' own summaries come back at the start of a compacted history.
+HARNESS_SUMMARY_PREFIXES = (
+    ("codex", "Another language model started to solve this problem and produced a summary"),
+)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def compaction_of(messages: list[dict[str, Any]] | None) -> str | None:
+    """What kind of compaction a call's messages show, or None:
+
+    ``summary call (<harness>)``: the call asks for a summary of its history;
+    ``resumed from a summary (<harness>)``: the history starts again from a summary."""
+    if not messages:
+        return None
+    last_user = next((m for m in reversed(messages) if m.get("role") == "user"), None)
+    if last_user is not None:
+        text = _text(last_user.get("content"))
+        if text.startswith(COMPACT_REQUEST[:40]):
+            return "summary call (codex /responses/compact)"
+        low = text.lower()
+        for harness, phrase in HARNESS_SUMMARY_REQUESTS:
+            if phrase.lower() in low:
+                return f"summary call ({harness})"
+    for m in messages:
+        if m.get("role") != "user":
+            continue
+        text = _text(m.get("content"))
+        if text.startswith(COMPACT_SUMMARY_PREFIX[:30]):
+            return "resumed from a summary (codex compaction item)"
+        for harness, prefix in HARNESS_SUMMARY_PREFIXES:
+            if text.startswith(prefix):
+                return f"resumed from a summary ({harness})"
+    return None
