@@ -78,6 +78,24 @@ def test_ctrl_c_stops_the_running_harness_and_keeps_no_result(tmp_path: Path) ->
     assert [p for p in demo._children(os.getpid()) if _alive(p)] == []
 
 
+def run_demo(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run `polar demo`; past ``timeout`` it gets SIGTERM (its handler stops vLLM, the proxy and the
+    harnesses, each in a process group of its own) before SIGKILL, so a slow run leaks no server."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"polar demo ran past {timeout:.0f} s and was stopped:\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 #: Sample 0 of step 0 passes, every other sample fails: step 0 has a group with reward variance (one
 #: GRPO update, one push), step 1 has none (its update is skipped, no push), step 2 is the final
 #: rollout. tiny-qwen's random weights cannot solve a real task, so the verdict comes from the session.
@@ -88,6 +106,7 @@ VARIANCE_ONCE = {"id": "echo", "instruction": "Say hello.",
 @pytest.mark.vllm
 @pytest.mark.harness
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # ~4 min on a quiet machine; three rollout steps and a training step
 def test_reduced_demo_end_to_end(tmp_path: Path, tiny_qwen_dir: Path) -> None:
     """`polar demo` as a newcomer runs it: the installed script, a *relative* --out and --tasks, from a
     directory that is not the repository root (the harness runs in its own cwd: every path it is
@@ -104,7 +123,7 @@ def test_reduced_demo_end_to_end(tmp_path: Path, tiny_qwen_dir: Path) -> None:
            "--max-tokens", "16", "--timeout", "300", "--max-model-len", "8192", "--server-during-train", "keep",
            "--out", "run"]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    proc = run_demo(cmd, cwd, timeout=1500)
     wall = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     text = proc.stdout
@@ -170,7 +189,7 @@ def test_demo_stops_at_the_first_step_that_captured_nothing(tmp_path: Path, tiny
     polar = Path(sys.executable).with_name("polar")
     cmd = [str(polar), "demo", "--model", "tiny-qwen", "--tasks", "tasks.jsonl", "--samples", "2", "--timeout", "1",
            "--max-model-len", "4096", "--out", "run", "--no-notebooks"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    proc = run_demo(cmd, tmp_path, timeout=600)
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
     text = " ".join(proc.stdout.split())
     assert "polar demo failed: rollout step 0 produced nothing to learn from: pi-chat: all 2 samples failed or timed out" in text
