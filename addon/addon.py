@@ -36,12 +36,13 @@ from typing import Any, Optional
 import aiohttp
 from mitmproxy import command, ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
+from mitmproxy.utils import human
 
 from polar_core import paths
 from polar_core.schema import valid_session_id
 from polar_proxy import jsonutil
 
-from . import control, exchange, sampling, streaming
+from . import control, exchange, flows, sampling, streaming
 from .calls import client_gone, restore_request
 from .capture import CaptureWriter
 from .engines import ENGINES, get_engine
@@ -65,6 +66,8 @@ class Polar:
     def __init__(self) -> None:
         self.state = ProxyState()
         self.intercept = Interception()
+        self._user_filter: str | None = None  # the user's save_stream_filter (ours adds a clause)
+        self._filter_set: str | None = None  # the save_stream_filter this addon set last
 
     # -- options -----------------------------------------------------------------------------
     def load(self, loader: Any) -> None:
@@ -115,6 +118,13 @@ class Polar:
                           "Exact multi-turn history: prompt the model with its own sampled ids for every answer "
                           "the harness re-sends (vLLM render/generate/derender; vLLM needs --enable-scale-out). "
                           "Off: the chat template re-renders each answer from its text.")
+        loader.add_option("polar_flow_body_limit", str, "4m",
+                          "Bytes of a streamed answer kept as the flow's response body (what mitmweb, "
+                          "saved flows and mitmdump -r show; mitmproxy keeps none of a streamed body). "
+                          "Sizes like 512k, 4m; 0: keep none.")
+        loader.add_option("polar_save_control", bool, False,
+                          "Save the control API's flows (/_polar/...) with save_stream_file too. "
+                          "Default: only model calls and other traffic (a clause in save_stream_filter).")
 
     def configure(self, updated: set[str]) -> None:
         o = ctx.options
@@ -126,6 +136,18 @@ class Polar:
         s.stream_at_once = o.polar_stream_at_once
         s.media_mode = o.polar_media
         s.served_model = o.polar_served_model or ""
+        if "polar_flow_body_limit" in updated:
+            try:
+                limit = human.parse_size(o.polar_flow_body_limit)
+            except ValueError as exc:
+                raise exceptions.OptionsError(f"polar_flow_body_limit: {exc}") from None
+            s.flow_body_limit = limit or 0
+        if "save_stream_filter" in updated or "polar_save_control" in updated:
+            self._save_filter()
+        if "web_columns" in updated and "comment" not in o.web_columns \
+                and list(o.web_columns) == list(o.default("web_columns")):
+            # mitmweb: the comment column tells model calls apart (provider, harness, session#call)
+            o.update(web_columns=[*o.web_columns, "comment"])
         if "polar_upstream_timeout" in updated:
             s.timeout = _seconds(o.polar_upstream_timeout, "polar_upstream_timeout")
         if "polar_pause_timeout" in updated:
@@ -156,9 +178,10 @@ class Polar:
                     raise exceptions.OptionsError(f"polar_upstream: {exc}") from None
                 if s.pool is None or s.pool.urls != urls:
                     s.pool = UpstreamPool(urls)
-            elif s.pool is None and "polar_upstream" in updated and not o.polar_upstream and self._is_regular():
+            elif s.pool is None and "polar_upstream" in updated and not o.polar_upstream and self._is_regular() \
+                    and o.server:  # no proxy server (mitmweb -n: browsing flows): nothing to answer
                 log.warning("polar: no polar_upstream set; model calls will be answered with errors")
-        if "polar_capture_dir" in updated and o.polar_capture_dir:
+        if "polar_capture_dir" in updated and o.polar_capture_dir and o.server:
             # Unset means the default, created lazily (options may still be arriving).
             try:
                 writer = CaptureWriter(o.polar_capture_dir, fsync=o.polar_fsync)
@@ -195,6 +218,18 @@ class Polar:
             for up in s.pool.upstreams:
                 up.served_model = None  # re-resolve on next call
 
+    def _save_filter(self) -> None:
+        """Keep control-API flows out of ``save_stream_file`` (unless ``polar_save_control``): the
+        user's own ``save_stream_filter`` is kept, with a clause added (``flows.save_filter``)."""
+        o = ctx.options
+        current = o.save_stream_filter
+        if current != self._filter_set:  # set by the user (or the first time): that is their filter
+            self._user_filter = current
+        want = flows.save_filter(self._user_filter, o.polar_save_control)
+        self._filter_set = want
+        if want != current:
+            o.update(save_stream_filter=want)
+
     def _reverse_target(self) -> str:
         for spec in ctx.options.mode:
             try:
@@ -213,6 +248,11 @@ class Polar:
     # -- lifecycle ---------------------------------------------------------------------------
     async def running(self) -> None:
         s = self.state
+        if not ctx.options.server:
+            # No proxy server (``mitmweb -nr FLOWS -s addon/polar.py``: browsing saved flows): no
+            # relay, no HTTP client, no capture directory; the content view works all the same.
+            log.info("polar: no proxy server (-n): showing flows only")
+            return
         if s.writer is None:
             s.writer = CaptureWriter(ctx.options.polar_capture_dir or paths.polar_home() / "captures",
                                      fsync=ctx.options.polar_fsync)
@@ -299,8 +339,8 @@ class Polar:
 
     # -- request and response hooks ----------------------------------------------------------
     async def request(self, flow: http.HTTPFlow) -> None:
-        if flow.response is not None or flow.request.method == "CONNECT":
-            return
+        if flow.response is not None or flow.request.method == "CONNECT" or not flow.live:
+            return  # not live: a flow read from a file (-r) replays its events; it is not a call
         s = self.state
         if flow.request.path.startswith(control.CONTROL_PREFIX) and self.intercept.control_allowed(flow, s.pool):
             scrub(flow)  # saved flows (-w) must never hold a key, whatever the path
@@ -316,6 +356,8 @@ class Polar:
                 flow.metadata["polar"] = {"passthrough": True}
             return
         await exchange.model_call(s, flow)
+        if flow.response is not None:  # answered here (a relayed stream is restored in responseheaders)
+            flows.show_as_called(flow)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         call = self.state.calls.get(flow.id)
@@ -328,6 +370,7 @@ class Polar:
                     flow.response.stream = True
             return
         restore_request(call)
+        flows.show_as_called(flow)
         flow.response.stream = streaming.SSEStream(self.state, call)  # the relay's head is already the harness's
 
     def response(self, flow: http.HTTPFlow) -> None:

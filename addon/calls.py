@@ -2,8 +2,9 @@
 
 Every call ends in ``finalize`` exactly once (answered, failed, or abandoned by the harness): its
 record is written (one line, one ``os.write``) before the harness gets its last byte, its upstream
-slot is released and the flow is annotated (metadata, comment); nothing of a finished call stays in
-memory. Errors are answered in the harness's own wire format (``answer_error``), the record first.
+slot is released and the flow is annotated (``flows.annotate``: metadata, comment); nothing of a
+finished call stays in memory. Errors are answered in the harness's own wire format
+(``answer_error``), the record first.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from mitmproxy import http
 from polar_core.schema import CallRecord
 from polar_proxy import jsonutil
 
+from . import flows
 from .accumulate import ChatAccumulator
 from .capture import CaptureError
 from .engines import TokenData
@@ -59,6 +61,8 @@ class Call:
         self.native_size = 0  # bytes of the harness's request body
         self.max_tokens_sent: int | None = None  # None: the engine's default (the room left)
         self.relay_restore: tuple | None = None  # the request's own target and body while relayed
+        self.body_kept: bytearray | None = None  # a relayed stream: what the harness got (for the flow)
+        self.body_sent = 0  # ... and how many bytes that was in all
 
 
 def guess_provider(path: str, headers: dict[str, str]) -> Provider | None:
@@ -139,20 +143,7 @@ def finalize(s: ProxyState, call: Call) -> None:
     s.calls.pop(call.flow.id, None)
     if not s.calls:
         s.gate.all_calls_done()
-    _annotate(call)
-
-
-def _annotate(call: Call) -> None:
-    rec = call.record
-    meta = call.flow.metadata.setdefault("polar", {})
-    meta.update({"prompt_tokens": len(rec.prompt_token_ids), "sampled_tokens": len(rec.sampled_token_ids),
-                 "finish_reason": rec.finish_reason, "status": rec.status, "error_kind": rec.error_kind,
-                 "upstream": rec.upstream, "policy_version": rec.policy_version})
-    call.flow.comment = (f"polar {rec.provider} session={rec.session_id}#{rec.call_index} "
-                         f"prompt={len(rec.prompt_token_ids)} sampled={len(rec.sampled_token_ids)} "
-                         f"finish={rec.finish_reason}" + (f" error={rec.error_kind}" if rec.error_kind else ""))
-    if rec.status != "ok":
-        call.flow.marked = ":red_circle:"
+    flows.annotate(call, s.writer.root if s.writer is not None else None)
 
 
 def client_gone(s: ProxyState, call: Call, msg: str) -> None:
@@ -167,6 +158,9 @@ def client_gone(s: ProxyState, call: Call, msg: str) -> None:
     if call.upstream_response is not None:
         call.upstream_response.close()
     finalize(s, call)
+    if call.body_kept is not None:
+        flows.keep_body(call.flow, call.body_kept, call.body_sent)
+    flows.show_as_called(call.flow)
 
 
 def restore_request(call: Call) -> None:

@@ -42,6 +42,7 @@ class ProxyState:
         self.passthrough = False
         self.served_model = ""  # polar_served_model; empty: ask the upstream
         self.policy_version: int | None = None
+        self.flow_body_limit = 4 * 2**20  # bytes of a streamed answer kept as the flow's response body
         # -- resources ---------------------------------------------------------------------------
         self.writer: CaptureWriter | None = None
         self.pool: UpstreamPool | None = None

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from . import flows
 from .budget import mark_cut
 from .calls import Call, finalize, is_context_error
 from .httputil import make_response
@@ -38,12 +39,17 @@ class SSEStream:
     Events may be split anywhere across chunks (even inside ``\\r\\n``), so bytes are buffered
     until a blank line ends an event. The capture record is written when ``[DONE]`` (or an error)
     arrives, before the closing bytes are returned to mitmproxy.
+
+    With ``keep``, the bytes handed to the harness are also kept (up to ``polar_flow_body_limit``)
+    and become the flow's response body when the stream ends: mitmproxy keeps no streamed body.
     """
 
-    def __init__(self, state: ProxyState, call: Call):
+    def __init__(self, state: ProxyState, call: Call, keep: bool = True):
         self.state = state
         self.call = call
         self.buf = bytearray()
+        if keep and state.flow_body_limit > 0:
+            call.body_kept = bytearray()
 
     def __call__(self, data: bytes) -> list[bytes]:
         # A list, never b"": mitmproxy would send an empty bytes chunk to an HTTP/1 client as
@@ -57,6 +63,15 @@ class SSEStream:
             if not call.stream_done:
                 call.stream_done = True
                 out += stream_failed(self.state, call, "upstream_error", "upstream stream ended before [DONE]")
+        kept = call.body_kept
+        if kept is not None:
+            call.body_sent += len(out)
+            room = self.state.flow_body_limit - len(kept)
+            if room > 0 and out:
+                kept += out if len(out) <= room else out[:room]
+            if not data:  # the end: the flow (saved right after this) shows what the harness got
+                flows.keep_body(call.flow, kept, call.body_sent)
+                call.body_kept = None
         return [out] if out else []
 
     def _drain(self, final: bool = False) -> bytes:
@@ -191,7 +206,7 @@ def answer_finished_stream(s: ProxyState, call: Call, resp: aiohttp.ClientRespon
         resp.release()
     call.record.t_upstream_end = time.time()
     s.stats["streamed_at_once"] += 1
-    translate = SSEStream(s, call)
+    translate = SSEStream(s, call, keep=False)  # the whole answer becomes the body anyway
     out = b"".join(translate(data)) + b"".join(translate(b""))
     call.flow.response = make_response(200, out, {"content-type": "text/event-stream", "cache-control": "no-cache"})
 
