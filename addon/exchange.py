@@ -30,6 +30,7 @@ from polar_proxy import jsonutil
 from . import budget, sampling
 from .accumulate import synthetic_chunks
 from .calls import Call, answer_error, fail, finalize, guess_provider, is_context_error
+from .flows import harness_url
 from .httputil import header_dict, make_response, scrub
 from .providers import detect_provider, media
 from .providers.base import NormalizedCall, ProviderError
@@ -126,7 +127,7 @@ async def model_call(s: ProxyState, flow: http.HTTPFlow) -> None:
     call.native_size = len(raw)
     s.stats["calls"] += 1
     flow.metadata["polar"] = {"session": sid, "provider": provider.name, "call_index": rec.call_index,
-                              "call_id": rec.call_id, "native_url": scrub_query_string(req.pretty_url)}
+                              "call_id": rec.call_id, "native_url": harness_url(flow, native_path)}
 
     if body_error is not None:
         fail(s, call, 400, "invalid_request", body_error)
