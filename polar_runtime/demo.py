@@ -504,6 +504,11 @@ def capture_summary(cfg: DemoConfig) -> dict[str, Any]:
     return {"per_provider": by.to_dicts(), "calls": int(by["calls"].sum()) if by.height else 0}
 
 
+#: The second of the report's two lines on browsing the run's flows (the first is the command).
+BROWSE_WHAT = ("one row per model call as the harness called it, commented; view 'Polar tokens': ids and logprobs "
+               "(Request), the answer, tool calls and each token's probability (Response)")
+
+
 def print_report(report: dict[str, Any]) -> None:
     console.rule("[bold]polar demo: report")
     cap = report["captures"]
@@ -569,8 +574,11 @@ def print_report(report: dict[str, Any]) -> None:
 
     console.print("[bold]where things are[/bold]")
     for k, v in report["paths"].items():
-        if v:
+        if v and k != "browse flows":
             console.print(f"  {k:<16} {v}")
+    if report["paths"].get("browse flows"):  # two lines: how, and what one sees
+        console.print(f"[bold]browse the calls[/bold]  {report['paths']['browse flows']}", soft_wrap=True)
+        console.print(f"  {BROWSE_WHAT}", soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------------
