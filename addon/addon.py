@@ -20,8 +20,12 @@ thin hooks named after mitmproxy's events, which hand the work to the rooms of t
               decrypt only the intercepted hosts.
 
 Each call's record is written (one line, one ``os.write``) before the harness gets its last byte
-(``calls.finalize``); nothing of a finished call stays in memory. Flows carry Polar annotations
-(metadata, comment). What the calls share lives in one ``state.ProxyState``.
+(``calls.finalize``); nothing of a finished call stays in memory. Flows are made to be read later
+(``flows``): self-contained metadata and a comment, the request as the harness called it, a
+streamed answer kept as the response body (``polar_flow_body_limit``); control-API flows are left
+out of ``save_stream_file`` (``polar_save_control``). Without a proxy server (``-n``: browsing a
+flow file) nothing starts: no relay, no capture directory. What the calls share lives in one
+``state.ProxyState``.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ import orjson
 import polars as pl
 import pyarrow as pa
 
+from polar_core.flowmeta import unpack_tokens
 from polar_core.schema import CALL_FIELDS, JSON_COLUMNS, SESSIONS_SUBDIR, CallRecord, harness_name
 
 #: Bump when the Parquet layout of the cache changes: older caches are converted again.
@@ -564,14 +565,16 @@ def flow_to_record(flow: Any, translate: Translate | None = None) -> dict[str, A
     counts); a full record under ``"record"`` or token id lists there are used as they are. The rest
     comes from the flow: the request body is the native request (and, run through the proxy's
     translator ``translate``, the normalized request), path, user agent and timestamps from request/response.
-    Token ids are not part of a flow unless the proxy put them in the metadata: join them from the
-    capture directory by call_id (``fill_from_capture``).
+    Flows saved since the proxy keeps token ids and logprobs in the metadata (``polar_core.flowmeta``)
+    carry them; for older ones join them from the capture directory by call_id (``fill_from_capture``).
     """
     meta = getattr(flow, "metadata", None) or {}
     polar = meta.get("polar")
     if not isinstance(polar, dict) or not (polar.get("session") or polar.get("session_id") or polar.get("record")):
         return None
     data: dict[str, Any] = dict(polar.get("record") or {})
+    for k, v in (unpack_tokens(polar) or {}).items():  # the ids and logprobs the proxy kept in the flow
+        data.setdefault(k, v)
     for k, v in polar.items():
         k = _FLOW_META_ALIASES.get(k, k)
         if k in _DEFAULTS and k not in data and v is not None:

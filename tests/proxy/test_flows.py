@@ -240,3 +240,18 @@ def test_browsing_starts_no_proxy_machinery(saved, tmp_path) -> None:
     assert "polar_upstream" not in out and "relay=" not in out
     assert not home.exists() or not any(home.rglob("*")), "browsing must not create a capture directory"
     assert out.count("--- sampled: ") == len(CALLS)
+
+
+def test_polar_flows_reads_the_ids_from_the_flow_file_alone(saved) -> None:
+    """``polar flows FILE`` without ``--capture``: the calls frame has every call's ids and logprobs."""
+    from polar_analysis import frames
+
+    proxy, path, got = saved
+    records = _records(proxy.capture_dir)
+    df = frames.flows_calls(path)
+    assert sorted(df["call_id"].to_list()) == sorted(records)
+    for row in df.iter_rows(named=True):
+        rec = records[row["call_id"]]
+        for k in ("prompt_token_ids", "sampled_token_ids", "sampled_logprobs", "output_text", "finish_reason",
+                  "served_model", "task_id"):
+            assert row[k] == rec[k], k
