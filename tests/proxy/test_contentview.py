@@ -1,7 +1,8 @@
-"""The Polar content view: a captured call's tokens in mitmproxy, from the committed real capture.
+"""The Polar content view: a captured call's tokens in mitmproxy, from the committed real flows.
 
-tests/fixtures/demo-run/captures holds real Pi sessions (0.5B on vLLM through the proxy) and the flows
-the proxy saved while recording them (``save_stream_file``).
+tests/fixtures/demo-run/captures/flows.mitm holds the flows the proxy saved (``save_stream_file``)
+during a small real run (the Pi harness, the 0.5B on vLLM, through the proxy in reverse mode);
+``captures/flows-run/`` is that run's capture directory (its records). See the fixture's README.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import pytest
 from mitmproxy import io
 from mitmproxy.http import HTTPFlow
 
+from polar_core.flowmeta import unpack_tokens
 from polar_proxy import contentview as cv
 from polar_core.paths import REPO_ROOT
 
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "demo-run" / "captures"
+RUN = FIXTURE / "flows-run"  # the capture directory of the run the flows were saved in
 MITMDUMP = Path(sys.executable).with_name("mitmdump")
 
 
@@ -30,7 +33,7 @@ def _flows(path: Path) -> list[HTTPFlow]:
 
 def _records() -> dict[str, dict]:
     out = {}
-    for p in (FIXTURE / "sessions").glob("*.jsonl"):
+    for p in (RUN / "sessions").glob("*.jsonl"):
         for line in p.read_text().splitlines():
             rec = json.loads(line)
             out[rec["call_id"]] = rec
@@ -39,9 +42,10 @@ def _records() -> dict[str, dict]:
 
 @pytest.fixture
 def capture(tmp_path: Path) -> Path:
-    """A copy of the fixture capture (flows.mitm next to sessions/, as the demo saves it)."""
+    """A copy of the run's capture directory with its flows.mitm next to sessions/, as the demo saves it."""
     target = tmp_path / "captures"
-    shutil.copytree(FIXTURE, target, ignore=shutil.ignore_patterns(".polar-cache"))
+    shutil.copytree(RUN, target, ignore=shutil.ignore_patterns(".polar-cache"))
+    shutil.copy(FIXTURE / "flows.mitm", target / "flows.mitm")
     return target
 
 
@@ -56,7 +60,10 @@ def test_flows_carry_polar_annotations() -> None:
         assert meta["prompt_tokens"] == len(rec["prompt_token_ids"])
         assert meta["sampled_tokens"] == len(rec["sampled_token_ids"])
         assert meta["finish_reason"] == rec["finish_reason"]
-        assert f.comment.startswith(f"polar openai_chat session={rec['session_id']}#{rec['call_index']}")
+        assert unpack_tokens(meta) == {k: rec[k] for k in ("prompt_token_ids", "sampled_token_ids", "sampled_logprobs")}
+        assert f.comment.startswith(f"polar openai_chat pi-chat session={rec['session_id']}#{rec['call_index']} ")
+        assert f.response is not None and f.response.raw_content  # the answer as the harness got it (streamed)
+    assert not [f for f in flows if f.request.path.startswith("/_polar/")]
 
 
 def test_view_renders_every_token_with_its_loss_mask_style(capture: Path) -> None:
@@ -69,7 +76,7 @@ def test_view_renders_every_token_with_its_loss_mask_style(capture: Path) -> Non
     assert found == rec and source == capture / "sessions" / f"{rec['session_id']}.jsonl"
     tok = cv.tokenizer_for(rec["served_model"])
     assert tok is not None, "the 0.5B tokenizer is built by setup"
-    lines = list(cv.render_call(flow.metadata["polar"], found, source, tok))
+    lines = list(cv.render_call(flow.metadata["polar"], None, None, tok))  # from the flow alone
     pieces = [p for line in lines for p in line]
     assert sum(1 for style, _ in pieces if style == cv.PROMPT_STYLE) == len(rec["prompt_token_ids"])
     n_sampled = len(rec["sampled_token_ids"])
@@ -85,13 +92,25 @@ def test_view_renders_every_token_with_its_loss_mask_style(capture: Path) -> Non
     assert "<|im_start|>" in text and f"boundary at {len(rec['prompt_token_ids'])}" in text
 
 
-def test_view_without_capture_says_where_it_looked(tmp_path: Path) -> None:
+def test_view_without_capture_renders_from_the_flow_and_says_where_it_looked(tmp_path: Path) -> None:
     flow = next(f for f in _flows(FIXTURE / "flows.mitm") if cv.polar_meta(f))
     rec, source = cv.find_record(flow.metadata["polar"]["session"], flow.metadata["polar"]["call_id"], [tmp_path])
     assert rec is None and source is None
     lines = list(cv.render_call(flow.metadata["polar"], None, None, None))
     text = "\n".join("".join(t for _, t in line) for line in lines)
-    assert "not found" in text and str(flow.metadata["polar"]["sampled_tokens"]) in text
+    assert "capture record  not here" in text and "tokens from     the flow (metadata)" in text
+    assert f"--- sampled: {flow.metadata['polar']['sampled_tokens']} ids" in text
+
+
+def test_old_flows_without_ids_render_from_the_record(capture: Path) -> None:
+    """Flows saved before the metadata held ids: the record is where the tokens come from."""
+    flow = next(f for f in _flows(capture / "flows.mitm") if cv.polar_meta(f))
+    meta = {k: v for k, v in flow.metadata["polar"].items() if k != "tokens"}
+    rec, source = cv.find_record(meta["session"], meta["call_id"], [capture])
+    text = "\n".join("".join(t for _, t in line) for line in cv.render_call(meta, rec, source, None))
+    assert f"tokens from     {source}" in text and f"--- prompt: {len(rec['prompt_token_ids'])} ids" in text
+    text = "\n".join("".join(t for _, t in line) for line in cv.render_call(meta, None, None, None))
+    assert "not in the flow and no capture record found" in text
 
 
 @pytest.mark.slow
@@ -111,8 +130,9 @@ def test_mitmdump_flow_detail_shows_the_view(capture: Path, tmp_path: Path) -> N
         assert f"session         {rec['session_id']} #{rec['call_index']}" in out
         assert f"--- prompt: {len(rec['prompt_token_ids'])} ids, loss_mask 0 ---" in out
         assert f"--- sampled: {len(rec['sampled_token_ids'])} ids, loss_mask 1" in out
-    assert out.count("tokens from     " + str(capture / "sessions")) == len(records)
-    assert "not found" not in out
+    assert out.count("capture record  " + str(capture / "sessions")) == len(records)
+    assert out.count("tokens from     the flow (metadata)") == len(records)
+    assert "content missing" not in out
     assert not any(empty.rglob("*.jsonl")), "reading flows must not capture anything"
 
 
@@ -134,3 +154,9 @@ def test_polar_flows_reads_the_saved_flows_into_the_capture_frame(capture: Path,
     for col in ("session_id", "call_index", "provider", "finish_reason", "prompt_token_ids", "sampled_token_ids",
                 "sampled_logprobs", "policy_version", "status"):
         assert from_flows[col].to_list() == from_capture[col].to_list(), col
+    alone = tmp_path / "alone.parquet"  # the flows file alone holds the same ids
+    res = CliRunner().invoke(app, ["flows", str(capture / "flows.mitm"), "-o", str(alone)])
+    assert res.exit_code == 0, res.output
+    from_alone = pl.read_parquet(alone).sort("call_id")
+    for col in ("call_id", "prompt_token_ids", "sampled_token_ids", "sampled_logprobs", "finish_reason"):
+        assert from_alone[col].to_list() == from_capture[col].to_list(), col

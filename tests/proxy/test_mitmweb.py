@@ -164,11 +164,13 @@ def test_browse_committed_flows_in_real_mitmweb(mitmweb, tmp_path: Path) -> None
 
 
 def test_browse_links_the_capture_record_when_it_is_there(mitmweb, tmp_path: Path) -> None:
-    """Next to its capture directory (as the demo saves it), the request view names the record."""
+    """Next to its capture directory (as the demo saves it), the request view names the record.
+    (The fixture's ``flows-run/`` is the capture directory of the run its flows.mitm comes from.)"""
     if FLOWS != FIXTURE_FLOWS:
         pytest.skip("the fixture's capture directory goes with the fixture's flows file")
-    run = tmp_path / "captures"
-    shutil.copytree(FIXTURE_FLOWS.parent, run, ignore=shutil.ignore_patterns(".polar-cache"))
+    run = tmp_path / "captures"  # the run's capture directory (its records), the flows saved into it
+    shutil.copytree(FIXTURE_FLOWS.parent / "flows-run", run, ignore=shutil.ignore_patterns(".polar-cache"))
+    shutil.copy(FIXTURE_FLOWS, run / "flows.mitm")
     web = mitmweb(run / "flows.mitm")
     flows = web.flows(_count_flows(run / "flows.mitm"))
     linked = 0
