@@ -114,6 +114,7 @@ def annotate(call: "Call", capture_root: Path | None) -> None:
         "served_model": rec.served_model, "requested_model": rec.requested_model, "upstream": rec.upstream,
         "engine": rec.engine, "stream": rec.stream, "stream_mode": rec.stream_mode, "sampling": sampling,
         "proxy_id": rec.proxy_id, "native_path": rec.native_path,
+        "history": rec.history, "history_cause": rec.history_cause,
         "t_request_in": rec.t_request_in, "t_upstream_sent": rec.t_upstream_sent,
         "t_upstream_first_byte": rec.t_upstream_first_byte, "t_upstream_end": rec.t_upstream_end,
         "t_response_out": rec.t_response_out,

@@ -2,7 +2,8 @@
 
 A real vLLM (the 0.5B by default), the real proxy in reverse mode saving its flows
 (``save_stream_file``, as ``polar demo`` does) and the real Pi harness (``pi-chat``) on one built-in
-task, a few samples, plain sampling at temperature 1 seeded per call, answers capped. Writes
+task, a few samples, plain sampling at temperature 1 seeded per call, answers capped, exact history
+on (the demo's proxy options). Writes
 ``OUT/captures/{flows.mitm,sessions/,rollouts.parquet}``; copy what the fixture needs from there.
 
     .venv/bin/python scripts/record_flows_fixture.py --out /tmp/flows-run
@@ -29,6 +30,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="vLLM's OpenMP threads (default: every usable core)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--no-exact-history", dest="exact_history", action="store_false",
+                    help="polar_exact_history off (on by default, as in polar rollout and polar demo)")
     args = ap.parse_args()
 
     from polar_proxy.process import ProxyProcess
@@ -49,7 +52,7 @@ def main() -> None:
                     threads=args.threads, log_path=out / "logs" / "vllm.log") as server:
         print(f"vLLM {server.served_model_name} ready in {server.start_seconds} s at {server.base_url}", flush=True)
         options = {"polar_max_tokens_cap": args.max_tokens, "save_stream_file": str(captures / "flows.mitm"),
-                   "polar_sampling": r.sampling_spec(1.0, args.seed)}
+                   "polar_sampling": r.sampling_spec(1.0, args.seed), "polar_exact_history": args.exact_history}
         with ProxyProcess(server.base_url, captures, mode="reverse", served_model=server.served_model_name,
                           options=options, log_file=out / "logs" / "proxy.log", startup_timeout=180.0) as proxy:
             proxy.control.set_policy_version(0)

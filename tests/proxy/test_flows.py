@@ -255,3 +255,31 @@ def test_polar_flows_reads_the_ids_from_the_flow_file_alone(saved) -> None:
         for k in ("prompt_token_ids", "sampled_token_ids", "sampled_logprobs", "output_text", "finish_reason",
                   "served_model", "task_id"):
             assert row[k] == rec[k], k
+
+
+def test_exact_history_flows_keep_the_answer_and_the_spliced_ids(helpers, upstream, proxy_factory, tmp_path) -> None:
+    """polar_exact_history (the demo's mode): the second turn's prompt is spliced from the sampled
+    ids; its flow keeps what the harness received and the ids the record has, and says how."""
+    flows_file = tmp_path / "flows.mitm"
+    proxy = proxy_factory(upstream.url, options={"save_stream_file": str(flows_file), "polar_exact_history": True})
+    messages = [{"role": "user", "content": "answer please #scenario:text"}]
+    got = []
+    for _ in range(2):
+        body = {"model": "m", "stream": True, "messages": messages}
+        ans = helpers.request(proxy.url + "/v1/chat/completions", body, headers={"x-polar-session": "flows-exact"})
+        assert ans.status == 200
+        got.append(ans.body)
+        text = "".join(e[1]["choices"][0]["delta"].get("content") or "" for e in helpers.sse_events(ans.body)
+                       if isinstance(e[1], dict) and e[1].get("choices"))
+        messages = messages + [{"role": "assistant", "content": text},
+                               {"role": "user", "content": "again #scenario:text"}]
+    time.sleep(0.2)
+    proxy.stop()
+    records = sorted(_records(proxy.capture_dir).values(), key=lambda r: r["call_index"])
+    flows = sorted(_read(flows_file), key=lambda f: f.metadata["polar"]["call_index"])
+    assert [f.response.content for f in flows] == got
+    for f, rec in zip(flows, records):
+        meta = f.metadata["polar"]
+        assert unpack_tokens(meta)["prompt_token_ids"] == rec["prompt_token_ids"]
+        assert (meta["history"], meta["history_cause"]) == (rec["history"], rec["history_cause"])
+    assert records[1]["history"] == "exact"
