@@ -30,7 +30,7 @@ from polar_proxy import jsonutil
 from . import budget, sampling
 from .accumulate import synthetic_chunks
 from .calls import Call, answer_error, fail, finalize, guess_provider, is_context_error
-from .flows import harness_url
+from .flows import SAMPLING_KEYS, harness_url
 from .httputil import header_dict, make_response, scrub
 from .providers import detect_provider, media
 from .providers.base import NormalizedCall, ProviderError
@@ -212,6 +212,7 @@ async def exchange(s: ProxyState, call: Call, normalized: NormalizedCall) -> Non
             last_error = f"upstream {up.url} {how}: {exc}"
             continue
         chat = prepare(s, call, normalized, up, stream_upstream)
+        call.sampling = {k: chat[k] for k in SAMPLING_KEYS if k in chat}  # for the flow (flows.annotate)
         upstream_body = jsonutil.dumps(chat)
         rec.normalized_request = jsonutil.raw_json(upstream_body) or chat  # written as sent
         rec.served_model = up.served_model or ""

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 #: ``save_stream_filter`` clause that leaves control-API flows out (mitmproxy's filter language).
 NOT_CONTROL = f'!(~u "^[a-z0-9]+://[^/]+{CONTROL_PREFIX}")'
 
-#: Effective sampling parameters copied from the request sent upstream.
+#: Effective sampling parameters kept from the request sent upstream (``exchange`` sets ``call.sampling``).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "presence_penalty",
                  "frequency_penalty", "repetition_penalty")
 
@@ -89,18 +89,12 @@ def _raw(value: Any) -> Any:
     return value.json if isinstance(value, RawJSON) else value
 
 
-def _value(value: Any) -> Any:
-    return value.value() if isinstance(value, RawJSON) else value
-
-
 def annotate(call: "Call", capture_root: Path | None) -> None:
     """Write the finished call into its flow: metadata (self-contained), comment, marker;
     ``capture_root``: the capture directory its record went to."""
     rec = call.record
     flow = call.flow
     meta = flow.metadata.setdefault(META_KEY, {})
-    normalized = _value(rec.normalized_request)
-    sampling = {k: normalized[k] for k in SAMPLING_KEYS if isinstance(normalized, dict) and k in normalized}
     meta.update({
         "session": rec.session_id, "call_index": rec.call_index, "call_id": rec.call_id, "provider": rec.provider,
         "harness": rec.harness, "task_id": rec.task_id, "group_id": rec.group_id, "sample_index": rec.sample_index,
@@ -112,7 +106,7 @@ def annotate(call: "Call", capture_root: Path | None) -> None:
         "output_tool_calls": [dict(tc) for tc in rec.output_tool_calls],
         "translation_notes": list(rec.translation_notes),
         "served_model": rec.served_model, "requested_model": rec.requested_model, "upstream": rec.upstream,
-        "engine": rec.engine, "stream": rec.stream, "stream_mode": rec.stream_mode, "sampling": sampling,
+        "engine": rec.engine, "stream": rec.stream, "stream_mode": rec.stream_mode, "sampling": dict(call.sampling),
         "proxy_id": rec.proxy_id, "native_path": rec.native_path,
         "history": rec.history, "history_cause": rec.history_cause,
         "t_request_in": rec.t_request_in, "t_upstream_sent": rec.t_upstream_sent,

@@ -130,6 +130,8 @@ def test_metadata_is_self_contained(saved) -> None:
                   "status", "finish_reason", "served_model", "output_text", "output_reasoning",
                   "output_tool_calls", "policy_version", "http_status", "error_kind"):
             assert meta["session" if k == "session_id" else k] == rec[k], k
+        sent = rec["normalized_request"] or {}
+        assert meta["sampling"] == {k: sent[k] for k in pflows.SAMPLING_KEYS if k in sent} and "max_tokens" in meta["sampling"]
         assert meta["capture_file"] == f"sessions/{rec['session_id']}.jsonl"
         assert Path(meta["capture_dir"]) == proxy.capture_dir.resolve()
         assert (Path(meta["capture_dir"]) / meta["capture_file"]).is_file()
