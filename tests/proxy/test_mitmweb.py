@@ -158,6 +158,7 @@ def test_browse_committed_flows_in_real_mitmweb(mitmweb, tmp_path: Path) -> None
     problems, calls = browse_problems(web, n)
     assert calls >= 3, "no model call found in the flows file"
     assert not problems, "\n".join(problems[:20]) + f"\n({len(problems)} problems in {n} flows)"
+    assert "comment" in web.json("/options")["web_columns"]["value"]  # the list tells calls apart
     log = web.log.read_text()
     assert "polar_upstream" not in log and "relay=" not in log, log[-2000:]
     assert not web.home.exists() or not any(web.home.rglob("*")), "browsing created files under POLAR_HOME"
