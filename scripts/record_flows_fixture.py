@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=8192)
-    ap.add_argument("--kv-cache-gib", type=float, default=0.5)
+    ap.add_argument("--kv-cache-gib", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=None, help="vLLM's OpenMP threads (default: every usable core)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0)
