@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 from mitmproxy import http
 from mitmproxy.proxy import mode_specs
 
-from polar_core.flowmeta import CONTROL_PREFIX, META_KEY, TOKENS_KEY, pack_tokens
+from polar_core.flowmeta import META_KEY, TOKENS_KEY, pack_tokens
 from polar_core.schema import SESSIONS_SUBDIR
 
+from .control import CONTROL_PREFIX
 from .jsonutil import RawJSON
 
 if TYPE_CHECKING:
@@ -149,7 +150,3 @@ def save_filter(user: str | None, keep_control: bool) -> str | None:
     if keep_control:
         return user or None
     return f"({user}) & {NOT_CONTROL}" if user else NOT_CONTROL
-
-
-def is_control(flow: http.HTTPFlow) -> bool:
-    return flow.request.path.startswith(CONTROL_PREFIX)

@@ -37,9 +37,6 @@ TOKENS_KEY = "tokens"
 TOKENS_FORMAT = "json-bytes"
 TOKEN_FIELDS = ("prompt_token_ids", "sampled_token_ids", "sampled_logprobs")
 
-#: The control API's path prefix (``/_polar/status`` ...).
-CONTROL_PREFIX = "/_polar/"
-
 
 def _encode(values: Any) -> bytes:
     if isinstance(values, (bytes, bytearray)):
