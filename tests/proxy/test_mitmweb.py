@@ -112,8 +112,9 @@ def _text(view: dict[str, Any]) -> str:
     return "\n".join("".join(piece[1] for piece in line) for line in view["lines"])
 
 
-def browse_problems(web: Mitmweb, n_flows: int) -> tuple[list[str], int]:
-    """What a user browsing the file would find wrong (empty: nothing), and the model calls seen."""
+def browse_problems(web: Mitmweb, n_flows: int, without_records: bool = False) -> tuple[list[str], int]:
+    """What a user browsing the file would find wrong (empty: nothing), and the model calls seen;
+    ``without_records``: no capture record may be found (the views must work from the flow alone)."""
     problems: list[str] = []
     calls = 0
     for f in web.flows(n_flows):
@@ -129,6 +130,8 @@ def browse_problems(web: Mitmweb, n_flows: int) -> tuple[list[str], int]:
         text = _text(req_view)
         if "content missing" in text or "not in the flow" in text or "not found" in text:
             problems.append(f"{where}: request view without the call's tokens: {text[:300]!r}")
+        if without_records and "capture record  not here" not in text:
+            problems.append(f"{where}: a capture record was found; this checks the flow file alone")
         resp = f.get("response")
         if resp is None:
             problems.append(f"{where}: no response")
@@ -155,7 +158,7 @@ def test_browse_committed_flows_in_real_mitmweb(mitmweb, tmp_path: Path) -> None
     shutil.copy(FLOWS, lone)
     n = _count_flows(lone)
     web = mitmweb(lone)
-    problems, calls = browse_problems(web, n)
+    problems, calls = browse_problems(web, n, without_records=True)
     assert calls >= 3, "no model call found in the flows file"
     assert not problems, "\n".join(problems[:20]) + f"\n({len(problems)} problems in {n} flows)"
     assert "comment" in web.json("/options")["web_columns"]["value"]  # the list tells calls apart
