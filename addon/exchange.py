@@ -331,7 +331,7 @@ async def budget_retry(s: ProxyState, call: Call, resp: aiohttp.ClientResponse, 
             await upstream_status_error(s, call, resp, raw)
         return None
     rec = call.record
-    chat["max_tokens"] = call.max_tokens_sent = room[0]
+    chat["max_tokens"] = call.max_tokens_sent = call.sampling["max_tokens"] = room[0]
     rec.translation_notes.append(f"max_tokens lowered to the {room[0]} tokens the {room[1]}-token prompt leaves")
     body = jsonutil.dumps(chat)
     rec.normalized_request = jsonutil.raw_json(body) or chat
