@@ -63,7 +63,6 @@ class Call:
         self.relay_restore: tuple | None = None  # the request's own target and body while relayed
         self.body_kept: bytearray | None = None  # a relayed stream: what the harness got (for the flow)
         self.body_sent = 0  # ... and how many bytes that was in all
-        self.sampling: dict[str, Any] = {}  # the sampling parameters sent upstream (for the flow)
 
 
 def guess_provider(path: str, headers: dict[str, str]) -> Provider | None:

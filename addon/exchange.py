@@ -30,7 +30,7 @@ from polar_proxy import jsonutil
 from . import budget, sampling
 from .accumulate import synthetic_chunks
 from .calls import Call, answer_error, fail, finalize, guess_provider, is_context_error
-from .flows import SAMPLING_KEYS, harness_url
+from .flows import harness_url
 from .httputil import header_dict, make_response, scrub
 from .providers import detect_provider, media
 from .providers.base import NormalizedCall, ProviderError
@@ -212,7 +212,6 @@ async def exchange(s: ProxyState, call: Call, normalized: NormalizedCall) -> Non
             last_error = f"upstream {up.url} {how}: {exc}"
             continue
         chat = prepare(s, call, normalized, up, stream_upstream)
-        call.sampling = {k: chat[k] for k in SAMPLING_KEYS if k in chat}  # for the flow (flows.annotate)
         upstream_body = jsonutil.dumps(chat)
         rec.normalized_request = jsonutil.raw_json(upstream_body) or chat  # written as sent
         rec.served_model = up.served_model or ""
@@ -331,7 +330,7 @@ async def budget_retry(s: ProxyState, call: Call, resp: aiohttp.ClientResponse, 
             await upstream_status_error(s, call, resp, raw)
         return None
     rec = call.record
-    chat["max_tokens"] = call.max_tokens_sent = call.sampling["max_tokens"] = room[0]
+    chat["max_tokens"] = call.max_tokens_sent = room[0]
     rec.translation_notes.append(f"max_tokens lowered to the {room[0]} tokens the {room[1]}-token prompt leaves")
     body = jsonutil.dumps(chat)
     rec.normalized_request = jsonutil.raw_json(body) or chat

@@ -37,11 +37,6 @@ if TYPE_CHECKING:
 #: ``save_stream_filter`` clause that leaves control-API flows out (mitmproxy's filter language).
 NOT_CONTROL = f'!(~u "^[a-z0-9]+://[^/]+{CONTROL_PREFIX}")'
 
-#: Effective sampling parameters kept from the request sent upstream (``exchange`` sets ``call.sampling``).
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty")
-
-
 def harness_target(flow: http.HTTPFlow) -> tuple[str, str, int] | None:
     """(scheme, host, port) the harness connected to, for reverse-mode flows (None otherwise:
     in regular mode the request already names the host the harness called)."""
@@ -107,7 +102,8 @@ def annotate(call: "Call", capture_root: Path | None) -> None:
         "output_tool_calls": [dict(tc) for tc in rec.output_tool_calls],
         "translation_notes": list(rec.translation_notes),
         "served_model": rec.served_model, "requested_model": rec.requested_model, "upstream": rec.upstream,
-        "engine": rec.engine, "stream": rec.stream, "stream_mode": rec.stream_mode, "sampling": dict(call.sampling),
+        "engine": rec.engine, "stream": rec.stream, "stream_mode": rec.stream_mode,
+        "sampling": dict(rec.sampling) if rec.sampling else rec.sampling, "max_tokens_sent": call.max_tokens_sent,
         "proxy_id": rec.proxy_id, "native_path": rec.native_path,
         "history": rec.history, "history_cause": rec.history_cause,
         "t_request_in": rec.t_request_in, "t_upstream_sent": rec.t_upstream_sent,

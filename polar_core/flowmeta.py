@@ -12,7 +12,7 @@ Keys (all of mitmproxy's serializable kinds: str, int, float, bool, None, bytes,
   ``prompt_tokens`` / ``sampled_tokens`` (counts), ``output_text``, ``output_reasoning``,
   ``output_tool_calls`` ({id, name, arguments}), ``translation_notes``;
 * serving: ``served_model``, ``requested_model``, ``upstream``, ``stream``, ``stream_mode``,
-  ``sampling`` (the effective sampling parameters sent upstream), ``history`` /
+  ``sampling`` (the record's: what the engine applied), ``max_tokens_sent``, ``history`` /
   ``history_cause`` (exact-history mode), ``t_*`` timestamps;
 * ``tokens``: the token ids and behaviour logprobs, each list as its JSON text in bytes
   (``pack_tokens``): a list of 10k ints costs mitmproxy's pure-Python tnetstring writer ~40 ms

@@ -130,12 +130,11 @@ def test_metadata_is_self_contained(saved) -> None:
                   "status", "finish_reason", "served_model", "output_text", "output_reasoning",
                   "output_tool_calls", "policy_version", "http_status", "error_kind"):
             assert meta["session" if k == "session_id" else k] == rec[k], k
-        sent = rec["normalized_request"] or {}
-        assert meta["sampling"] == {k: sent[k] for k in pflows.SAMPLING_KEYS if k in sent}
+        assert meta["sampling"] == rec["sampling"] and meta["sampling"]
         assert meta["capture_file"] == f"sessions/{rec['session_id']}.jsonl"
         assert Path(meta["capture_dir"]) == proxy.capture_dir.resolve()
         assert (Path(meta["capture_dir"]) / meta["capture_file"]).is_file()
-    assert any(f.metadata["polar"]["sampling"].get("max_tokens") == 64 for f in calls)  # the Anthropic call's
+    assert any(f.metadata["polar"]["max_tokens_sent"] == 64 for f in calls)  # the Anthropic call's
     tool = next(f for f in calls if f.metadata["polar"]["output_tool_calls"])
     assert tool.metadata["polar"]["task_id"] == "t1" and tool.metadata["polar"]["harness"] == "pi-chat"
 
