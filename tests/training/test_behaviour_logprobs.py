@@ -133,11 +133,11 @@ def test_trainer_reports_the_recorded_mismatch_kl(measured):
     m = measured.metrics
     assert m["n_sampled_tokens"] == reported["n_sampled_tokens"] == 760
     assert m["n_input_tokens"] == reported["n_input_tokens"]
-    assert m["mismatch_kl"] == pytest.approx(reported["mismatch_kl"], abs=2e-3)
+    assert m["mismatch_kl"] == pytest.approx(reported["mismatch_kl"], abs=1e-4)  # measured: 5e-8 apart
     # and it is the mean of vLLM's minus the trainer's logprob over the sampled tokens
     gap = torch.cat(measured.vllm) - torch.cat(measured.trainer)
     assert m["mismatch_kl"] == pytest.approx(float(gap.mean()), abs=1e-6)
-    assert m["tis_weight_mean"] == pytest.approx(reported["tis_weight_mean"], abs=2e-3)
+    assert m["tis_weight_mean"] == pytest.approx(reported["tis_weight_mean"], abs=1e-4)
 
 
 def test_unmerged_calls_packed_together_match_vllm(measured):
