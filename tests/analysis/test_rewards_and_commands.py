@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import polars as pl
 import pytest
 import typer
@@ -9,6 +11,9 @@ from typer.testing import CliRunner
 
 from polar_analysis import commands, rewards
 from polar_analysis.synthetic import SyntheticSession, write_capture
+from polar_core.paths import REPO_ROOT
+
+REAL = REPO_ROOT / "tests" / "fixtures" / "demo-run" / "captures" / "sessions"  # Pi + the 0.5B on real vLLM
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +95,16 @@ def test_calls_inspect_drift_align_commands(cap, app, tmp_path):
     d = pl.read_parquet(tmp_path / "drift.parquet")
     # the failed call is compared too (its prompt was sent), then the retry after it
     assert sorted(d["cause"].to_list()) == ["new_conversation", "new_conversation", "none", "tool_args_reserialized", "tool_args_reserialized"]
-    res = r.invoke(app, ["align", str(cap), "--model", "tiny-qwen", "-o", str(tmp_path / "align.parquet")])
+    # align on a real vLLM capture (the synthetic one is rendered by the very renderer align uses):
+    # every call's re-rendering is vLLM's own prompt ids (tiny-qwen has the 0.5B's tokenizer and template)
+    real = tmp_path / "real"
+    (real / "sessions").mkdir(parents=True)
+    shutil.copy(REAL / "hello-file.st0.s1.jsonl", real / "sessions")
+    n_calls = len((REAL / "hello-file.st0.s1.jsonl").read_text().splitlines())
+    res = r.invoke(app, ["align", str(real), "--model", "tiny-qwen", "-o", str(tmp_path / "align.parquet")])
     assert res.exit_code == 0, res.output
-    assert set(pl.read_parquet(tmp_path / "align.parquet")["status"]) == {"exact"}
+    aligned = pl.read_parquet(tmp_path / "align.parquet")
+    assert aligned.height == n_calls > 2 and aligned["status"].to_list() == ["exact"] * n_calls
     # the calls Parquet is a valid source too
     res = r.invoke(app, ["drift", str(tmp_path / "calls.parquet")])
     assert res.exit_code == 0 and "tool_args_reserialized" in res.output

@@ -15,6 +15,7 @@ from polar_analysis.synthetic import write_capture
 from polar_analysis.trajectories import prefix_merge
 
 from .conftest import harness_request
+from .test_trajectories import check
 
 pytestmark = pytest.mark.vllm
 
@@ -78,8 +79,11 @@ def test_real_multi_turn_ids_merge_without_loss(vllm_tiny, renderer, template, t
     lf = frames.calls(tmp_path)
     assert set(alignment.align(lf, renderer)["status"]) == {"exact"}
     df, stats = prefix_merge.build(lf, template=template)
-    assert stats.coverage == 1.0 and stats.merges == 3 and stats.breaks == 0 and df.height == 1
-    assert int(df["loss_mask"].list.sum().sum()) == sum(len(r.sampled_token_ids) for r in records)
+    assert stats.merges == 3 and stats.breaks == 0 and df.height == 1
+    # positions, not only counts: every sampled id where it belongs, with its own logprob
+    seen = check(df, stats, records)
+    starts = [seen[r.call_id][1][0] for r in records]
+    assert starts == sorted(starts) and starts[0] == len(records[0].prompt_token_ids)
     for a, b, kind in zip(records, records[1:], [k for row in df["merge_kind"].to_list() for k in row]):
         exact = b.prompt_token_ids[: len(a.prompt_token_ids) + len(a.sampled_token_ids)] == a.prompt_token_ids + a.sampled_token_ids
         assert (kind == "exact") == exact

@@ -1,4 +1,6 @@
-"""The three notebooks execute headless on the committed real capture and their plots render.
+"""The three notebooks execute headless on the committed real capture, their plots render, and what
+they print and tabulate is what the capture holds (calls, tokens, policy versions, solved counts,
+the trainer's metrics), counted here straight from the committed files.
 
 The capture (tests/fixtures/demo-run, see its README) was recorded once by ``polar demo`` through the
 real proxy, a real vLLM and the real Pi harness, with a real ``polar train`` metrics file. The
@@ -9,10 +11,12 @@ data and runtime dirs are temporary (tests/conftest.py).
 from __future__ import annotations
 
 import base64
+import html as html_lib
 import io
 import json
 import os
 import shutil
+from html.parser import HTMLParser
 from pathlib import Path
 
 import nbformat
@@ -117,6 +121,165 @@ def test_notebook_executes_and_plots_render(path: Path, executed, tmp_path: Path
         rgb = np.asarray(img)[..., :3]
         assert float(rgb.std()) > 0.01, f"{out}: a blank image"
         assert (rgb.reshape(-1, 3) < 0.9).any(axis=1).mean() > 0.002, f"{out}: almost nothing drawn"
+
+
+# ---------------------------------------------------------------------------------------------
+# What the notebooks show, against what the committed files hold
+# ---------------------------------------------------------------------------------------------
+
+class _Tables(HTMLParser):
+    """The tables of a notebook's HTML outputs (polars' ``_repr_html_``): header row, dtype row, rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: list[list[list[str]]] = []
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr" and self.tables:
+            self.tables[-1].append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None and self.tables:
+            self.tables[-1][-1].append("".join(self._cell))
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def _value(text: str, dtype: str):
+    if text == "null":
+        return None
+    if dtype == "str":
+        return html_lib.unescape(text).strip('"')
+    if dtype[:1] in "iu":
+        return int(text)
+    if dtype[:1] == "f":
+        return float(text)
+    if dtype == "bool":
+        return text == "true"
+    return text
+
+
+def _tables(nb: nbformat.NotebookNode) -> list[list[dict]]:
+    """Every DataFrame the notebook displayed, as rows of {column: value}."""
+    parser = _Tables()
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            parser.feed(out.get("data", {}).get("text/html", ""))
+    return [[dict(zip(t[0], (_value(v, d) for v, d in zip(row, t[1])))) for row in t[2:]] for t in parser.tables
+            if len(t) >= 2]
+
+
+def _table_with(nb: nbformat.NotebookNode, *columns: str) -> list[dict]:
+    found = [t for t in _tables(nb) if t and set(columns) <= set(t[0])]
+    assert len(found) == 1, f"expected one table with columns {columns}, found {len(found)}"
+    return found[0]
+
+
+def _stdout(nb: nbformat.NotebookNode) -> str:
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
+                   if o.output_type == "stream" and o.get("name") == "stdout")
+
+
+@pytest.fixture(scope="module")
+def committed(run_dir: Path):
+    """The run's facts, read straight from its files (not through polar_analysis)."""
+    import polars as pl
+
+    records = [json.loads(line) for p in sorted((run_dir / "captures" / "sessions").glob("*.jsonl"))
+               for line in p.read_text().splitlines() if line.strip()]
+    rollouts = pl.read_parquet(run_dir / "captures" / "rollouts.parquet")
+    metrics = [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines() if line]
+    trajectories = sum(pl.read_parquet(p).height for p in (run_dir / "trajectories").glob("*.parquet"))
+    return records, rollouts, metrics, trajectories
+
+
+def _by_session(records: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in records:
+        out.setdefault(r["session_id"], []).append(r)
+    return out
+
+
+@pytest.mark.skipif(bool(RUN_OVERRIDE), reason="checks the committed run")
+def test_overview_shows_the_captures_calls_tokens_and_policy_versions(executed, committed) -> None:
+    records, rollouts, _, _ = committed
+    nb = executed(REPO_ROOT / "notebooks" / "01_captures_overview.ipynb")
+    sessions = _by_session(records)
+    n_prompt = sum(len(r["prompt_token_ids"]) for r in records)
+    n_sampled = sum(len(r["sampled_token_ids"]) for r in records)
+    errors = sum(r["status"] != "ok" for r in records)
+    out = _stdout(nb)
+    assert f"{len(records)} calls in {len(sessions)} sessions; {n_prompt} prompt ids, {n_sampled} sampled ids" in out
+    reached = sum(r["t_upstream_sent"] is not None and r["t_response_out"] is not None for r in records)
+    assert f"{reached} of {len(records)} calls reached the upstream" in out
+    assert f"{errors} calls with errors" in out
+
+    outcome = {r["session_id"]: (r["reward"], r["status"]) for r in rollouts.iter_rows(named=True)}
+    shown = {row["session_id"]: row for row in _table_with(nb, "session_id", "n_calls", "min_policy_version")}
+    assert set(shown) == set(sessions)
+    for sid, calls in sessions.items():
+        row, versions = shown[sid], [c["policy_version"] for c in calls]
+        assert (row["n_calls"], row["prompt_ids"], row["sampled_ids"]) == (
+            len(calls), sum(len(c["prompt_token_ids"]) for c in calls), sum(len(c["sampled_token_ids"]) for c in calls))
+        assert (row["min_policy_version"], row["max_policy_version"]) == (min(versions), max(versions)), sid
+        assert (row["reward"], row["rollout_status"]) == outcome[sid], sid
+    assert {v for row in shown.values() for v in (row["min_policy_version"], row["max_policy_version"])} == {0, 1}
+
+    [per_provider] = _table_with(nb, "harness", "provider", "calls", "sessions")
+    assert (per_provider["provider"], per_provider["calls"], per_provider["sessions"], per_provider["errors"],
+            per_provider["prompt_ids"], per_provider["sampled_ids"]) == (
+        records[0]["provider"], len(records), len(sessions), errors, n_prompt, n_sampled)
+
+
+@pytest.mark.skipif(bool(RUN_OVERRIDE), reason="checks the committed run")
+def test_debugger_shows_the_captures_sequences_and_drift(executed, committed) -> None:
+    records, _, _, _ = committed
+    nb = executed(REPO_ROOT / "notebooks" / "02_trajectory_debugger.ipynb")
+    sessions = _by_session(records)
+    out = _stdout(nb)
+    # Pi never rewrites its history: each session is one sequence, every sampled id covered, no break.
+    assert f"{len(sessions)} sequences from {len(records)} calls; coverage 100.00%" in out
+    assert f"merges {len(records) - len(sessions)} " in out and "breaks 0 " in out
+    chosen = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("session:"))
+    calls = sessions[chosen]
+    assert len(calls) == max(len(c) for c in sessions.values())  # the most calls (all merges non-exact)
+    assert f"1 sequence(s): {chosen}/0.0 ({len(calls)} calls, " in out
+    assert f" tokens, {sum(len(c['sampled_token_ids']) for c in calls)} sampled)" in out
+    drift = _table_with(nb, "call_index", "prev_call_index", "cause", "exact")
+    assert [row["call_index"] for row in drift] == sorted(c["call_index"] for c in calls)
+    assert drift[0]["cause"] == "new_conversation" and not any(row["exact"] for row in drift)
+
+
+@pytest.mark.skipif(bool(RUN_OVERRIDE), reason="checks the committed run")
+def test_training_notebook_shows_the_runs_rewards_and_metrics(executed, committed) -> None:
+    records, rollouts, metrics, n_sequences = committed
+    nb = executed(REPO_ROOT / "notebooks" / "03_training.ipynb")
+    assert (f"{n_sequences} sequences, {rollouts.height} samples in {rollouts['group_id'].n_unique()} groups; "
+            f"{len(metrics)} optimizer steps logged") in _stdout(nb)
+    steps = {row["step"]: row for row in _table_with(nb, "step", "mean_reward", "solved", "samples")}
+    for step, part in rollouts.group_by("step"):
+        row = steps.pop(step[0])
+        assert (row["samples"], row["solved"]) == (part.height, int((part["reward"] > 0).sum()))
+        assert row["mean_reward"] == pytest.approx(part["reward"].mean())
+    assert not steps
+    assert {r["policy_version"] for r in records if r["session_id"].split(".")[1] == "st1"} == {1}  # after the push
+    groups = {row["group_id"]: row for row in _table_with(nb, "group_id", "samples", "mean_reward", "zero_variance")}
+    for gid, part in rollouts.group_by("group_id"):
+        row = groups.pop(gid[0])
+        assert row["samples"] == part.height and row["mean_reward"] == pytest.approx(part["reward"].mean())
+        assert row["zero_variance"] == (part["reward"].n_unique() == 1)
+    assert not groups
+    shown = _table_with(nb, "step", "loss", "n_sampled_tokens")
+    assert [(r["step"], r["n_sampled_tokens"]) for r in shown] == [(m["step"], m["n_sampled_tokens"]) for m in metrics]
+    assert [r["loss"] for r in shown] == pytest.approx([m["loss"] for m in metrics], rel=1e-3)  # as displayed
 
 
 def test_debugger_marks_calls_masks_and_drift(run_dir: Path, executed) -> None:

@@ -10,6 +10,7 @@ import base64
 import http.client
 import json
 import os
+import re
 import ssl
 import tempfile
 import time
@@ -41,9 +42,22 @@ class Answer:
     body: bytes
     t_first: float | None = None  # seconds from request to the first body byte
     t_total: float = 0.0
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (seconds, body length so far) per read
 
     def json(self) -> Any:
         return json.loads(self.body)
+
+    def timed_events(self) -> list[tuple[float, str | None, Any]]:
+        """(seconds from request to the read that completed it, event name, data) for each SSE
+        event, as the client received them: when a harness could first have acted on it."""
+        out, pos = [], 0
+        for m in re.finditer(rb"\r?\n\r?\n", self.body):
+            block, pos = self.body[pos:m.end()], m.end()
+            if block.strip():
+                (name, data), = sse_events(block)
+                out.append((next(t for t, n in self.arrivals if n >= m.end()), name, data))
+        assert pos == len(self.body), "SSE body does not end with a blank line"
+        return out
 
 
 def request(
@@ -88,16 +102,19 @@ def request(
     try:
         conn.request(method or ("POST" if data is not None else "GET"), target, body=data, headers=hdrs)
         resp = conn.getresponse()
-        chunks, t_first = [], None
+        chunks, t_first, received, arrivals = [], None, 0, []
         while True:
             chunk = resp.read1(65536)
             if not chunk:
                 break
+            now = time.perf_counter() - t0
             if t_first is None:
-                t_first = time.perf_counter() - t0
+                t_first = now
             chunks.append(chunk)
+            received += len(chunk)
+            arrivals.append((now, received))
         return Answer(resp.status, {k.lower(): v for k, v in resp.getheaders()}, b"".join(chunks), t_first,
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, arrivals)
     finally:
         conn.close()
 

@@ -50,10 +50,15 @@ def capture(tmp_path: Path) -> Path:
 
 
 def test_flows_carry_polar_annotations() -> None:
+    """Each call's flow (saved by mitmproxy) and capture record (written by the proxy) are the same
+    call: checked against what the flow itself holds -- the harness's request body as mitmproxy
+    saw it, its timestamp, the order of the session's requests -- not only the copied annotations."""
     flows = _flows(FIXTURE / "flows.mitm")
     calls = [f for f in flows if cv.polar_meta(f)]
     records = _records()
     assert len(calls) == len(records) >= 3
+    assert sorted(f.metadata["polar"]["call_id"] for f in calls) == sorted(records)  # each record once
+    by_session: dict[str, list[tuple[float, int]]] = {}
     for f in calls:
         meta, rec = f.metadata["polar"], records[f.metadata["polar"]["call_id"]]
         assert meta["session"] == rec["session_id"] and meta["provider"] == rec["provider"] == "openai_chat"
@@ -63,11 +68,27 @@ def test_flows_carry_polar_annotations() -> None:
         assert unpack_tokens(meta) == {k: rec[k] for k in ("prompt_token_ids", "sampled_token_ids", "sampled_logprobs")}
         assert f.comment.startswith(f"polar openai_chat pi-chat session={rec['session_id']}#{rec['call_index']} ")
         assert f.response is not None and f.response.raw_content  # the answer as the harness got it (streamed)
+        # the flow's own request: the body the harness sent, at the time the record says
+        assert json.loads(f.request.content) == rec["native_request"]
+        assert f.request.headers["user-agent"] == rec["user_agent"]
+        assert abs(f.request.timestamp_start - rec["t_request_in"]) < 1.0
+        by_session.setdefault(rec["session_id"], []).append((f.request.timestamp_start, rec["call_index"]))
     assert not [f for f in flows if f.request.path.startswith("/_polar/")]
+    for sid, seen in by_session.items():  # call indexes follow the order the harness sent its requests
+        order = [i for _, i in sorted(seen)]
+        assert order == sorted(order) and len(set(order)) == len(order), sid
+
+
+def _text_parts(content) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    return [p["text"] for p in content or [] if p.get("type") == "text"]
 
 
 def test_view_renders_every_token_with_its_loss_mask_style(capture: Path) -> None:
-    flow = next(f for f in _flows(capture / "flows.mitm") if cv.polar_meta(f))
+    flows = [f for f in _flows(capture / "flows.mitm") if cv.polar_meta(f)]
+    flow = next(f for f in flows if f.metadata["polar"]["call_index"] == 0
+                and f.metadata["polar"]["finish_reason"] == "tool_calls")
     rec = _records()[flow.metadata["polar"]["call_id"]]
     view = cv.PolarTokensView()
     assert view.render_priority(flow.request.content, flow=flow, http_message=flow.request) > 1
@@ -90,6 +111,23 @@ def test_view_renders_every_token_with_its_loss_mask_style(capture: Path) -> Non
         assert float(lp) == pytest.approx(rec["sampled_logprobs"][k], abs=5e-5)
     text = "".join(t for _, t in pieces)
     assert "<|im_start|>" in text and f"boundary at {len(rec['prompt_token_ids'])}" in text
+
+    # What the view shows, against the flows themselves: the prompt tokens spell every message of
+    # this flow's request, and the sampled tokens spell the tool call the harness re-sent in its
+    # next request (both read from flows.mitm, not from the capture record).
+    prompt_text = "".join(t for line in lines for style, t in line if style == cv.PROMPT_STYLE)
+    sampled_text = "".join(t for line in lines if line not in table for style, t in line if style == cv.SAMPLED_STYLE)
+    shown = lambda t: t.replace("\r", "\\r").replace("\t", "\\t").replace("\n", cv.NEWLINE)  # noqa: E731
+    for m in json.loads(flow.request.content)["messages"]:
+        for part in _text_parts(m.get("content")):
+            assert shown(part.strip()) in prompt_text, (m["role"], part[:80])
+    nxt = next(f for f in flows if f.metadata["polar"]["session"] == rec["session_id"]
+               and f.metadata["polar"]["call_index"] == 1)
+    [resent] = [m for m in json.loads(nxt.request.content)["messages"] if m["role"] == "assistant"]
+    for call in resent["tool_calls"]:
+        assert shown(f'"name": "{call["function"]["name"]}"') in sampled_text
+        for value in json.loads(call["function"]["arguments"]).values():
+            assert shown(json.dumps(value)) in sampled_text, value
 
 
 def test_view_without_capture_renders_from_the_flow_and_says_where_it_looked(tmp_path: Path) -> None:

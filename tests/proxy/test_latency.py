@@ -1,8 +1,12 @@
 """Added latency of the proxy per call (median), versus calling the scripted upstream directly.
 
 Same client and connection policy on both paths (one keep-alive connection, as SDKs use, or a
-fresh connection per call), sequential calls so the number is latency, not throughput. Printed for the record; the bound is loose
-because the CI machine is small and shared.
+fresh connection per call), sequential calls so the number is latency, not throughput. Printed for
+the record. The latency *goal* lives in the benchmark (benchmarks/bench_proxy.py: ~2 ms added p50,
+<= 0.25x LiteLLM's), measured on a quiet machine; this test runs on a small shared CI machine, so
+its bound is a sanity bound, far above the goal (so a loaded machine does not fail it) and below
+what the faults it is there for cost: a call that waits on a poll interval, a retry back-off or a
+timeout (the proxy's upstream timeout here is 1.5 s) -- hundreds of milliseconds and more.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import time
 
 import pytest
 
-N = 100
+N = 40
+#: Added median latency beyond which something is broken, not merely slow (see the docstring).
+SANITY_BOUND_S = 0.2
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -69,4 +75,4 @@ def test_added_latency_median(upstream, reverse_proxy, stream, keep_alive, capsy
         print(f"\n[latency {'stream' if stream else 'whole'}, {'keep-alive' if keep_alive else 'fresh connection'}] "
               f"direct median {d * 1e3:.2f} ms, through proxy {p * 1e3:.2f} ms, added {(p - d) * 1e3:.2f} ms "
               f"(n={N}, load average {os.getloadavg()[0]:.1f}); proxy CPU {cpu_per_call * 1e3:.2f} ms per call")
-    assert p - d < 0.050
+    assert p - d < SANITY_BOUND_S, f"added {(p - d) * 1e3:.1f} ms per call: waiting on something"

@@ -10,6 +10,7 @@ import http.server
 import json
 import ssl
 import threading
+from pathlib import Path
 
 import pytest
 from cryptography import x509
@@ -127,10 +128,15 @@ def test_other_hosts_refused_by_option(helpers, upstream, proxy_factory, other_s
     assert proxy.control.status()["refused"] == 2
 
 
-def test_control_api_reachable_in_regular_mode(helpers, regular_proxy):
+def test_control_api_reachable_in_regular_mode(helpers, upstream, regular_proxy):
+    """A plain (origin-form) request to a regular-mode proxy reaches its control API: this proxy's
+    own status, not a forwarded or refused request."""
     ans = helpers.request(regular_proxy.url + "/_polar/status")
-    assert ans.status == 200 and json.loads(ans.body)["proxy_id"]
-    assert free_port() != regular_proxy.port
+    assert ans.status == 200 and ans.headers["content-type"].startswith("application/json")
+    status = json.loads(ans.body)
+    assert status["proxy_id"] and status["capture_dir"] == str(Path(regular_proxy.capture_dir).resolve())
+    assert [u["url"] for u in status["upstreams"]] == [upstream.url]
+    assert status["proxy_id"] == regular_proxy.control.status()["proxy_id"]
 
 
 def test_connect_tunnel_with_plain_http_to_the_upstream(helpers, upstream, regular_proxy, session_id):

@@ -4,6 +4,7 @@ capture record. ``#send:burst`` makes the scripted upstream send head and events
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import pytest
@@ -60,12 +61,37 @@ def test_at_once_answers_what_the_relay_answers(helpers, reverse_proxy, relay_on
     assert once_rec["t_upstream_end"] is not None
 
 
+WORDS, DELAY_MS = 8, 60  # 9 tokens (8 words and the end) x 60 ms: the generation takes >= 0.54 s
+
+
+@pytest.mark.parametrize("path", ["at_once_enabled", "relay_only"])
 @pytest.mark.parametrize("provider", list(CALLS))
-def test_paced_streams_still_go_through_the_relay(helpers, reverse_proxy, provider):
+def test_paced_streams_still_go_through_the_relay(helpers, reverse_proxy, relay_only, provider, path):
     """With tokens arriving over time the first event must reach the harness before the last one
-    is generated: the shortcut only ever applies to streams that are already complete."""
-    before = reverse_proxy.control.status()["streamed_at_once"]
-    parsed, rec = _call(helpers, reverse_proxy, provider, "go #scenario:words:8 #delay:30")
-    assert parsed.error is None and rec["status"] == "ok" and len(rec["sampled_token_ids"]) >= 8
+    is generated: the shortcut only ever applies to streams that are already complete. Timed at
+    the client, per event: the event carrying the first word must arrive while the upstream is
+    still generating, whichever proxy (shortcut enabled or not) and whichever provider's
+    translator sits in between; a translator that held its events back until the end fails."""
+    proxy = reverse_proxy if path == "at_once_enabled" else relay_only
+    before = proxy.control.status()["streamed_at_once"]
+    request_path, headers, make = CALLS[provider]
+    session = f"paced-{uuid.uuid4().hex[:10]}"
+    ans = helpers.request(proxy.url + request_path, make(f"go #scenario:words:{WORDS} #delay:{DELAY_MS}"),
+                          headers={**headers, "x-polar-session": session})
+    assert ans.status == 200, ans.body[:300]
+    parsed = helpers.parsers[provider](ans.body, True)
+    rec = helpers.read_records(proxy.capture_dir, session)[-1]
+    assert parsed.error is None and rec["status"] == "ok" and len(rec["sampled_token_ids"]) >= WORDS
+    assert parsed.text.split() == [f"w{i}" for i in range(WORDS)]
+
+    events = ans.timed_events()
+    generation = (WORDS + 1) * DELAY_MS / 1000
+    t_last = events[-1][0]
+    assert t_last >= generation * 0.9, (t_last, generation)  # the client waited for the whole generation
+    t_first_word = next(t for t, _, data in events if "w0" in json.dumps(data))
+    t_last_word = next(t for t, _, data in reversed(events) if f"w{WORDS - 1}" in json.dumps(data))
+    # The first word is sampled after one delay; allow half the generation for a loaded machine.
+    assert t_first_word < t_last - generation / 2, [(round(t, 3), name) for t, name, _ in events]
+    assert t_first_word < t_last_word - generation / 2  # the words themselves came over time
     assert rec["t_upstream_sent"] < rec["t_upstream_end"] <= rec["t_response_out"]
-    assert reverse_proxy.control.status()["streamed_at_once"] == before
+    assert proxy.control.status()["streamed_at_once"] == before

@@ -71,10 +71,6 @@ def test_real_vllm_exact_capture(helpers, vllm_tiny, vllm_proxy, tokenizer, sess
     norm = rec["normalized_request"]
     rendered = tokenizer.apply_chat_template(norm["messages"], add_generation_prompt=True, tokenize=True)
     assert rec["prompt_token_ids"] == list(rendered)
-    # the sampled ids are what the harness was told (the text decodes from them)
-    if not parsed.tool_calls:
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        assert text.strip() == (parsed.reasoning + parsed.text).strip() or text.startswith(parsed.text)
     # a direct call with the same normalized request (temperature 0) samples the same ids
     direct_req = copy.deepcopy(norm)
     direct_req["stream"] = False
@@ -83,8 +79,38 @@ def test_real_vllm_exact_capture(helpers, vllm_tiny, vllm_proxy, tokenizer, sess
     assert direct["prompt_token_ids"] == rec["prompt_token_ids"]
     assert direct["choices"][0]["token_ids"] == ids
     direct_lps = [e["logprob"] for e in direct["choices"][0]["logprobs"]["content"]]
-    assert all(math.isclose(a, b, abs_tol=1e-3) for a, b in zip(direct_lps, lps))
+    assert len(direct_lps) == len(lps) and all(math.isclose(a, b, abs_tol=1e-3) for a, b in zip(direct_lps, lps))
+    # ... and the harness received exactly vLLM's answer to it: text, reasoning, tool calls, finish
+    assert received(parsed) == vllm_answer(direct), (received(parsed), vllm_answer(direct))
+    assert parsed.finish == FINISH[provider][direct["choices"][0]["finish_reason"]]
 
+
+#: vLLM's finish_reason as each client reads it (no tools here: stop or length).
+FINISH = {
+    "openai_chat": {"stop": "stop", "length": "length"},
+    "anthropic": {"stop": "end_turn", "length": "max_tokens"},
+    "openai_responses": {"stop": "completed", "length": "incomplete:max_output_tokens"},
+    "google": {"stop": "STOP", "length": "MAX_TOKENS"},
+}
+
+
+def _args(value):
+    try:
+        return json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError:
+        return value
+
+
+def vllm_answer(direct: dict) -> tuple[str, str, list]:
+    """(text, reasoning, [(tool name, arguments)]) of a whole vLLM chat completion."""
+    msg = direct["choices"][0]["message"]
+    return (msg.get("content") or "", msg.get("reasoning") or msg.get("reasoning_content") or "",
+            [(t["function"]["name"], _args(t["function"]["arguments"])) for t in msg.get("tool_calls") or []])
+
+
+def received(parsed) -> tuple[str, str, list]:
+    """The same, as the harness's client read it from the proxy's answer."""
+    return parsed.text, parsed.reasoning, [(t["name"], _args(t["arguments"])) for t in parsed.tool_calls]
 
 def test_scripted_upstream_has_vllms_wire_shape(helpers, vllm_tiny, upstream):
     """Same keys at every level as real vLLM, streaming and not (the tests' upstream is faithful)."""

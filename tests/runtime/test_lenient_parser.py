@@ -47,7 +47,7 @@ def test_lenient_parser_whole_and_streamed(qwen05_dir: Path) -> None:
                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    for (text, content, calls), got in zip(CASES, results):
+    for (text, content, calls), got in zip(CASES, results, strict=True):  # a result per case, no fewer
         assert got["whole"]["calls"] == calls, text
         assert got["whole"]["called"] == bool(calls), text
         assert got["stream"]["calls"] == calls, text

@@ -1,90 +1,209 @@
 """The trainer's logprobs against vLLM's, on a real capture (Pi + Qwen2.5-Coder-0.5B, the demo run
-in tests/fixtures/demo-run): where a token is trained in the context it was sampled in, the float32
-trainer must reproduce vLLM's (float32, CPU) logprob; where a non-exact prefix merge changed that
-context, the gap is what the trainer's mismatch_kl reports."""
+in tests/fixtures/demo-run).
+
+The step-0 trajectories are rebuilt from the committed capture records with today's builder, as the
+demo builds them (prefix merging, the 0.5B's template facts, rewards attached), and the trainer's
+own code computes what it reports: its logprobs before the update (``fill_old_logprobs``) and the
+``mismatch_kl`` of ``grpo_token_loss`` / ``Accumulated.metrics``. Where a token is trained in the
+context it was sampled in, the float32 trainer must reproduce vLLM's (float32, CPU) logprob; the
+``mismatch_kl`` must be the one the recorded run reported (train/metrics.jsonl).
+
+That capture was recorded without exact history: every merge is ``content_changed`` (Pi re-sent
+each answer as text, re-rendered to other ids), so later turns were sampled after another rendering
+of the history than the merged sequence holds, and their logprobs differ. That known gap is a
+strict expected failure; it flips (and the marker must go) for a capture recorded with exact
+history (every call ``history == "exact"``), where every sampled token is in its own context.
+"""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
 
-from polar_training.packing import build_microbatches, sequences_from_frame
-from polar_training.policy import policy_logprobs
-
 pytestmark = pytest.mark.slow
 
-STEP0 = Path(__file__).resolve().parents[1] / "fixtures" / "demo-run" / "trajectories" / "step-0.parquet"
+RUN = Path(__file__).resolve().parents[1] / "fixtures" / "demo-run"
+CAPTURES = RUN / "captures"
+TOL = 1e-3  # nats, per token: float32 trainer vs float32 vLLM on CPU (measured: ~1e-5)
+
+
+def _step0_records() -> list[dict]:
+    return [json.loads(line) for p in sorted((CAPTURES / "sessions").glob("*.st0.*.jsonl"))
+            for line in p.read_text().splitlines() if line.strip()]
+
+
+#: A capture sampled with exact history: every call after the first of its session had its history
+#: spliced from the ids the model sampled (``history`` is "exact"). The committed one has no
+#: ``history`` field at all (recorded before exact-history mode).
+EXACT_HISTORY = all(r.get("history") == "exact" for r in _step0_records() if r["call_index"] > 0)
+
+
+@dataclass
+class Measured:
+    frame: pl.DataFrame  # the rebuilt trajectories, in the trainer's (prepared) row order
+    stats: dict
+    trainer: list[torch.Tensor]  # per row: the trainer's logprob of each sampled token
+    vllm: list[torch.Tensor]  # per row: vLLM's (the captured behaviour logprobs)
+    metrics: dict[str, float]  # Accumulated.metrics() over the whole batch
 
 
 @pytest.fixture(scope="module")
-def policy(qwen05_dir):
-    from transformers import AutoModelForCausalLM
+def rebuilt(qwen05_dir, tmp_path_factory):
+    """Step 0's trajectories rebuilt from the committed captures, as ``polar demo`` builds them."""
+    from polar_analysis import alignment, frames, rewards
+    from polar_analysis.trajectories import common, prefix_merge
 
-    return AutoModelForCausalLM.from_pretrained(str(qwen05_dir), dtype=torch.float32).eval()
+    sids = sorted({r["session_id"] for r in _step0_records()})
+    lf = frames.calls(CAPTURES, cache_dir=tmp_path_factory.mktemp("frames-cache"), rewards=None).filter(
+        pl.col("session_id").is_in(sids))
+    template = alignment.template_info_for(alignment.get_renderer(qwen05_dir), lf)
+    df, stats = prefix_merge.build(lf, template=template)
+    table = rewards.load_rewards(CAPTURES / rewards.ROLLOUTS_FILE).filter(pl.col("session_id").is_in(sids))
+    df = common.attach_rewards(df, table)
+    # Recorded before capture records carried the effective sampling (schema 1), so today's builder
+    # flags every sequence. The requests carried no sampling fields and the 0.5B's
+    # generation_config.json sets none, so vLLM sampled plainly at T=1 (top-k/top-p off): what the
+    # recorded run's trainer assumed for its frame without sampling columns. The per-token checks
+    # below (1e-3 on every token sampled in its own context) would fail under any other distribution.
+    assert df["sampling_issue"].str.contains("captured before schema version 2").all()
+    df = df.with_columns(temperature=pl.lit(1.0), top_k=pl.lit(0, pl.Int32), top_p=pl.lit(1.0),
+                         sampling_issue=pl.lit(None, pl.String))
+    return df, stats.as_dict() | {"coverage": stats.coverage}
 
 
 @pytest.fixture(scope="module")
-def trajectories() -> pl.DataFrame:
-    return pl.read_parquet(STEP0).with_columns(advantage=pl.lit(0.0))
+def measured(qwen05_dir, rebuilt) -> Measured:
+    """One no-grad pass of the 0.5B (float32) over the rebuilt batch, through the trainer's code with
+    the recorded run's settings (lr 1e-6, no KL, token budget 8192: one micro-batch)."""
+    from polar_training.loss import grpo_token_loss
+    from polar_training.trainer import Accumulated, GRPOTrainer, TrainConfig, load_model
+
+    frame, stats = rebuilt
+    cfg = TrainConfig(lr=1e-6, token_budget=8192)
+    cfg.loss.kl_coef = 0.0
+    torch.manual_seed(0)
+    trainer = GRPOTrainer(load_model(str(qwen05_dir), "float32"), cfg)
+    prep = trainer.prepare(frame)
+    assert len(prep.minibatches) == 1  # num_minibatches 1: seq_index is the row of prep.frame
+    acc = Accumulated()
+    seq, trainer_lp, vllm_lp = [], [], []
+    for mb in prep.minibatches[0]:
+        trainer.fill_old_logprobs([mb])
+        # The first update's statistics: logp == old_logp (no optimizer step has been taken yet).
+        acc.add(grpo_token_loss(mb.old_logp, mb.behaviour_logp, mb.advantages, mb.weights, cfg.loss,
+                                old_logp=mb.old_logp), None, mb.n_tokens)
+        seq.append(mb.seq_index)
+        trainer_lp.append(mb.old_logp.float())
+        vllm_lp.append(mb.behaviour_logp.float())
+    acc.reduce()
+    seq, trainer_all, vllm_all = torch.cat(seq), torch.cat(trainer_lp), torch.cat(vllm_lp)
+    rows = range(prep.frame.height)  # tokens of one sequence stay in order inside its bin
+    return Measured(prep.frame, stats, [trainer_all[seq == i] for i in rows], [vllm_all[seq == i] for i in rows],
+                    acc.metrics())
 
 
-def _trainer_vs_vllm(policy, frame: pl.DataFrame) -> tuple[torch.Tensor, torch.Tensor]:
-    seqs = sequences_from_frame(frame)
-    out_trainer, out_vllm = [], []
-    for mb in build_microbatches(seqs, token_budget=sum(s.length for s in seqs))[0]:
-        with torch.no_grad():
-            logp, _ = policy_logprobs(policy, mb)
-        out_trainer.append(logp)
-        out_vllm.append(mb.behaviour_logp)
-    return torch.cat(out_trainer), torch.cat(out_vllm)
+def _sampled_spans(row: dict) -> list[tuple[int, int]]:
+    """(call index, number of sampled tokens) of each sampled span, in sequence order."""
+    return [(c, e - s) for c, s, e, kind in zip(row["span_call_index"], row["span_start"], row["span_end"],
+                                                row["span_kind"]) if kind == "sampled"]
 
 
-def test_unmerged_calls_packed_together_match_vllm(policy, trajectories):
-    """Single-call sequences, packed into one micro-batch (position-id resets): every sampled
-    token's logprob equals vLLM's."""
-    single = trajectories.filter(pl.col("n_calls") == 1)
-    assert single.height >= 2
-    trainer, vllm = _trainer_vs_vllm(policy, single)
-    assert trainer.numel() == sum(sum(m) for m in single["loss_mask"].to_list()) > 50
-    assert (trainer - vllm).abs().max() < 1e-3
+def test_rebuilt_trajectories_are_what_the_run_trained_on(rebuilt):
+    """The rebuild from the captures gives the batch the recorded run reports (report.json, step 0)."""
+    frame, stats = rebuilt
+    report = json.loads((RUN / "report.json").read_text())["steps"][0]["trajectories"]
+    for key in ("calls", "sessions", "sequences", "merges", "breaks", "sampled_tokens", "covered_tokens",
+                "sequence_tokens", "merge_kinds"):
+        assert stats[key] == report[key], key
+    assert stats["coverage"] == 1.0
+    assert frame.height == report["sequences"]
+    assert sum(sum(m) for m in frame["loss_mask"].to_list()) == report["sampled_tokens"]
+    # behaviour logprobs sit exactly on the sampled ids, as captured
+    records = {(r["session_id"], r["call_index"]): r for r in _step0_records()}
+    for row in frame.iter_rows(named=True):
+        spans = [(c, s, e) for c, s, e, kind in zip(row["span_call_index"], row["span_start"], row["span_end"],
+                                                    row["span_kind"]) if kind == "sampled"]
+        assert len(spans) == row["n_calls"]
+        for c, s, e in spans:
+            rec = records[(row["session_id"], c)]
+            assert row["input_ids"][s:e] == rec["sampled_token_ids"]
+            assert row["logprobs"][s:e] == pytest.approx(rec["sampled_logprobs"], abs=1e-6)
+            assert all(row["loss_mask"][s:e])
 
 
-def test_every_token_trained_in_the_context_it_was_sampled_in_matches_vllm(policy, trajectories, tmp_path):
+def test_trainer_reports_the_recorded_mismatch_kl(measured):
+    """The trainer's mismatch_kl on the rebuilt batch is the one the recorded run reported."""
+    reported = json.loads((RUN / "train" / "metrics.jsonl").read_text().splitlines()[0])
+    m = measured.metrics
+    assert m["n_sampled_tokens"] == reported["n_sampled_tokens"] == 760
+    assert m["n_input_tokens"] == reported["n_input_tokens"]
+    assert m["mismatch_kl"] == pytest.approx(reported["mismatch_kl"], abs=1e-4)  # measured: 5e-8 apart
+    # and it is the mean of vLLM's minus the trainer's logprob over the sampled tokens
+    gap = torch.cat(measured.vllm) - torch.cat(measured.trainer)
+    assert m["mismatch_kl"] == pytest.approx(float(gap.mean()), abs=1e-6)
+    assert m["tis_weight_mean"] == pytest.approx(reported["tis_weight_mean"], abs=1e-4)
+
+
+def test_unmerged_calls_packed_together_match_vllm(measured):
+    """Single-call sequences, packed with the others into one micro-batch (position-id resets):
+    every sampled token's logprob equals vLLM's."""
+    rows = [i for i, n in enumerate(measured.frame["n_calls"].to_list()) if n == 1]
+    assert len(rows) >= 2
+    gap = torch.cat([measured.vllm[i] - measured.trainer[i] for i in rows])
+    assert gap.numel() > 50 and gap.abs().max() < TOL
+
+
+def test_first_turn_of_every_merged_sequence_matches_vllm(measured):
+    """The first call's answer is trained in exactly the context it was sampled in."""
+    merged = [(i, r) for i, r in enumerate(measured.frame.iter_rows(named=True)) if r["n_calls"] > 1]
+    assert len(merged) >= 2
+    for i, row in merged:
+        n_first = _sampled_spans(row)[0][1]
+        gap = measured.vllm[i] - measured.trainer[i]
+        assert n_first > 0 and gap[:n_first].abs().max() < TOL, row["trajectory_id"]
+
+
+def test_every_token_trained_in_the_context_it_was_sampled_in_matches_vllm(measured):
     """The property the trainer needs, per sampled span of every (merged) sequence: where the tokens
     before the span are exactly the call's own prompt, the trainer reproduces vLLM's logprobs.
     Spans after a non-exact merge (content_changed: the history was re-rendered) are outside the
-    property; exact-history captures make every span satisfy it.
+    property (see the strict xfail below); exact-history captures make every span satisfy it.
 
     The capture predates recorded sampling parameters (schema 1); its requests carried none and
     the 0.5B's generation_config.json has none, so vLLM sampled plainly at T=1, which is what the
     trainer assumes for a frame without sampling columns."""
-    import shutil
-
-    from polar_analysis import frames
-
-    caps = tmp_path / "captures"
-    shutil.copytree(STEP0.parents[1] / "captures", caps)
-    calls = frames.calls(caps, rewards=None).select("call_id", "call_index", "prompt_token_ids").collect()
-    prompt = {r["call_id"]: r["prompt_token_ids"] for r in calls.iter_rows(named=True)}
+    prompt = {(r["session_id"], r["call_index"]): r["prompt_token_ids"] for r in _step0_records()}
     checked = skipped = 0
-    for i in range(trajectories.height):
-        frame = trajectories.slice(i, 1)
-        row = frame.row(0, named=True)
-        by_index = {calls.filter(call_id=c)["call_index"].item(): c for c in row["call_ids"]}
-        trainer, vllm = _trainer_vs_vllm(policy, frame)
+    for i, row in enumerate(measured.frame.iter_rows(named=True)):
+        gap = (measured.trainer[i] - measured.vllm[i]).abs()
         k = 0
         for ci, s, e, kind in zip(row["span_call_index"], row["span_start"], row["span_end"], row["span_kind"]):
             if kind != "sampled":
                 continue
-            gap = (trainer[k : k + e - s] - vllm[k : k + e - s]).abs()
-            k += e - s
-            if row["input_ids"][:s] == prompt[by_index[ci]]:
-                assert gap.max() < 1e-3, (row["trajectory_id"], ci, gap.max())
+            if row["input_ids"][:s] == prompt[(row["session_id"], ci)]:
+                assert gap[k : k + e - s].max() < TOL, (row["trajectory_id"], ci, gap[k : k + e - s].max())
                 checked += e - s
             else:
                 skipped += e - s
-        assert k == trainer.numel()
-    assert checked > 200 and skipped > 0  # both kinds occur in this capture
+            k += e - s
+        assert k == gap.numel()
+    assert checked > 200
+    assert skipped == 0 if EXACT_HISTORY else skipped > 0  # this capture has both kinds
+
+
+@pytest.mark.xfail(not EXACT_HISTORY, strict=True, reason=(
+    "captured without exact history: later turns were sampled after Pi's re-rendered history "
+    "(content_changed merges), so the trainer's context differs (measured mismatch_kl 0.14)"))
+def test_later_turns_of_merged_sequences_match_vllm(measured):
+    """Every sampled token of every merged sequence, later turns included, has vLLM's logprob: the
+    product's promise once the history vLLM saw is the ids the model sampled."""
+    merged = [i for i, n in enumerate(measured.frame["n_calls"].to_list()) if n > 1]
+    assert merged
+    gap = torch.cat([measured.vllm[i] - measured.trainer[i] for i in merged])
+    assert gap.abs().max() < TOL
+    assert abs(measured.metrics["mismatch_kl"]) < TOL

@@ -35,35 +35,39 @@ def _post(url: str, body: dict, stream: bool):
         return chunks
 
 
+def _args(value):
+    try:
+        return json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError:
+        return value
+
+
 def _from_chunks(chunks):
-    """What vLLM generated, accumulated straight from its chunks."""
+    """What vLLM generated, accumulated straight from its chunks: (text, reasoning, [(name, args)])."""
     text, reasoning, tools = "", "", {}
     for c in chunks:
         for ch in c.get("choices") or []:
             d = ch.get("delta") or {}
             text += d.get("content") or ""
-            reasoning += d.get("reasoning") or ""
+            reasoning += d.get("reasoning") or d.get("reasoning_content") or ""
             for tc in d.get("tool_calls") or []:
-                t = tools.setdefault(tc["index"], ["", "", ""])
-                t[0] = t[0] or tc.get("id") or ""
-                t[1] += (tc.get("function") or {}).get("name") or ""
-                t[2] += (tc.get("function") or {}).get("arguments") or ""
-    return text, reasoning, [tuple(t) for _, t in sorted(tools.items())]
+                t = tools.setdefault(tc["index"], ["", ""])
+                t[0] += (tc.get("function") or {}).get("name") or ""
+                t[1] += (tc.get("function") or {}).get("arguments") or ""
+    return text, reasoning, [(name, _args(args)) for _, (name, args) in sorted(tools.items())]
 
 
-def _native_text(provider: str, h, raw: bytes) -> str:
-    """Text a client of this wire format reads from our translated stream."""
-    events = h.parse_sse(raw)
-    if provider == "anthropic":
-        return "".join(d["delta"].get("text", "") for e, d in events if e == "content_block_delta")
-    if provider == "openai_responses":
-        assert events[-1][0] == "response.completed"
-        return "".join(d["delta"] for e, d in events if e == "response.output_text.delta")
-    if provider == "google":
-        return "".join(p.get("text", "") for _, d in events
-                       for p in d["candidates"][0]["content"]["parts"] if not p.get("thought"))
-    return "".join((c["choices"][0]["delta"].get("content") or "") for _, c in events
-                   if c != "[DONE]" and c["choices"])
+def _from_whole(whole):
+    """The same from a whole vLLM chat completion."""
+    msg = whole["choices"][0]["message"]
+    return (msg.get("content") or "", msg.get("reasoning") or msg.get("reasoning_content") or "",
+            [(t["function"]["name"], _args(t["function"]["arguments"])) for t in msg.get("tool_calls") or []])
+
+
+def _received(parsed):
+    """What a client of the wire format read from our translation (tests/proxy/conftest.py's readers)."""
+    assert parsed.error is None, parsed.error
+    return parsed.text, parsed.reasoning, [(t["name"], _args(t["arguments"])) for t in parsed.tool_calls]
 
 
 HANDBUILT = {  # inline system messages, reasoning fields, positional ids, flattened tools
@@ -81,12 +85,13 @@ def _request(h, name):
 
 
 @pytest.mark.parametrize("name", FIXTURES + list(HANDBUILT))
-def test_real_vllm_accepts_and_answers_translate(h, vllm_tiny, name):
+def test_real_vllm_accepts_and_answers_translate(h, helpers, vllm_tiny, name):
     req = _request(h, name)
     provider = detect_provider(req["method"], req["path"], req["headers"], req["body"])
     call = provider.to_chat(req["body"], req["path"], req["query"])
     url = vllm_tiny.base_url + "/v1/chat/completions"
     engine = get_engine("vllm")
+    read = helpers.parsers[provider.name]
 
     body = engine.prepare(dict(call.chat_request, model="tiny-qwen", max_tokens=6,
                                temperature=0, stream=False))
@@ -96,6 +101,8 @@ def test_real_vllm_accepts_and_answers_translate(h, vllm_tiny, name):
     dumped = json.dumps(native)
     assert "prompt_token_ids" not in dumped and "token_ids" not in dumped
     assert call.requested_model in dumped
+    # the client reads exactly vLLM's answer: text, reasoning, tool calls
+    assert _received(read(dumped.encode(), False)) == _from_whole(whole)
 
     body = engine.prepare(dict(call.chat_request, model="tiny-qwen", max_tokens=6,
                                temperature=0, stream=True,
@@ -103,7 +110,7 @@ def test_real_vllm_accepts_and_answers_translate(h, vllm_tiny, name):
     chunks = _post(url, body, stream=True)
     translator = provider.new_stream(call.requested_model, call)
     raw = b"".join(translator.feed(c) for c in chunks) + translator.finish()
-    text, _, tools = _from_chunks(chunks)
-    assert _native_text(provider.name, h, raw) == text
-    if not tools:
-        assert text == (whole["choices"][0]["message"]["content"] or "")  # greedy: same tokens
+    assert _received(read(raw, True)) == _from_chunks(chunks)
+    # greedy both times: the stream is the same generation as the whole answer
+    assert [i for c in chunks for ch in c.get("choices") or [] for i in ch.get("token_ids") or []] == \
+        whole["choices"][0]["token_ids"]

