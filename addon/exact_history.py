@@ -240,6 +240,12 @@ class ExactHistory:
         self.pending[rec.call_id] = Pending(context, digests, rendered)
 
         params = dict(rendered_req["sampling_params"])
+        # vLLM 0.32's render leaves ``max_tokens`` out of the sampling parameters it returns (None),
+        # and generate then samples until the context is full: the call's own limit (the harness's
+        # or polar_max_tokens_cap, already in ``chat``) must be carried over here.
+        asked = chat.get("max_completion_tokens") or chat.get("max_tokens")
+        if asked and params.get("max_tokens") is None:
+            params["max_tokens"] = int(asked)
         rec.sampling = sampling.confirm_from_render(rec.sampling, params)
         if max_model_len:
             room = max_model_len - len(sp.ids)

@@ -445,10 +445,10 @@ class ScriptedUpstream:
                               "directives": dict(_DIRECTIVE_RE.findall(_last_user_text(messages)))}
         while len(self.rendered) > 4096:
             self.rendered.popitem(last=False)
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        room = self.max_model_len - len(ids)
         params = dict(SAMPLING_DEFAULTS)
-        params.update(max_tokens=min(int(max_tokens), room) if max_tokens else room,
+        # vLLM 0.32's render answers ``max_tokens: null`` whatever the request asked (seen on the
+        # real server): a generate request built from it alone samples until the context is full.
+        params.update(max_tokens=None,
                       logprobs=(int(body.get("top_logprobs") or 0) if body.get("logprobs") else None),
                       skip_special_tokens=not bool(body.get("tools")))
         for k in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",

@@ -313,3 +313,19 @@ def test_a_generation_cut_mid_stream_ends_in_an_error_and_keeps_what_was_sampled
     (rec,) = h.records()
     assert rec["status"] == "error" and rec["error_kind"] == "upstream_error"
     assert len(rec["sampled_token_ids"]) == 10 and rec["history"] == "exact"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("limit", ["request", "cap"])
+def test_the_calls_output_limit_reaches_generate(helpers, scripted, proxy_factory, session_id, stream, limit) -> None:
+    """vLLM 0.32's render answers ``max_tokens: null``; generate built from it alone sampled until the
+    context was full (a 16-token demo call sampled 6,784 tokens). The harness's limit and the proxy's
+    cap must reach generate."""
+    proxy = proxy_factory(scripted.url, options={"polar_exact_history": True,
+                                                 **({"polar_max_tokens_cap": 8} if limit == "cap" else {})})
+    h = Harness(helpers, proxy, session_id, stream)
+    h.messages.append({"role": "user", "content": "talk #scenario:words:40"})
+    ans = h.ask(**({"max_tokens": 8} if limit == "request" else {}))
+    (rec,) = h.records()
+    assert rec["history"] == "exact" and len(rec["sampled_token_ids"]) == 8 and rec["finish_reason"] == "length"
+    assert len(ans.text.split()) <= 8
