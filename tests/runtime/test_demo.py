@@ -158,8 +158,10 @@ def test_reduced_demo_end_to_end(tmp_path: Path, tiny_qwen_dir: Path) -> None:
                     .unique().iter_rows())
     assert versions == {"0": 0, "1": 1, "2": 1}
     # the demo's sampling is enforced and seeded per call (a rerun samples the same tokens)
-    sent = [c["normalized_request"] for c in calls.select("normalized_request").to_series().to_list()]
+    sent = [json.loads(r) if isinstance(r, str) else r for r in calls["normalized_request"].to_list()]
     assert all(r["temperature"] == 1.0 and r["top_p"] == 1.0 and r["top_k"] == -1 and "seed" in r for r in sent)
+    # the 16-token cap holds in exact-history mode too (generate gets the call's limit)
+    assert calls["n_sampled_ids"].max() <= 16 and set(calls["history"].drop_nulls()) <= {"exact", "rendered"}
     assert report["captures"]["calls"] == calls.height >= 6
     assert (out / "captures" / "flows.mitm").stat().st_size > 0
     assert len(list((out / "trajectories").glob("step-*.parquet"))) == 3

@@ -116,7 +116,11 @@ def test_grpo_through_proxy_and_vllm_raises_reward(vllm_smollm, untied_smollm, s
     model = load_model(str(untied_smollm), dtype="float32")
     trainer = GRPOTrainer(model, TrainConfig(lr=LR, token_budget=2048, loss=LossConfig(kl_coef=0.0), seed=0))
     captures = tmp_path / "captures"
-    proxy = ProxyProcess(vllm_smollm.base_url, captures, confdir=tmp_path / "mitm", upstream_timeout=300)
+    # The rollout's sampling enforced by the proxy (as polar rollout / polar demo do): plain sampling
+    # at temperature 1 is the distribution the trainer's logprobs are computed from.
+    proxy = ProxyProcess(vllm_smollm.base_url, captures, confdir=tmp_path / "mitm", upstream_timeout=300,
+                         options={"polar_sampling": "temperature=1,top_p=1,top_k=-1,min_p=0,repetition_penalty=1,"
+                                                    "presence_penalty=0,frequency_penalty=0"})
     proxy.start()
     curve, pushes, versions = [], [], {}
     t_start = time.perf_counter()
