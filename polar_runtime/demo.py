@@ -19,7 +19,7 @@ Phases (each timed; Ctrl-C or SIGTERM stops everything the demo started):
 8. rollouts again with the new policy (phases 4-7 repeat ``--iterations`` times), the notebooks
    executed on the run, and a short report (also written to ``<out>/report.json``).
 
-On CPU the default run is small on purpose (2 tasks x 6 samples, answers capped at 256 tokens):
+On CPU the default run is small on purpose (2 tasks x 4 samples, answers capped at 256 tokens):
 the 0.5B model decodes ~7 tokens/s on two cores. The two default tasks (hello-file, make-dir) are
 the built-in ones the base model solves sometimes but not always (docs/tasks.md has the measured
 table): a group whose samples all score alike has zero advantages, and a step without any group
@@ -74,7 +74,7 @@ class DemoConfig:
     tasks: str = "coding"
     task_ids: list[str] = field(default_factory=list)
     n_tasks: int = 2
-    samples: int = 6
+    samples: int = 4
     iterations: int = 1
     max_tokens: int = 256
     temperature: float = 1.0  # plain sampling at this temperature, enforced by the proxy (polar_sampling)
