@@ -9,6 +9,7 @@ exactly as the upstream received it.
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 
@@ -106,7 +107,7 @@ def test_two_turns_exact_tokens(helpers, upstream, reverse_proxy, regular_proxy,
 
 def test_two_tool_calls_and_length_finish(helpers, upstream, reverse_proxy, session_id):
     """Two tool calls in one turn, and a turn cut by max_tokens with empty content (ids kept)."""
-    for stream in (True, False):
+    for n, stream in enumerate((True, False)):
         body = {"model": "m", "max_tokens": 100, "stream": stream,
                 "messages": [{"role": "user", "content": "list and read #scenario:tools2"}]}
         ans = helpers.request(reverse_proxy.url + "/v1/messages", body,
@@ -118,8 +119,14 @@ def test_two_tool_calls_and_length_finish(helpers, upstream, reverse_proxy, sess
                               headers={"x-polar-session": session_id, "anthropic-version": "2023-06-01"})
         parsed = helpers.parsers["anthropic"](ans.body, stream)
         assert parsed.finish == "max_tokens" and parsed.text == "" and parsed.tool_calls == []
-        rec = helpers.read_records(reverse_proxy.capture_dir, session_id)[-1]
         got = upstream.upstream.responses[-1]
+        # the record of a streamed call is written once its last byte went out: on a loaded machine
+        # the client can read the answer before the line is in the file
+        deadline = time.monotonic() + 10
+        while len(recs := helpers.read_records(reverse_proxy.capture_dir, session_id)) < 2 * (n + 1):
+            assert time.monotonic() < deadline, f"{len(recs)} records"
+            time.sleep(0.05)
+        rec = recs[-1]
         assert rec["finish_reason"] == "length" and rec["output_text"] == ""
         assert rec["sampled_token_ids"] == got["token_ids"] and len(rec["sampled_token_ids"]) > 5
 
