@@ -22,12 +22,8 @@ MAX_LEN = 512
 @pytest.fixture(scope="module")
 def small_vllm():
     models.ensure_model(models.TINY_QWEN)
-    server = VLLMServer(models.TINY_QWEN, served_model_name="tiny-qwen", max_model_len=MAX_LEN, threads=1)
-    try:
-        server.start(wait=True)
-        yield server
-    finally:
-        server.stop()
+    with VLLMServer(models.TINY_QWEN, served_model_name="tiny-qwen", max_model_len=MAX_LEN, threads=1) as server:
+        yield server  # the context manager starts it, waits until it answers, and stops it
 
 
 @pytest.fixture(scope="module")
