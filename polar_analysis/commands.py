@@ -252,10 +252,11 @@ def register(app: typer.Typer, *, translate=None) -> None:
         renderer = _renderer(lf, model, required=False)
         report = drift.drift_report(lf, alignment.template_info_for(renderer, lf))
         console.print(_table(drift.summarize(report).filter(pl.col("calls") > 0), "drift causes"))
+        console.print(_table(drift.by_origin(report), "who changed the history (rerendered: the template; harness: the harness's own edit)"))
         rows = report.filter(~pl.col("exact") & (pl.col("cause") != "new_conversation")).head(show)
         if rows.height:
             console.print(
-                _table(rows.select("session_id", "call_index", "prev_call_index", "cause", "prompt_divergence", "answer_divergence", "detail"), "examples")
+                _table(rows.select("session_id", "call_index", "prev_call_index", "cause", "origin", "prompt_divergence", "answer_divergence", "detail"), "examples")
             )
         if out:
             report.write_parquet(out)

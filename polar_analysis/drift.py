@@ -71,6 +71,32 @@ CAUSES = (
     "other",
 )
 
+#: Who changed the history, per cause. ``rerendered``: the harness re-sent its answer unchanged
+#: (same text, same tool call) and only its tokens differ, because the chat template renders the
+#: text again (other ids, another tool-call form, reasoning stripped, a different generation-prompt
+#: tail): exact-history mode removes these. ``harness``: the harness itself sent a different
+#: history (dropped or changed an answer, reformatted a tool result, another system prompt or tool
+#: list, a compaction): no engine can undo these, and exact mode splices only up to them.
+ORIGIN = {
+    "none": "exact",
+    "retokenized": "rerendered",
+    "tool_args_reserialized": "rerendered",
+    "tool_call_rerendered": "rerendered",
+    "reasoning_removed": "rerendered",
+    "length_turn": "rerendered",
+    "empty_think_generation_prompt": "rerendered",
+    "generation_prompt_changed": "rerendered",
+    "reasoning_changed": "harness",
+    "answer_dropped": "harness",
+    "tool_result_reformatted": "harness",
+    "system_changed": "harness",
+    "compacted": "harness",
+    "tools_changed": "harness",
+    "new_conversation": "start",
+    "other": "other",
+}
+ORIGINS = ("exact", "rerendered", "harness", "start", "other")
+
 DRIFT_SCHEMA = {
     "session_id": pl.String,
     "call_id": pl.String,
@@ -78,6 +104,7 @@ DRIFT_SCHEMA = {
     "prev_call_id": pl.String,
     "prev_call_index": pl.Int32,
     "cause": pl.String,
+    "origin": pl.String,  # ORIGIN[cause]: exact, rerendered (by the template), harness (edited), start, other
     "exact": pl.Boolean,
     "prompt_divergence": pl.Int64,  # first index where the next prompt leaves the previous prompt (null: prefix)
     "answer_divergence": pl.Int64,  # first index in the sampled ids the next prompt does not repeat (null: none)
@@ -341,18 +368,32 @@ def drift_report(calls_lf: pl.LazyFrame, template: TemplateInfo | None = None) -
                     | {"prev_call_id": prev.call_id, "prev_call_index": prev.call_index, "exact": d.exact}
                     | {k: getattr(d, k) for k in ("cause", "prompt_divergence", "answer_divergence", "common_prefix", "prev_text", "next_text", "detail")}
                 )
+            rows[-1]["origin"] = ORIGIN[rows[-1]["cause"]]
             if call.usable:
                 seen.append(call)
     return pl.DataFrame(rows, schema=DRIFT_SCHEMA) if rows else pl.DataFrame(schema=DRIFT_SCHEMA)
 
 
 def summarize(report: pl.DataFrame) -> pl.DataFrame:
-    """Counts per cause (every cause listed, zeros included), for the CLI table."""
+    """Counts per cause (every cause listed, zeros included), with each cause's origin, for the CLI table."""
     counts = report.group_by("cause").len()
     return (
-        pl.DataFrame({"cause": list(CAUSES)})
+        pl.DataFrame({"cause": list(CAUSES), "origin": [ORIGIN[c] for c in CAUSES]})
         .join(counts, on="cause", how="left")
         .with_columns(pl.col("len").fill_null(0).alias("calls"))
-        .select("cause", "calls")
+        .select("cause", "origin", "calls")
+        .with_columns(share=pl.col("calls") / pl.col("calls").sum().clip(1))
+    )
+
+
+def by_origin(report: pl.DataFrame) -> pl.DataFrame:
+    """Counts per origin (every origin listed): how many turns the template re-rendered against how
+    many the harness itself edited."""
+    counts = report.group_by("origin").len()
+    return (
+        pl.DataFrame({"origin": list(ORIGINS)})
+        .join(counts, on="origin", how="left")
+        .with_columns(pl.col("len").fill_null(0).alias("calls"))
+        .select("origin", "calls")
         .with_columns(share=pl.col("calls") / pl.col("calls").sum().clip(1))
     )

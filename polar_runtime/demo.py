@@ -298,6 +298,7 @@ class StepData:
     trajectories: Path | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     drift: dict[str, int] = field(default_factory=dict)
+    drift_origin: dict[str, int] = field(default_factory=dict)  # drift.ORIGIN: rerendered vs harness edits
 
 
 def build_trajectories(cfg: DemoConfig, data: StepData, model_dir: Path) -> None:
@@ -328,6 +329,8 @@ def build_trajectories(cfg: DemoConfig, data: StepData, model_dir: Path) -> None
     report = drift.drift_report(lf, template)
     counts = drift.summarize(report).filter(pl.col("calls") > 0)
     data.drift = dict(zip(counts["cause"].to_list(), counts["calls"].to_list()))
+    origins = drift.by_origin(report).filter(pl.col("calls") > 0)
+    data.drift_origin = dict(zip(origins["origin"].to_list(), origins["calls"].to_list()))
     if stats.coverage < 1.0:
         raise DemoError(f"coverage {stats.coverage:.4%}: sampled ids missing from the trajectories of step {data.step}")
 
@@ -736,6 +739,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "tasks": [t.id for t in tasks],
         "captures": summary,
         "steps": [{"step": s.step, "policy_version": s.policy, "rewards": reward_summary(s.rollouts), "trajectories": s.stats, "drift": s.drift,
+                   "drift_origin": s.drift_origin,
                    "trajectories_file": str(s.trajectories) if s.trajectories else None} for s in steps],
         "training": training,
         "skipped_steps": sum(1 for t in training if t.get("skipped")),

@@ -140,3 +140,29 @@ def test_tool_call_written_as_markdown_json_is_rerendered(tmp_path, renderer, te
     assert causes(rep) == ["new_conversation", "tool_call_rerendered"]
     row = rep.filter(cause="tool_call_rerendered").row(0, named=True)
     assert row["prompt_divergence"] is None and "```json" in row["prev_text"] and "<tool_call>" in row["next_text"]
+
+
+def test_origin_separates_template_rerendering_from_harness_edits(tmp_path, renderer, template, pi_chat, tok):
+    """A re-sent answer whose ids the template changed counts as ``rerendered``; a history the
+    harness itself changed (a tool result reformatted, an answer dropped) as ``harness``."""
+    s = session(renderer, pi_chat).user("go")
+    tool_turn(s, 0)  # exact
+    s.generate(content="fishing", sampled_ids=tok.encode("fish") + tok.encode("ing") + [s.eot])
+    s.user("next")
+    s.generate(content="second")  # retokenized: the template re-rendered "fishing" (template)
+    s.user("more")
+    s.messages[3]["content"] = "content of f0\n"
+    s.generate(content="third", echo=False)  # tool_result_reformatted (harness)
+    s.user("and?")
+    s.generate(content="fourth")  # answer_dropped: "third" was never echoed (harness)
+    rep = report(tmp_path, s.records, template).sort("call_index")
+    assert rep["origin"].to_list() == [drift.ORIGIN[c] for c in rep["cause"].to_list()]
+    origins = dict(zip(rep["cause"], rep["origin"]))
+    assert origins["tool_result_reformatted"] == "harness" and origins["answer_dropped"] == "harness"
+    assert origins["none"] == "exact" and origins["new_conversation"] == "start"
+    counts = dict(zip(*drift.by_origin(rep).select("origin", "calls").to_dict(as_series=False).values()))
+    assert rep["cause"].to_list() == ["new_conversation", "none", "retokenized", "tool_result_reformatted",
+                                      "answer_dropped"]
+    assert (counts["rerendered"], counts["harness"]) == (1, 2)
+    assert counts["harness"] + counts["rerendered"] + counts["exact"] + counts["start"] + counts["other"] == rep.height
+    assert set(drift.ORIGIN) == set(drift.CAUSES) and set(drift.ORIGIN.values()) == set(drift.ORIGINS)
