@@ -151,6 +151,7 @@ def run_training(job: TrainJob, console=None) -> RunResult:
     meta.update(job.extra_meta)
     state = trainer.state_dict()  # collective under FSDP
     meta["compute_dtype"] = cfg.compute_dtype
+    meta["config"] = cfg.to_dict()  # what trained these weights (also in trainer_state.pt, which is GBs)
     ckpt.save_checkpoint(
         ckpt_dir,
         trainer.model,
