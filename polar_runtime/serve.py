@@ -224,6 +224,15 @@ class VLLMServer:
             # No native bf16 on these CPUs: float32 decodes several times faster. Eager mode
             # starts in ~1 min instead of ~4 (no torch.compile).
             cmd += ["--dtype", "float32", "--enforce-eager"]
+            # Whole prompts in one prefill step. vLLM 0.32 on CPU kills its engine when a seeded
+            # request (Polar seeds every call: polar_sampling) is prefilled in chunks: after each
+            # partial step it rewinds the request's generator (`gen.set_offset`), which CPU
+            # generators refuse ("CPU Generator does not use offset"). Measured: Gemini CLI's
+            # 8,904-token first prompt on tiny-qwen took the server down with the default 2,048-token
+            # chunks; Pi's prompts (under 2,048 new tokens, thanks to prefix caching) never did.
+            if not any(a.startswith(("--max-num-batched-tokens", "--enable-chunked-prefill", "--no-enable-chunked-prefill"))
+                       for a in self.extra_args):
+                cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(self._max_len())]
             if not float(self.kv_cache_gib).is_integer():  # VLLM_CPU_KVCACHE_SPACE takes whole GiB only
                 cmd += ["--kv-cache-memory-bytes", str(int(self.kv_cache_gib * 2**30))]
         if self.tool_parser != "none" and template_supports_tools(self.model_dir):

@@ -51,6 +51,8 @@ def test_cpu_command_and_environment(tiny_qwen_dir, smollm_dir, monkeypatch):
     off = VLLMServer("tiny-qwen", port=18558, kv_cache_gib=1, gpu=False, tool_parser="none").command()
     assert "--enable-auto-tool-choice" not in off and "--tool-call-parser" not in off
     assert "--max-model-len 32768" in joined
+    # whole prompts in one prefill step on CPU (seeded requests crash a chunked prefill there)
+    assert "--no-enable-chunked-prefill --max-num-batched-tokens 32768" in joined
     env = s.environment()
     assert "VLLM_CPU_KVCACHE_SPACE" not in env and f"--kv-cache-memory-bytes {3 * 2**29}" in joined
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == cpu_bind_spec()
@@ -73,6 +75,7 @@ def test_cpu_command_and_environment(tiny_qwen_dir, smollm_dir, monkeypatch):
 
     gpu = VLLMServer("tiny-qwen", port=18557, gpu=True)
     assert "--dtype bfloat16" in " ".join(gpu.command()) and "--enforce-eager" not in gpu.command()
+    assert "--no-enable-chunked-prefill" not in gpu.command()
     assert "VLLM_CPU_KVCACHE_SPACE" not in gpu.environment()
 
 
@@ -180,3 +183,25 @@ def test_failure_report_finds_root_causes_of_this_run_only(tiny_qwen_dir, tmp_pa
     assert lines[1:] == ["RuntimeError: cancelled"]
     report = server.failure_report("vLLM exited (code 0)")
     assert "earlier run" not in report and report.rstrip().endswith("[shutdown] done")
+
+
+@pytest.mark.vllm
+def test_seeded_long_prompts_do_not_take_the_cpu_server_down(vllm_tiny):
+    """Polar seeds every call (polar_sampling). On CPU, vLLM 0.32 kills its engine when a seeded
+    prompt is prefilled in chunks (it rewinds the request's generator, which CPU generators refuse):
+    with vLLM's default 2,048-token chunks a 6,000-token seeded prompt ended the server. Two such
+    prompts at once, next to a short one, must all be answered and leave the server up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from polar_core.net import http_json
+
+    def ask(words: int, seed: int) -> dict:
+        body = {"model": "tiny-qwen", "messages": [{"role": "user", "content": "word " * words}],
+                "max_tokens": 4, "seed": seed, "temperature": 1.0}
+        return http_json(vllm_tiny.openai_base_url + "/chat/completions", body, timeout=300)
+
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(ask, [6000, 5000, 10], [1, 2, 3]))
+    assert [a["usage"]["prompt_tokens"] > n for a, n in zip(answers, [6000, 5000, 10])] == [True] * 3
+    assert all(a["choices"][0]["finish_reason"] in ("length", "stop") for a in answers)
+    assert ask(10, 4)["choices"]  # still serving
