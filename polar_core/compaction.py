@@ -27,11 +27,22 @@ COMPACT_ITEM_MARKER = "polar-compaction-v1:"
 #: Phrases of the harnesses' own summary requests (the last user message of a compaction call).
 HARNESS_SUMMARY_REQUESTS = (
     ("claude-code", "create a detailed summary of the conversation"),
+    # Qwen Code 0.24: "First, reason in your <analysis> block. Then, produce the <state_snapshot> XML."
+    ("qwen-code", "Then, produce the <state_snapshot> XML"),
+    # Gemini CLI 0.61: "... First, reason in your scratchpad. Then, generate the updated <state_snapshot>.",
+    # then a verification call "Critically evaluate the <state_snapshot> you just generated. ..."
     ("gemini-cli", "<state_snapshot>"),
-    ("qwen-code", "<state_snapshot>"),
-    ("opencode", "summary of our conversation"),
-    ("opencode", "Provide a detailed prompt for continuing our conversation"),
-    ("pi", "summarize the conversation"),
+    # OpenCode 1.18: "Here is the conversation so far: <conversation>...</conversation> Create a new
+    # anchored summary from the conversation history ..." (with a prior summary: "... Construct a new
+    # summary that combines both.")
+    ("opencode", "Create a new anchored summary from the conversation history"),
+    ("opencode", "Construct a new summary that combines both"),
+    # Pi 0.73: "The messages above are a conversation to summarize. Create a structured context
+    # checkpoint summary ..." (a later compaction: "... incorporate into the existing summary provided in
+    # <previous-summary> tags"; a turn cut in two: "This is the PREFIX of a turn that was too large to keep")
+    ("pi", "Create a structured context checkpoint summary"),
+    ("pi", "incorporate into the existing summary provided in <previous-summary> tags"),
+    ("pi", "This is the PREFIX of a turn that was too large to keep"),
     ("codex", "CONTEXT CHECKPOINT COMPACTION"),  # Codex's local compaction (a custom provider)
 )
 
@@ -39,6 +50,8 @@ HARNESS_SUMMARY_REQUESTS = (
 #: How the harnesses' own summaries come back at the start of a compacted history.
 HARNESS_SUMMARY_PREFIXES = (
     ("codex", "Another language model started to solve this problem and produced a summary"),
+    ("pi", "The conversation history before this point was compacted into the following summary"),
+    ("opencode", "<conversation-checkpoint>\nThe following is a summary and serialized record of earlier conversation"),
 )
 
 

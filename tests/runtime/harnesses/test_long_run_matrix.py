@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from polar_analysis import drift, frames
+from polar_core.compaction import compaction_of
 from polar_proxy.process import ProxyProcess
 from polar_runtime import harnesses as h
 from polar_testing.scripted_upstream import Script, ServerThread
@@ -92,3 +93,134 @@ def test_codex_long_session(tmp_path):
     assert summary_call["native_path"] == "/v1/responses" and summary_call["native_request"]["tools"] == []
     assert summary_call["output_text"].startswith("Summary:")
     assert "compaction: codex summary call (request_kind compaction)" in summary_call["translation_notes"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The other harnesses: one helper runs a preset's real CLI through the proxy against the scripted
+# upstream and checks what every long run must show; each test adds what its harness's compaction
+# looks like.
+
+PLACEHOLDER = "[image: image/png"
+
+
+def _messages_text(body: dict) -> str:
+    return json.dumps(body.get("messages") or [])
+
+
+def _long_run(tmp_path: Path, name: str, turns: list, *, max_model_len: int, configure=None, trim: bool = True,
+              summary: object = None, task: str = "Run the steps.", timeout: float = 300.0) -> dict:
+    """Run preset ``name`` once; ``configure(session, invocation)`` adds the harness's own
+    compaction settings. Returns the run's facts (rc, records, upstream log, drift details)."""
+    import time
+
+    preset = h.get_preset(name)
+    require_installed(preset)
+    kwargs = {"summary": summary} if summary is not None else {}
+    with ServerThread(max_model_len=max_model_len, script=Script({"*": turns}), log_size=512, **kwargs) as up:
+        proxy = ProxyProcess(up.url, tmp_path / "captures", confdir=tmp_path / "mitm",
+                             options={"polar_max_tokens_cap": CAP}).start()
+        try:
+            session = h.Session(session_id=f"long-{name}", task=task, workdir=tmp_path / "work",
+                                home=tmp_path / "home", model="scripted-model",
+                                endpoint=h.Endpoint("base_url", base_url=proxy.url), trim=trim)
+            inv = preset.prepare(session)
+            if configure is not None:
+                configure(session, inv)
+            t0 = time.monotonic()
+            run = h.run_invocation(inv, timeout=timeout, log_dir=tmp_path / "logs", name=name)
+            wall = time.monotonic() - t0
+            time.sleep(0.5)  # the last record is written after the answer's last byte
+            answered, requests = up.upstream.count, list(up.upstream.requests)
+        finally:
+            proxy.stop()
+    recs = []
+    for p in sorted((tmp_path / "captures" / "sessions").glob("*.jsonl")):
+        recs += [json.loads(line) for line in p.read_text().splitlines()]
+    recs.sort(key=lambda r: r["t_request_in"] or 0)
+    report = drift.drift_report(frames.calls(tmp_path / "captures", rewards=None))
+    details = [d for c, d in zip(report["cause"], report["detail"]) if c == "compacted"]
+    print(f"{name}: rc={run.returncode} wall={wall:.1f}s calls={len(recs)} compacted={details}")
+    for r in recs:  # one line per call, for the -s log of a failing run
+        msgs = _normalized(r)["messages"] if r.get("normalized_request") else []
+        print(f"  #{r['call_index']} {r['native_path']} {r['status']} {r['http_status']} {r['finish_reason']} "
+              f"prompt={len(r['prompt_token_ids'])} msgs={len(msgs)} tools={len(_normalized(r).get('tools') or []) if msgs else '-'} "
+              f"last={json.dumps(msgs[-1])[:150] if msgs else r.get('error')!r} notes={r['translation_notes']}")
+    return {"run": run, "wall": wall, "recs": recs, "answered": answered, "requests": requests,
+            "details": details, "work": session.workdir, "home": session.home, "tail": run.tail(4000)}
+
+
+def _summary_calls(recs: list[dict]) -> list[dict]:
+    return [r for r in recs if (compaction_of(_normalized(r)["messages"]) or "").startswith("summary call")]
+
+
+def _normalized(rec: dict) -> dict:
+    req = rec["normalized_request"]
+    return json.loads(req) if isinstance(req, str) else req
+
+
+def _check_common(res: dict) -> None:
+    """Every upstream answer captured (same requests, same order), the image a placeholder, the
+    budget-cut call a length stop."""
+    recs, requests = res["recs"], res["requests"]
+    assert not res["run"].timed_out, res["tail"]
+    assert len(recs) == res["answered"] == len(requests), (len(recs), res["answered"], res["tail"])
+    assert [_normalized(r)["messages"] for r in recs] == [b["messages"] for b in requests]
+    assert any("image replaced by a text placeholder" in n for r in recs for n in r["translation_notes"])
+    assert any(PLACEHOLDER in _messages_text(b) for b in requests)  # what the text-only model read
+    cut = [r for r in recs if r["finish_reason"] == "length"]  # the chat finish the proxy reported
+    assert cut and all(len(r["sampled_token_ids"]) == CAP for r in cut)
+
+
+def _bash(cmd: str, tool: str = "bash", key: str = "command") -> dict:
+    return {"tool_calls": [{"name": tool, "arguments": {key: cmd}}]}
+
+
+LONG_CMD = "echo " + " ".join(f"w{i}" for i in range(40))  # a call longer than CAP tokens: cut
+PNG_CMD = f"echo {PNG} | base64 -d > img.png"
+
+
+def _big(i: int) -> str:
+    return f"echo step{i} > s{i}.txt; seq -s ' ' 1 300"
+
+
+def test_pi_long_session(tmp_path):
+    """Pi compacts when its provider answers a context overflow (it compacts, then retries), with
+    its own summary call: no tools, its own system prompt, one user message holding the serialized
+    conversation and "The messages above are a conversation to summarize. Create a structured context
+    checkpoint summary ..."; the retry restarts from a user message "The conversation history before
+    this point was compacted into the following summary: <summary>..."."""
+
+    def configure(s: h.Session, inv: h.Invocation) -> None:
+        agent = s.home / ".pi" / "agent"
+        models = json.loads((agent / "models.json").read_text())
+        model = models["providers"]["polar"]["models"][0]
+        model["contextWindow"] = 200000  # its threshold never fires: the provider's overflow does
+        model["input"] = ["text", "image"]  # else Pi leaves the image out itself
+        (agent / "models.json").write_text(json.dumps(models))
+        settings = json.loads((agent / "settings.json").read_text())
+        settings["compaction"] = {"enabled": True, "reserveTokens": 16384, "keepRecentTokens": 300}
+        (agent / "settings.json").write_text(json.dumps(settings))
+
+    turns = [
+        _bash(LONG_CMD),
+        _bash(PNG_CMD),
+        {"tool_calls": [{"name": "read", "arguments": {"path": "img.png"}}]},
+        *[_bash(_big(i)) for i in range(12)],
+    ]
+    summary = {"text": "Summary: the steps ran. #scenario:text"}
+    res = _long_run(tmp_path, "pi-chat", turns, max_model_len=3000, configure=configure, summary=summary)
+    _check_common(res)
+    assert res["run"].returncode == 0, res["tail"]
+    recs = res["recs"]
+    # Pi streams the cut call's arguments as far as they were written and runs what it got (as with
+    # any provider); its own session log says the turn stopped for length
+    pi_log = "".join(p.read_text() for p in (res["home"] / ".pi" / "agent" / "sessions").rglob("*.jsonl"))
+    assert '"stopReason":"length"' in pi_log
+    overflow = [r for r in recs if r["status"] == "error"]
+    assert overflow and "maximum context length" in overflow[0]["error"] and overflow[0]["http_status"] == 400
+    assert "summary call (pi)" in res["details"] and "resumed from a summary (pi)" in res["details"]
+    # one prompt, one turn: Pi keeps the turn's recent part and summarizes its prefix
+    summary_call = next(r for r in recs if "This is the PREFIX of a turn that was too large to keep"
+                        in json.dumps(r["native_request"]))
+    assert not summary_call["native_request"].get("tools") and summary_call["output_text"].startswith("Summary:")
+    assert recs[-1]["finish_reason"] == "stop" and recs[-1]["call_index"] > summary_call["call_index"]
