@@ -51,8 +51,14 @@ HARNESS_SUMMARY_REQUESTS = (
 HARNESS_SUMMARY_PREFIXES = (
     ("codex", "Another language model started to solve this problem and produced a summary"),
     ("pi", "The conversation history before this point was compacted into the following summary"),
+    ("claude-code", "This session is being continued from a previous conversation that ran out of context"),
     ("opencode", "<conversation-checkpoint>\nThe following is a summary and serialized record of earlier conversation"),
 )
+
+
+#: The model turn Gemini CLI and Qwen Code (its fork) put after the summary, a user message, when
+#: their history restarts from it (Gemini CLI 0.61, Qwen Code 0.24).
+HARNESS_SUMMARY_ACKS = (("gemini-cli/qwen-code", "Got it. Thanks for the additional context!"),)
 
 
 def _text(content: Any) -> str:
@@ -70,7 +76,16 @@ def compaction_of(messages: list[dict[str, Any]] | None) -> str | None:
     ``resumed from a summary (<harness>)``: the history starts again from a summary."""
     if not messages:
         return None
-    last_user = next((m for m in reversed(messages) if m.get("role") == "user"), None)
+    last_user_at = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "user"), None)
+    last_user = messages[last_user_at] if last_user_at is not None else None
+    for i, m in enumerate(messages):
+        # an acknowledged summary: the history restarts from it (the summary, carrying the harness's
+        # summary-request phrases, may be the last user message: it is not a summary call then)
+        if i and m.get("role") == "assistant" and messages[i - 1].get("role") == "user":
+            text = _text(m.get("content")).strip()
+            for harness, ack in HARNESS_SUMMARY_ACKS:
+                if text == ack:
+                    return f"resumed from a summary ({harness})"
     if last_user is not None:
         text = _text(last_user.get("content"))
         if text.startswith(COMPACT_REQUEST[:40]):

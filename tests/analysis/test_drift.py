@@ -140,3 +140,16 @@ def test_tool_call_written_as_markdown_json_is_rerendered(tmp_path, renderer, te
     assert causes(rep) == ["new_conversation", "tool_call_rerendered"]
     row = rep.filter(cause="tool_call_rerendered").row(0, named=True)
     assert row["prompt_divergence"] is None and "```json" in row["prev_text"] and "<tool_call>" in row["next_text"]
+
+
+def test_summary_request_appended_to_the_history_is_named(tmp_path, renderer, template, pi_chat):
+    """Claude Code and Qwen Code ask for the summary at the end of the history they summarize, tools
+    kept: the prompt continues the previous one, and the report still names the compaction."""
+    s = session(renderer, pi_chat).user("long task")
+    tool_turn(s, 0)
+    s.user("First, reason in your <analysis> block. Then, produce the <state_snapshot> XML.")
+    s.generate(content="<state_snapshot>read f0</state_snapshot>")
+    rep = report(tmp_path, s.records, template)
+    assert causes(rep) == ["new_conversation", "compacted"]
+    row = rep.row(1, named=True)
+    assert row["exact"] and row["detail"] == "summary call (qwen-code): the history goes on (none)"

@@ -100,7 +100,7 @@ def test_codex_long_session(tmp_path):
 # upstream and checks what every long run must show; each test adds what its harness's compaction
 # looks like.
 
-PLACEHOLDER = "[image: image/png"
+PLACEHOLDER = "[image: image/"  # Qwen Code sends the PNG as a JPEG
 
 
 def _messages_text(body: dict) -> str:
@@ -108,14 +108,20 @@ def _messages_text(body: dict) -> str:
 
 
 def _long_run(tmp_path: Path, name: str, turns: list, *, max_model_len: int, configure=None, trim: bool = True,
-              summary: object = None, task: str = "Run the steps.", timeout: float = 300.0) -> dict:
+              summary: object = None, task: str = "Run the steps.", timeout: float = 300.0,
+              patch_turns: bool = False, resumed: object = None) -> dict:
     """Run preset ``name`` once; ``configure(session, invocation)`` adds the harness's own
     compaction settings. Returns the run's facts (rc, records, upstream log, drift details)."""
     import time
 
     preset = h.get_preset(name)
     require_installed(preset)
+    if patch_turns:  # "IMG" in a turn: the image's absolute path (tools that want one)
+        img = str((tmp_path / "work" / "img.png").absolute())
+        turns = [json.loads(json.dumps(t).replace('"IMG"', json.dumps(img))) for t in turns]
     kwargs = {"summary": summary} if summary is not None else {}
+    if resumed is not None:  # the answer once the history restarts from the summary
+        kwargs["resumed"] = resumed
     with ServerThread(max_model_len=max_model_len, script=Script({"*": turns}), log_size=512, **kwargs) as up:
         proxy = ProxyProcess(up.url, tmp_path / "captures", confdir=tmp_path / "mitm",
                              options={"polar_max_tokens_cap": CAP}).start()
@@ -224,3 +230,45 @@ def test_pi_long_session(tmp_path):
                         in json.dumps(r["native_request"]))
     assert not summary_call["native_request"].get("tools") and summary_call["output_text"].startswith("Summary:")
     assert recs[-1]["finish_reason"] == "stop" and recs[-1]["call_index"] > summary_call["call_index"]
+
+
+def test_qwen_code_long_session(tmp_path):
+    """Qwen Code compacts by its own threshold (``context.autoCompactThreshold`` of
+    ``model.generationConfig.contextWindowSize``): a chat call of the history, tools left out, ending
+    in the user message "First, reason in your <analysis> block. Then, produce the <state_snapshot>
+    XML."; the next call restarts from a user message holding the summary and the model's "Got it.
+    Thanks for the additional context!"."""
+
+    def configure(s: h.Session, inv: h.Invocation) -> None:
+        path = s.home / ".qwen" / "settings.json"
+        settings = json.loads(path.read_text())
+        # "modalities": a model that reads images (else Qwen Code refuses the image itself)
+        settings["model"] = {"generationConfig": {"contextWindowSize": QWEN_WINDOW, "modalities": {"image": True}}}
+        settings["context"] = {"autoCompactThreshold": QWEN_PCT}
+        path.write_text(json.dumps(settings))
+
+    turns = [
+        _bash(LONG_CMD, "run_shell_command"),
+        _bash(PNG_CMD, "run_shell_command"),
+        {"tool_calls": [{"name": "read_file", "arguments": {"file_path": "IMG"}}]},
+        *[_bash(_big(i), "run_shell_command") for i in range(12)],
+    ]
+    summary = {"text": "<state_snapshot>Summary: the steps ran.</state_snapshot>"}
+    res = _long_run(tmp_path, "qwen-code", turns, max_model_len=200000, configure=configure, summary=summary,
+                    patch_turns=True, resumed={"text": "All steps done."})
+    _check_common(res)
+    assert res["run"].returncode == 0, res["tail"]
+    recs = res["recs"]
+    assert any(d.startswith("summary call (qwen-code)") for d in res["details"]), res["details"]
+    assert "resumed from a summary (gemini-cli/qwen-code)" in res["details"]
+    (summary_call,) = _summary_calls(recs)
+    # Qwen Code 0.24 with a provider that caches prefixes: the history, its tools kept, then one user
+    # message (its compression prompt + "Do not call tools; ..." + the directive)
+    msgs = _normalized(summary_call)["messages"]
+    assert msgs[-1]["content"].endswith("Then, produce the <state_snapshot> XML.") and summary_call["native_request"]["tools"]
+    after = recs[recs.index(summary_call) + 1]
+    assert any(m.get("content") == "Got it. Thanks for the additional context!" for m in _normalized(after)["messages"])
+    assert recs[-1]["output_text"] == "All steps done."
+
+
+QWEN_WINDOW, QWEN_PCT = 30000, 0.3  # compacts at 9000 (cheap) tokens; the first prompt has ~6600
