@@ -272,3 +272,40 @@ def test_qwen_code_long_session(tmp_path):
 
 
 QWEN_WINDOW, QWEN_PCT = 30000, 0.3  # compacts at 9000 (cheap) tokens; the first prompt has ~6600
+
+
+def test_gemini_cli_long_session(tmp_path):
+    """Gemini CLI's compaction (ChatCompressionService, bundle chunk-JDPZ4CE3.js of 0.61.0) would be two
+    generateContent calls with its compression system prompt and the history, no tools: the summary
+    call ends in "... First, reason in your scratchpad. Then, generate the updated <state_snapshot>.",
+    the verification call in "Critically evaluate the <state_snapshot> you just generated. ..."; the
+    next call restarts from a user message holding the summary and the model's "Got it. Thanks for the
+    additional context!". Headless (``-p``) it did not compact here: ``model.compressionThreshold``
+    (read into Config.compressionThreshold) down to 1000 of its 1 048 576-token limit, ~13k prompt
+    tokens reported in usageMetadata, and no summary call reached the proxy (docs/long-runs.md).
+    What is checked: the image and the output budget, which ends its turn (a MAX_TOKENS answer
+    without a functionCall is retried a few times, then the run ends)."""
+
+    def configure(s: h.Session, inv: h.Invocation) -> None:
+        path = s.home / ".gemini" / "settings.json"
+        settings = json.loads(path.read_text())
+        settings["model"] = {"compressionThreshold": 1000 / 1048576, "disableLoopDetection": True}
+        path.write_text(json.dumps(settings))
+
+    turns = [
+        _bash(PNG_CMD, "run_shell_command"),
+        {"tool_calls": [{"name": "read_file", "arguments": {"file_path": "img.png"}}]},
+        *[_bash(_big(i), "run_shell_command") for i in range(8)],
+        _bash(LONG_CMD, "run_shell_command"),  # cut: the last turn
+    ]
+    summary = {"text": "<state_snapshot>Summary: the steps ran.</state_snapshot>"}
+    res = _long_run(tmp_path, "gemini", turns, max_model_len=200000, configure=configure, summary=summary,
+                    resumed={"text": "All steps done."})
+    _check_common(res)
+    assert res["run"].returncode == 0, res["tail"]
+    recs = res["recs"]
+    cut = [r for r in recs if r["finish_reason"] == "length"]
+    # the proxy's answer: finishReason MAX_TOKENS, no half functionCall; Gemini CLI retries the same request
+    assert len({json.dumps(_normalized(r)["messages"]) for r in cut}) == 1 and recs[-1] in cut
+    assert len(recs) == len(turns) - 1 + len(cut)
+    print("gemini-cli compactions:", res["details"])
