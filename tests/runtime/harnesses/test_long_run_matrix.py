@@ -185,8 +185,8 @@ LONG_CMD = "echo " + " ".join(f"w{i}" for i in range(40))  # a call longer than 
 PNG_CMD = f"echo {PNG} | base64 -d > img.png"
 
 
-def _big(i: int) -> str:
-    return f"echo step{i} > s{i}.txt; seq -s ' ' 1 300"
+def _big(i: int, n: int = 300) -> str:
+    return f"echo step{i} > s{i}.txt; seq -s ' ' 1 {n}"
 
 
 def test_pi_long_session(tmp_path):
@@ -309,3 +309,48 @@ def test_gemini_cli_long_session(tmp_path):
     assert len({json.dumps(_normalized(r)["messages"]) for r in cut}) == 1 and recs[-1] in cut
     assert len(recs) == len(turns) - 1 + len(cut)
     print("gemini-cli compactions:", res["details"])
+
+
+def test_claude_code_long_session(tmp_path):
+    """Claude Code, untrimmed (its normal system prompt and tools, no --bare), compacts by its own
+    window (``CLAUDE_CODE_AUTO_COMPACT_WINDOW``, ``CLAUDE_AUTOCOMPACT_PCT_OVERRIDE``): a streamed
+    /v1/messages call with its tools, the history and a last user message "CRITICAL: Respond with TEXT
+    ONLY. Do NOT call any tools. ... Your task is to create a detailed summary of the conversation so
+    far ..."; the next call starts from a user message "This session is being continued from a
+    previous conversation that ran out of context. ..." and keeps the most recent tool results."""
+
+    def configure(s: h.Session, inv: h.Invocation) -> None:
+        inv.env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(CLAUDE_WINDOW)
+        inv.env["CLAUDE_AUTOCOMPACT_PCT_OVERRIDE"] = str(CLAUDE_PCT)
+
+    turns = [
+        _bash(LONG_CMD, "Bash"),
+        _bash(PNG_CMD, "Bash"),
+        {"tool_calls": [{"name": "Read", "arguments": {"file_path": "IMG"}}]},
+        *[_bash(_big(i, 4000), "Bash") for i in range(12)],
+        *[{"text": "All steps done."}] * 12,
+    ]
+    summary = {"text": "<summary>Summary: the steps ran.</summary>"}
+    res = _long_run(tmp_path, "claude-code", turns, max_model_len=400000, configure=configure, summary=summary,
+                    trim=False, patch_turns=True, resumed={"text": "All steps done."})
+    _check_common(res)
+    assert res["run"].returncode == 0, res["tail"]
+    recs = res["recs"]
+    # the cut call: stop_reason max_tokens after a tool_use streamed as far as it was written; Claude
+    # Code's own input validation refuses it and tells the model, and the run goes on
+    first_result = _normalized(recs[1])["messages"][-1]
+    assert recs[0]["finish_reason"] == "length" and "InputValidationError" in first_result["content"]
+    assert any(d.startswith("summary call (claude-code)") for d in res["details"]), res["details"]
+    assert "resumed from a summary (claude-code)" in res["details"]
+    (summary_call,) = _summary_calls(recs)
+    # a streamed /v1/messages call, its tools kept, the history, then a user message "CRITICAL:
+    # Respond with TEXT ONLY. ..." holding "Your task is to create a detailed summary ..."
+    last = _normalized(summary_call)["messages"][-1]["content"]
+    assert summary_call["native_path"].startswith("/v1/messages") and summary_call["native_request"]["tools"]
+    assert last.startswith("CRITICAL: Respond with TEXT ONLY.") and summary_call["output_text"].startswith("<summary>")
+    after = recs[recs.index(summary_call) + 1]
+    assert len(after["prompt_token_ids"]) < len(summary_call["prompt_token_ids"])
+    assert recs[-1]["output_text"] == "All steps done."
+
+
+CLAUDE_WINDOW, CLAUDE_PCT = 60000, 50  # compacts at ~30k (cheap) tokens: the first prompt has ~6.5k
