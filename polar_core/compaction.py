@@ -52,6 +52,8 @@ HARNESS_SUMMARY_PREFIXES = (
     ("codex", "Another language model started to solve this problem and produced a summary"),
     ("pi", "The conversation history before this point was compacted into the following summary"),
     ("claude-code", "This session is being continued from a previous conversation that ran out of context"),
+    # OpenCode 1.18 `run`: [user "What did we do so far?", assistant <summary>, recent messages, user "Continue ..."]
+    ("opencode", "Continue if you have next steps, or stop and ask for clarification if you are unsure how to proceed"),
     ("opencode", "<conversation-checkpoint>\nThe following is a summary and serialized record of earlier conversation"),
 )
 

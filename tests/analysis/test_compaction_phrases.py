@@ -40,6 +40,7 @@ SUMMARY_REQUESTS = [
 ]
 
 RESUMED = [
+    ("opencode", "Continue if you have next steps, or stop and ask for clarification if you are unsure how to proceed."),
     ("claude-code", "This session is being continued from a previous conversation that ran out of context. The "
                     "summary below covers the earlier portion of the conversation.\n\nSummary: S"),
     ("pi", "The conversation history before this point was compacted into the following summary:\n\n<summary>\nS\n</summary>"),

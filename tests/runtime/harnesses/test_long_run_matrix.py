@@ -354,3 +354,43 @@ def test_claude_code_long_session(tmp_path):
 
 
 CLAUDE_WINDOW, CLAUDE_PCT = 60000, 50  # compacts at ~30k (cheap) tokens: the first prompt has ~6.5k
+
+
+def test_opencode_long_session(tmp_path):
+    """OpenCode compacts by its model's ``limit.context`` (opencode.json): a streamed chat call, no
+    tools, one user message "Here is the conversation so far: <conversation>...</conversation> Create a
+    new anchored summary ..."; the next call: user "What did we do so far?", the summary as the
+    assistant's answer, the most recent messages, then user "Continue if you have next steps, ..."."""
+
+    def configure(s: h.Session, inv: h.Invocation) -> None:
+        path = Path(inv.env["OPENCODE_CONFIG"])
+        cfg = json.loads(path.read_text())
+        cfg["provider"]["polar"]["models"]["scripted-model"].update(
+            {"limit": {"context": OPENCODE_CONTEXT, "output": 4096}, "attachment": True,
+             "modalities": {"input": ["text", "image"], "output": ["text"]}})
+        path.write_text(json.dumps(cfg))
+
+    def bash(cmd: str) -> dict:
+        return {"tool_calls": [{"name": "bash", "arguments": {"command": cmd, "description": "a step"}}]}
+
+    turns = [
+        bash(LONG_CMD),
+        bash(PNG_CMD),
+        {"tool_calls": [{"name": "read", "arguments": {"filePath": "IMG"}}]},
+        *[bash(_big(i, 4000)) for i in range(12)],
+        *[{"text": "All steps done."}] * 12,
+    ]
+    summary = {"text": "Summary: the steps ran."}
+    res = _long_run(tmp_path, "opencode", turns, max_model_len=400000, configure=configure, summary=summary,
+                    patch_turns=True, resumed={"text": "All steps done."})
+    _check_common(res)
+    assert res["run"].returncode == 0, res["tail"]
+    recs = res["recs"]
+    assert any(d.startswith("summary call (opencode)") for d in res["details"]), res["details"]
+    assert any(d.startswith("resumed from a summary (opencode)") for d in res["details"]), res["details"]
+    (summary_call,) = _summary_calls(recs)
+    assert not summary_call["native_request"].get("tools")
+    assert recs[-1]["output_text"] == "All steps done."
+
+
+OPENCODE_CONTEXT = 40000
