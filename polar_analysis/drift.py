@@ -23,7 +23,9 @@ normalized requests' messages:
 - ``tool_result_reformatted``: an earlier tool result is rendered differently (string vs parts);
 - ``system_changed``: the system prompt differs (e.g. Claude Code's per-request billing header);
 - ``compacted``: the context was compacted or truncated (a summary call with ``tools=[]``, or a
-  shorter history);
+  shorter history); also a harness's summary request appended to the history it summarizes (its
+  prompt continues the previous one: ``exact`` stays what the ids say, ``detail`` names the cause
+  it would have had);
 - ``tools_changed``: a different tools list;
 - ``new_conversation``: no earlier call of the session is continued (first call, sub-agent start);
 - ``other``: anything else (details in ``detail``).
@@ -363,9 +365,16 @@ def drift_report(calls_lf: pl.LazyFrame, template: TemplateInfo | None = None) -
                 rows.append(base | {"cause": "new_conversation", "exact": False})
             else:
                 d = classify_pair(prev, call, template)
+                exact = d.exact
+                summary = compaction_of(_messages(call))
+                if d.cause != "compacted" and summary is not None and summary.startswith("summary call"):
+                    # a summary request appended to the history it summarizes (tools kept: Claude Code,
+                    # Qwen Code): the prompt goes on, but the call is the harness compacting
+                    d.detail = f"{summary}: the history goes on ({d.cause})"
+                    d.cause = "compacted"
                 rows.append(
                     base
-                    | {"prev_call_id": prev.call_id, "prev_call_index": prev.call_index, "exact": d.exact}
+                    | {"prev_call_id": prev.call_id, "prev_call_index": prev.call_index, "exact": exact}
                     | {k: getattr(d, k) for k in ("cause", "prompt_divergence", "answer_divergence", "common_prefix", "prev_text", "next_text", "detail")}
                 )
             rows[-1]["origin"] = ORIGIN[rows[-1]["cause"]]

@@ -27,11 +27,22 @@ COMPACT_ITEM_MARKER = "polar-compaction-v1:"
 #: Phrases of the harnesses' own summary requests (the last user message of a compaction call).
 HARNESS_SUMMARY_REQUESTS = (
     ("claude-code", "create a detailed summary of the conversation"),
+    # Qwen Code 0.24: "First, reason in your <analysis> block. Then, produce the <state_snapshot> XML."
+    ("qwen-code", "Then, produce the <state_snapshot> XML"),
+    # Gemini CLI 0.61: "... First, reason in your scratchpad. Then, generate the updated <state_snapshot>.",
+    # then a verification call "Critically evaluate the <state_snapshot> you just generated. ..."
     ("gemini-cli", "<state_snapshot>"),
-    ("qwen-code", "<state_snapshot>"),
-    ("opencode", "summary of our conversation"),
-    ("opencode", "Provide a detailed prompt for continuing our conversation"),
-    ("pi", "summarize the conversation"),
+    # OpenCode 1.18: "Here is the conversation so far: <conversation>...</conversation> Create a new
+    # anchored summary from the conversation history ..." (with a prior summary: "... Construct a new
+    # summary that combines both.")
+    ("opencode", "Create a new anchored summary from the conversation history"),
+    ("opencode", "Construct a new summary that combines both"),
+    # Pi 0.73: "The messages above are a conversation to summarize. Create a structured context
+    # checkpoint summary ..." (a later compaction: "... incorporate into the existing summary provided in
+    # <previous-summary> tags"; a turn cut in two: "This is the PREFIX of a turn that was too large to keep")
+    ("pi", "Create a structured context checkpoint summary"),
+    ("pi", "incorporate into the existing summary provided in <previous-summary> tags"),
+    ("pi", "This is the PREFIX of a turn that was too large to keep"),
     ("codex", "CONTEXT CHECKPOINT COMPACTION"),  # Codex's local compaction (a custom provider)
 )
 
@@ -39,7 +50,17 @@ HARNESS_SUMMARY_REQUESTS = (
 #: How the harnesses' own summaries come back at the start of a compacted history.
 HARNESS_SUMMARY_PREFIXES = (
     ("codex", "Another language model started to solve this problem and produced a summary"),
+    ("pi", "The conversation history before this point was compacted into the following summary"),
+    ("claude-code", "This session is being continued from a previous conversation that ran out of context"),
+    # OpenCode 1.18 `run`: [user "What did we do so far?", assistant <summary>, recent messages, user "Continue ..."]
+    ("opencode", "Continue if you have next steps, or stop and ask for clarification if you are unsure how to proceed"),
+    ("opencode", "<conversation-checkpoint>\nThe following is a summary and serialized record of earlier conversation"),
 )
+
+
+#: The model turn Gemini CLI and Qwen Code (its fork) put after the summary, a user message, when
+#: their history restarts from it (Gemini CLI 0.61, Qwen Code 0.24).
+HARNESS_SUMMARY_ACKS = (("gemini-cli/qwen-code", "Got it. Thanks for the additional context!"),)
 
 
 def _text(content: Any) -> str:
@@ -57,7 +78,16 @@ def compaction_of(messages: list[dict[str, Any]] | None) -> str | None:
     ``resumed from a summary (<harness>)``: the history starts again from a summary."""
     if not messages:
         return None
-    last_user = next((m for m in reversed(messages) if m.get("role") == "user"), None)
+    last_user_at = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "user"), None)
+    last_user = messages[last_user_at] if last_user_at is not None else None
+    for i, m in enumerate(messages):
+        # an acknowledged summary: the history restarts from it (the summary, carrying the harness's
+        # summary-request phrases, may be the last user message: it is not a summary call then)
+        if i and m.get("role") == "assistant" and messages[i - 1].get("role") == "user":
+            text = _text(m.get("content")).strip()
+            for harness, ack in HARNESS_SUMMARY_ACKS:
+                if text == ack:
+                    return f"resumed from a summary ({harness})"
     if last_user is not None:
         text = _text(last_user.get("content"))
         if text.startswith(COMPACT_REQUEST[:40]):

@@ -14,7 +14,8 @@ fail on demand. It speaks vLLM's chat-completions dialect with ``return_token_id
 
 What to answer comes from a script: built-in scenarios (``text``, ``reasoning``, ``tool``,
 ``tools2``, ``length``, ``summary``, ``words:N``; a harness's compaction request, recognized by
-``polar_core.compaction``, always gets ``summary``) or a JSON script file (a list of turns, or a dict of lists keyed
+``polar_core.compaction``, always gets ``summary``; a history that restarts from a summary gets
+``resumed`` when one is given) or a JSON script file (a list of turns, or a dict of lists keyed
 by session id with ``"*"`` as default). The turn is the number of assistant messages in the request.
 Directives in the last user message override it: ``#scenario:NAME`` and ``#fault:KIND`` where KIND
 is ``500``, ``429``, ``hang``, ``hang_stream``, ``cut``, ``refuse`` or ``context``; the header
@@ -283,11 +284,14 @@ class ScriptedUpstream:
         log_size: int = 64,
         reject_large_max_tokens: bool = False,
         summary: Any = "summary",
+        resumed: Any = None,
     ):
         self.served_model = served_model
         self.reject_large_max_tokens = reject_large_max_tokens
         #: the answer to a harness's compaction (summary) request: a scenario name or a turn
         self.summary = summary
+        #: the answer to a call whose history restarts from a harness's summary (None: the script's turn)
+        self.resumed = resumed
         self.max_model_len = max_model_len
         self.tok = Tokenizer(tokenizer)
         self.script = script or Script()
@@ -391,8 +395,10 @@ class ScriptedUpstream:
 
         if "scenario" in directives:
             turn = resolve_scenario(directives["scenario"])
-        elif (compaction_of(messages) or "").startswith("summary call"):
+        elif (kind := compaction_of(messages) or "").startswith("summary call"):
             turn = resolve_scenario(self.summary)  # a harness compacting its history gets a summary
+        elif self.resumed is not None and kind.startswith("resumed from a summary"):
+            turn = resolve_scenario(self.resumed)
         else:
             n_assistant = sum(1 for m in messages if m.get("role") == "assistant")
             turn = self.script.turn(request.headers.get("x-polar-session"), n_assistant)

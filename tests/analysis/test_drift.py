@@ -166,3 +166,16 @@ def test_origin_separates_template_rerendering_from_harness_edits(tmp_path, rend
     assert (counts["rerendered"], counts["harness"]) == (1, 2)
     assert counts["harness"] + counts["rerendered"] + counts["exact"] + counts["start"] + counts["other"] == rep.height
     assert set(drift.ORIGIN) == set(drift.CAUSES) and set(drift.ORIGIN.values()) == set(drift.ORIGINS)
+
+
+def test_summary_request_appended_to_the_history_is_named(tmp_path, renderer, template, pi_chat):
+    """Claude Code and Qwen Code ask for the summary at the end of the history they summarize, tools
+    kept: the prompt continues the previous one, and the report still names the compaction."""
+    s = session(renderer, pi_chat).user("long task")
+    tool_turn(s, 0)
+    s.user("First, reason in your <analysis> block. Then, produce the <state_snapshot> XML.")
+    s.generate(content="<state_snapshot>read f0</state_snapshot>")
+    rep = report(tmp_path, s.records, template)
+    assert causes(rep) == ["new_conversation", "compacted"]
+    row = rep.row(1, named=True)
+    assert row["exact"] and row["detail"] == "summary call (qwen-code): the history goes on (none)"
