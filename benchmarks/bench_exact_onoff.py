@@ -108,6 +108,7 @@ def rewards_of(captures: Path) -> list[float]:
     from polar_analysis import rewards
 
     table = rewards.load_rewards(captures / rewards.ROLLOUTS_FILE)
+    table = table.collect() if isinstance(table, pl.LazyFrame) else table
     return [float(r) for r in table.filter(pl.col("reward").is_not_null())["reward"].to_list()]
 
 
