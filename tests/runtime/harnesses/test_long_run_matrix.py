@@ -275,40 +275,74 @@ QWEN_WINDOW, QWEN_PCT = 30000, 0.3  # compacts at 9000 (cheap) tokens; the first
 
 
 def test_gemini_cli_long_session(tmp_path):
-    """Gemini CLI's compaction (ChatCompressionService, bundle chunk-JDPZ4CE3.js of 0.61.0) would be two
-    generateContent calls with its compression system prompt and the history, no tools: the summary
-    call ends in "... First, reason in your scratchpad. Then, generate the updated <state_snapshot>.",
-    the verification call in "Critically evaluate the <state_snapshot> you just generated. ..."; the
-    next call restarts from a user message holding the summary and the model's "Got it. Thanks for the
-    additional context!". Headless (``-p``) it did not compact here: ``model.compressionThreshold``
-    (read into Config.compressionThreshold) down to 1000 of its 1 048 576-token limit, ~13k prompt
-    tokens reported in usageMetadata, and no summary call reached the proxy (docs/long-runs.md).
-    What is checked: the image and the output budget, which ends its turn (a MAX_TOKENS answer
-    without a functionCall is retried a few times, then the run ends)."""
+    """Gemini CLI compacts (ChatCompressionService.compress, bundle chunk-JDPZ4CE3.js of 0.61.0)
+    before a turn whose chat reported at least ``model.compressionThreshold`` x tokenLimit prompt
+    tokens (1 048 576 for a model it does not know), but only at a split point: a user message that
+    is not a functionResponse (findCompressSplitPoint), or the whole history when it ends in a model
+    answer without a functionCall. A ``-p`` run has one user message, its prompt, then only
+    functionCall/functionResponse pairs: the split point is 0, nothing to compress, NOOP at every
+    turn. Its next-speaker check (``model.skipNextSpeakerCheck: false``; the default skips it) gives
+    it a later user message: after a text answer a generateJson call asks who speaks next, and on
+    "model" the client sends "Please continue.", whose turn compresses the whole history first.
+
+    The compaction: two generateContent calls with its compression system prompt and the history,
+    no tools: the summary call ends in "... First, reason in your scratchpad. Then, generate the
+    updated <state_snapshot>.", the verification call in "Critically evaluate the <state_snapshot>
+    you just generated. ..."; the next call restarts from a user message holding the summary and the
+    model's "Got it. Thanks for the additional context!", then "Please continue.". That call is
+    answered with a command cut by the output budget (a MAX_TOKENS answer without a functionCall is
+    retried a few times, then the run ends)."""
 
     def configure(s: h.Session, inv: h.Invocation) -> None:
         path = s.home / ".gemini" / "settings.json"
         settings = json.loads(path.read_text())
-        settings["model"] = {"compressionThreshold": 1000 / 1048576, "disableLoopDetection": True}
+        settings["model"] = {"compressionThreshold": GEMINI_COMPACT_AT / 1048576, "disableLoopDetection": True,
+                             "skipNextSpeakerCheck": False}
         path.write_text(json.dumps(settings))
 
     turns = [
         _bash(PNG_CMD, "run_shell_command"),
         {"tool_calls": [{"name": "read_file", "arguments": {"file_path": "img.png"}}]},
         *[_bash(_big(i), "run_shell_command") for i in range(8)],
-        _bash(LONG_CMD, "run_shell_command"),  # cut: the last turn
+        {"text": "Steps 0 to 7 ran. Next, I will write the report."},  # no functionCall: a turn ends
+        {"text": json.dumps({"reasoning": "The model said what it does next.", "next_speaker": "model"})},
     ]
     summary = {"text": "<state_snapshot>Summary: the steps ran.</state_snapshot>"}
     res = _long_run(tmp_path, "gemini", turns, max_model_len=200000, configure=configure, summary=summary,
-                    resumed={"text": "All steps done."})
+                    resumed=_bash(LONG_CMD, "run_shell_command"))  # cut: the last turn
     _check_common(res)
     assert res["run"].returncode == 0, res["tail"]
     recs = res["recs"]
+    print("gemini-cli compactions:", res["details"])
+    assert any(d.startswith("summary call (gemini-cli)") for d in res["details"]), res["details"]
+    assert "resumed from a summary (gemini-cli/qwen-code)" in res["details"]
+    check = recs[len(turns) - 1]  # the next-speaker check: the history, then its question; JSON asked
+    assert _normalized(check)["messages"][-1]["content"].startswith("Analyze *only* the content and structure")
+    assert check["native_request"]["generationConfig"]["responseMimeType"] == "application/json"
+    # the summary call, then the verification call: the history (it had passed the threshold), no tools
+    summary_call, verify_call = _summary_calls(recs)
+    assert recs.index(summary_call) == len(turns) and recs.index(verify_call) == len(turns) + 1
+    assert recs[len(turns) - 2]["prompt_tokens"] >= GEMINI_COMPACT_AT  # what the text answer reported
+    for r in (summary_call, verify_call):
+        assert not r["native_request"].get("tools") and not _normalized(r).get("tools")
+        assert "state_snapshot" in json.dumps(r["native_request"]["systemInstruction"])
+    assert _normalized(summary_call)["messages"][-1]["content"].endswith(
+        "First, reason in your scratchpad. Then, generate the updated <state_snapshot>.")
+    assert _normalized(verify_call)["messages"][-1]["content"].startswith(
+        "Critically evaluate the <state_snapshot> you just generated.")
+    after = recs[len(turns) + 2]
+    msgs = _normalized(after)["messages"]
+    assert compaction_of(msgs) == "resumed from a summary (gemini-cli/qwen-code)"
+    assert [m["role"] for m in msgs if m["role"] != "system"] == ["user", "assistant", "user"]
+    assert msgs[-1]["content"] == "Please continue."
+    assert len(msgs) < len(_normalized(check)["messages"])  # shorter than the history it replaced
     cut = [r for r in recs if r["finish_reason"] == "length"]
     # the proxy's answer: finishReason MAX_TOKENS, no half functionCall; Gemini CLI retries the same request
-    assert len({json.dumps(_normalized(r)["messages"]) for r in cut}) == 1 and recs[-1] in cut
-    assert len(recs) == len(turns) - 1 + len(cut)
-    print("gemini-cli compactions:", res["details"])
+    assert cut[0] is after and len({json.dumps(_normalized(r)["messages"]) for r in cut}) == 1
+    assert recs[-1] in cut and len(recs) == len(turns) + 2 + len(cut)
+
+
+GEMINI_COMPACT_AT = 1000  # Gemini CLI's model.compressionThreshold x 1 048 576, in the upstream's (cheap) tokens
 
 
 def test_claude_code_long_session(tmp_path):
