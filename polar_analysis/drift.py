@@ -40,7 +40,7 @@ from typing import Any, Callable
 import numpy as np
 import polars as pl
 
-from polar_core.compaction import compaction_of
+from polar_core.compaction import compaction_of, side_call_of
 from polar_analysis.trajectories.common import (
     Call,
     TemplateInfo,
@@ -295,6 +295,10 @@ def classify_pair(prev: Call, nxt: Call, template: TemplateInfo | None = None) -
         if kind is not None:  # a summary call, or a history that restarts from a summary
             drift.cause = "compacted"
             drift.detail = f"{kind}: {len(tp)} -> {len(tn)} turns"
+            return drift
+        side = side_call_of(nm)
+        if side is not None and len(tn) >= len(tp):  # the history re-sent whole, tools dropped: not a compaction
+            drift.cause, drift.detail = "tools_changed", f"side call ({side}): {len(tp)} -> {len(tn)} turns, tools {'removed' if next_tools == '[]' else 'kept'}"
             return drift
         if (prev_tools != "[]" and next_tools == "[]") or len(tn) < len(tp):
             drift.cause = "compacted"

@@ -106,3 +106,20 @@ def compaction_of(messages: list[dict[str, Any]] | None) -> str | None:
             if text.startswith(prefix):
                 return f"resumed from a summary ({harness})"
     return None
+
+
+#: Side calls that re-send the whole history without tools and are not compactions: Gemini CLI's
+#: and Qwen Code's next-speaker check (``CHECK_PROMPT`` in both bundles) asks the model, with
+#: ``responseMimeType: application/json``, who speaks next.
+HARNESS_SIDE_CALLS = (
+    ("gemini-cli/qwen-code next-speaker check", "Analyze *only* the content and structure of your immediately preceding response"),
+)
+
+
+def side_call_of(messages: list[dict[str, Any]] | None) -> str | None:
+    """The kind of a known side call (its last user message holds the harness's phrase), or None."""
+    last_user = next((m for m in reversed(messages or []) if m.get("role") == "user"), None)
+    if last_user is None:
+        return None
+    text = _text(last_user.get("content"))
+    return next((kind for kind, phrase in HARNESS_SIDE_CALLS if phrase in text), None)

@@ -82,3 +82,36 @@ def test_acknowledged_summary_is_a_resumed_history():
     verify = [*HISTORY, {"role": "assistant", "content": snapshot},
               {"role": "user", "content": "Critically evaluate the <state_snapshot> you just generated."}]
     assert compaction_of(verify) == "summary call (gemini-cli)"
+
+
+def test_next_speaker_check_is_a_side_call_not_a_compaction(tmp_path):
+    """Gemini CLI's and Qwen Code's next-speaker check (CHECK_PROMPT in both bundles) re-sends the
+    whole history without tools; the drift report names it a side call (tools_changed), where the
+    rule for an unknown tool-less call with the same history would say ``compacted``."""
+
+    from polar_analysis import drift, frames
+    from polar_core.compaction import side_call_of
+
+    check = ("Analyze *only* the content and structure of your immediately preceding response (your last turn "
+             "in the conversation history). Based *strictly* on that response, determine who should logically "
+             "speak next: the 'user' or the 'model' (you).")
+    assert side_call_of(HISTORY + [{"role": "user", "content": check}]) is not None
+    assert side_call_of(HISTORY) is None and compaction_of(HISTORY + [{"role": "user", "content": check}]) is None
+    # through the drift report, on real Qwen2.5 ids: the check after a tool turn is tools_changed
+    from polar_analysis.synthetic import SyntheticSession, write_capture
+    from polar_analysis.alignment import ChatTemplateRenderer, template_info_for
+    from polar_runtime import models
+
+    renderer = ChatTemplateRenderer(models.ensure_model(models.TINY_QWEN))
+    tools = [{"type": "function", "function": {"name": "bash", "description": "run",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    s = SyntheticSession(renderer, "g", system="You are an agent.", tools=tools).user("Run the steps.")
+    s.generate(content="Done.")
+    s.generate(content='{"next_speaker": "user"}', messages=s.messages + [{"role": "user", "content": check}],
+               tools=None, echo=False)
+    write_capture(tmp_path, s.records)
+    lf = frames.calls(tmp_path, rewards=None)
+    rep = drift.drift_report(lf, template_info_for(renderer, lf)).sort("call_index")
+    assert rep["cause"].to_list() == ["new_conversation", "tools_changed"]
+    assert rep["detail"][1].startswith("side call (gemini-cli/qwen-code next-speaker check)")
+    assert rep["origin"][1] == "harness" and not (rep["cause"] == "compacted").any()
