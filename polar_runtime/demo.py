@@ -57,6 +57,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from polar_core import paths
+from polar_core.processes import child_pids, interruptible, stop_all_children, stop_children
 from polar_training.config import LossConfig, TrainConfig
 
 # Reports are tables: when the output is not a terminal (CI logs, `| tee`) rich would assume 80 columns.
@@ -144,54 +145,6 @@ class Timeline:
 # stopping everything on Ctrl-C / SIGTERM
 
 
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc; harnesses run in process groups of their own)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def stop_children(sig: int = signal.SIGTERM, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
-    """Signal the process group of every child this process started (harness runs, evaluators,
-    vLLM, mitmdump: each leads its own group), except ``exclude``. Returns the pids signalled."""
-    me, hit = os.getpid(), []
-    for pid in _children(me):
-        if pid in exclude:
-            continue
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            pgid = os.getpgid(pid)
-            if pgid == pid:
-                os.killpg(pid, sig)
-            else:
-                os.kill(pid, sig)
-            hit.append(pid)
-    return hit
-
-
-@contextlib.contextmanager
-def interruptible() -> Iterator[threading.Event]:
-    """SIGINT and SIGTERM raise KeyboardInterrupt in the main thread (so every ``finally`` and
-    context manager runs) and set the returned event (so worker loops stop taking new work)."""
-    stop = threading.Event()
-
-    def handler(signum: int, _frame: Any) -> None:
-        stop.set()
-        raise KeyboardInterrupt
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield stop
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 # ---------------------------------------------------------------------------------------------
 # setup
 
@@ -249,7 +202,7 @@ def run_rollouts(rcfg: Any, control: Any, stop: threading.Event, label: str) -> 
     store = r.ResultStore(rcfg.capture_dir)
     todo, _done = r.plan(rcfg, store)
     registry = r.SessionRegistry(control)
-    older = set(_children(os.getpid()))  # vLLM, the proxy: stopped by their owners, not here
+    older = set(child_pids(os.getpid()))  # vLLM, the proxy: stopped by their owners, not here
 
     def one(job: Any) -> dict[str, Any] | None:
         if stop.is_set():
@@ -819,9 +772,7 @@ def demo_command(
         report = run_demo(cfg)
     except KeyboardInterrupt:
         # The context managers stopped vLLM and the proxy; anything started half-way is caught here.
-        if stop_children(signal.SIGTERM):
-            time.sleep(2.0)
-            stop_children(signal.SIGKILL)
+        stop_all_children()
         console.print("[yellow]interrupted: everything the demo started was stopped[/yellow]")
         raise typer.Exit(130) from None
     except (RuntimeError, FileNotFoundError, ValueError) as exc:  # DemoError, ServeError, a proxy that won't start

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from polar_core.processes import interruptible, stop_all_children
 from polar_runtime import harnesses as h
 from polar_runtime import rollout as r
 
@@ -200,32 +201,41 @@ def rollout_command(
     capture_dir = h.paths.absolute(capture_dir or Path("runs") / f"rollout-{preset.name}")
     t0 = time.monotonic()
     sampling = None if harness_sampling else r.sampling_spec(temperature, seed)
-    with r.open_stack(mode=mode, capture_dir=None if proxy else capture_dir, proxy=proxy, upstream=upstream,
-                      model=model, max_tokens_cap=max_tokens, ca_cert=ca_cert, sampling=sampling,
-                      exact_history=exact_history, log=console.print) as stack:
-        cfg = r.RolloutConfig(
-            tasks=task_list, preset=preset, endpoint=stack.endpoint, capture_dir=stack.capture_dir,
-            model=model_name or stack.served_model, samples=samples, concurrency=concurrency, timeout=timeout,
-            eval_timeout=eval_timeout, step=step, trim=trim, rerun=_statuses(rerun),
-        )
-        console.print(f"{len(task_list)} tasks x {samples} samples, harness {preset.name} ({mode}), "
-                      f"model {cfg.model}, captures in {stack.capture_dir}"
-                      + (f", shard {index}/{count}" if count > 1 else ""))
-        with Progress(TextColumn("[bold]rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TextColumn("{task.description}"), console=console) as progress:
-            bar = progress.add_task("", total=None)
+    try:
+        with interruptible():
+            with r.open_stack(mode=mode, capture_dir=None if proxy else capture_dir, proxy=proxy, upstream=upstream,
+                              model=model, max_tokens_cap=max_tokens, ca_cert=ca_cert, sampling=sampling,
+                              exact_history=exact_history, log=console.print) as stack:
+                cfg = r.RolloutConfig(
+                    tasks=task_list, preset=preset, endpoint=stack.endpoint, capture_dir=stack.capture_dir,
+                    model=model_name or stack.served_model, samples=samples, concurrency=concurrency, timeout=timeout,
+                    eval_timeout=eval_timeout, step=step, trim=trim, rerun=_statuses(rerun),
+                )
+                console.print(f"{len(task_list)} tasks x {samples} samples, harness {preset.name} ({mode}), "
+                              f"model {cfg.model}, captures in {stack.capture_dir}"
+                              + (f", shard {index}/{count}" if count > 1 else ""))
+                with Progress(TextColumn("[bold]rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                              TextColumn("{task.description}"), console=console) as progress:
+                    bar = progress.add_task("", total=None)
 
-            def on_start(todo: int, done: int) -> None:
-                progress.update(bar, total=todo)
-                if done:
-                    progress.console.print(f"resuming: {done} samples already finished")
+                    def on_start(todo: int, done: int) -> None:
+                        progress.update(bar, total=todo)
+                        if done:
+                            progress.console.print(f"resuming: {done} samples already finished")
 
-            def on_result(row: dict[str, Any]) -> None:
-                progress.advance(bar)
-                reward = "-" if row["reward"] is None else f"{row['reward']:.2f}"
-                progress.update(bar, description=f"{row['session_id']} {row['status']} reward {reward}")
+                    def on_result(row: dict[str, Any]) -> None:
+                        progress.advance(bar)
+                        reward = "-" if row["reward"] is None else f"{row['reward']:.2f}"
+                        progress.update(bar, description=f"{row['session_id']} {row['status']} reward {reward}")
 
-            df = r.run_rollout(cfg, control=stack.control, on_start=on_start, on_result=on_result)
+                    df = r.run_rollout(cfg, control=stack.control, on_start=on_start, on_result=on_result)
+    except KeyboardInterrupt:
+        # SIGINT or SIGTERM: the context managers stopped vLLM and the proxy, run_rollout the
+        # harnesses; anything started half-way is caught here. Finished samples stay recorded.
+        stop_all_children()
+        console.print("[yellow]interrupted: everything the rollout started was stopped; finished samples are "
+                      "kept (the same command resumes)[/yellow]")
+        raise typer.Exit(130) from None
     _print_rows(df.filter(pl.col("step") == step))
     summary = r.summarize(df.filter(pl.col("step") == step))
     table = Table(title="per task")

@@ -19,6 +19,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from polar_core import processes
 from polar_runtime import demo
 from polar_runtime import harnesses as h
 from polar_runtime import rollout as r
@@ -36,10 +37,10 @@ def _alive(pid: int) -> bool:
 
 def test_stop_children_signals_each_process_group_but_the_excluded() -> None:
     keep = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    older = set(demo._children(os.getpid()))  # `keep`, and any server another test left running
+    older = set(processes.child_pids(os.getpid()))  # `keep`, and any server another test left running
     procs = [subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(2)]
     try:
-        assert set(demo.stop_children(exclude=older)) == {p.pid for p in procs}
+        assert set(processes.stop_children(exclude=older)) == {p.pid for p in procs}
         for p in procs:
             assert p.wait(5) == -signal.SIGTERM
         assert keep.poll() is None
@@ -69,13 +70,13 @@ def test_ctrl_c_stops_the_running_harness_and_keeps_no_result(tmp_path: Path) ->
     threading.Thread(target=interrupt, daemon=True).start()
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        with demo.interruptible() as stop:
+        with processes.interruptible() as stop:
             demo.run_rollouts(cfg, None, stop, "test")
     assert time.monotonic() - t0 < 30
     assert not list((tmp_path / "cap").rglob("late.txt"))
     assert r.ResultStore(tmp_path / "cap").rows() == []
     time.sleep(0.5)
-    assert [p for p in demo._children(os.getpid()) if _alive(p)] == []
+    assert [p for p in processes.child_pids(os.getpid()) if _alive(p)] == []
 
 
 def run_demo(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:

@@ -79,3 +79,48 @@ def test_rollout_where_every_sample_fails_exits_non_zero_with_the_harness_error(
     assert "rollout produced nothing to learn from: generic: all 2 samples failed" in out
     assert "Error: no such model" in out
     assert str(tmp_path / "caps" / "work" / "write-hi.st0.s0" / "logs" / "generic.stderr") in proc.stdout.replace("\n", "")
+
+
+def _pids_with(marker: str) -> list[int]:
+    """Live processes whose command line holds ``marker``."""
+    out = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                out.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return out
+
+
+def test_sigterm_stops_everything_the_rollout_started(scripted, tmp_path: Path) -> None:
+    """SIGTERM (a supervisor, `kill`, a CI timeout) during `polar rollout` stops the harness runs and
+    the proxy it started, and exits 130. Before, SIGTERM killed the CLI alone: its vLLM server, proxy
+    and harness went on as orphans (seen live: a 6 GB vLLM left behind next to a demo's trainer)."""
+    import signal
+    import time
+
+    (tmp_path / "tasks.jsonl").write_text(json.dumps(TASK) + "\n")
+    marker = f"sleep 7{os.getpid() % 1000}.5"  # unique per test process: only our harness runs match
+    proc = subprocess.Popen([str(POLAR), "rollout", "--tasks", "tasks.jsonl", "--harness", "generic", "--command",
+                             marker, "--samples", "2", "--concurrency", "2", "--upstream", scripted.url,
+                             "--capture-dir", "caps", "--timeout", "600"], cwd=tmp_path, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_pids_with(marker)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        harness = _pids_with(marker)
+        proxy = _pids_with(str(tmp_path / "caps"))  # mitmdump, started with the capture dir
+        assert len(harness) >= 2 and proxy, (harness, proxy)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out[-2000:]
+        assert "interrupted: everything the rollout started was stopped" in " ".join(out.split())
+        time.sleep(1.0)
+        assert _pids_with(marker) == [] and [p for p in proxy if p in _pids_with(str(tmp_path / "caps"))] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _pids_with(marker):
+            os.kill(pid, signal.SIGKILL)
