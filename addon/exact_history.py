@@ -44,6 +44,7 @@ from .ledger import (
     Answer,
     Entry,
     Ledger,
+    TEMPLATE_NOT_PREFIX,
     Splice,
     context_digest,
     message_digests,
@@ -229,6 +230,11 @@ class ExactHistory:
         if eot is None and match.entry is not None and not match.entry.ends_with_eot:
             eot = await self._probe_eot(base_url, chat.get("model"), timeout, headers)
         sp: Splice = splice(match, messages, rendered, eot)
+        if sp.cause == TEMPLATE_NOT_PREFIX and (sp.detail or "").startswith("no end of turn"):
+            # the answer stopped on an id the template does not close turns with: ask the template
+            probed = await self._probe_eot(base_url, chat.get("model"), timeout, headers)
+            if probed is not None and probed != eot:
+                sp = splice(match, messages, rendered, probed)
         rec.history, rec.history_cause = sp.history, sp.cause
         if sp.detail:
             rec.translation_notes.append(f"exact history: {sp.cause} ({sp.detail})")

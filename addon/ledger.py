@@ -305,6 +305,13 @@ class Splice:
     matched_call: int | None = None
 
 
+def _index(ids: list[int], x: int, start: int) -> int | None:
+    try:
+        return ids.index(x, start)
+    except ValueError:
+        return None
+
+
 def splice(match: Match, messages: list[dict[str, Any]], rendered: list[int], eot: int | None) -> Splice:
     """Prompt ids for a new call from its match and vLLM's rendering of its whole conversation.
 
@@ -332,10 +339,14 @@ def splice(match: Match, messages: list[dict[str, Any]], rendered: list[int], eo
         end_id = eot
     else:
         end_id = sampled[-1]
-    try:
-        e = rendered.index(end_id, r_len)
-    except ValueError:
+    # The answer may have stopped on another stop id than the one the template closes turns with
+    # (Qwen2.5 sometimes ends on <|endoftext|>, which vLLM stops on too; the template re-renders
+    # the answer closed by <|im_end|>: 2 of 208 calls of a 0.5B Pi run). The rendered answer then
+    # ends at the template's end of turn: the first of either after the matched prompt.
+    found = [i for i in (_index(rendered, x, r_len) for x in {end_id, eot} if x is not None) if i is not None]
+    if not found:
         return Splice(list(rendered), "rendered", TEMPLATE_NOT_PREFIX, f"no end of turn after call {entry.call_index}")
+    e = min(found)
     ids = list(entry.prompt_ids) + sampled + ([close] if close is not None else []) + rendered[e + 1:]
     rest_has_assistant = any(m.get("role") == "assistant" for m in messages[k + 1:])
     if entry.exact and not rest_has_assistant:
