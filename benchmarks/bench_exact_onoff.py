@@ -128,6 +128,7 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="measure the rollouts already under --out")
     ap.add_argument("--token-budget", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=16384)
+    ap.add_argument("--threads", type=int, help="vLLM's CPU threads (default: one per core)")
     args = ap.parse_args()
 
     from polar_runtime.serve import VLLMServer, resolve_model
@@ -143,7 +144,8 @@ def main() -> None:
             for mode in MODES:
                 walls[mode] = rollout(out, args.upstream, args, mode)
         else:
-            with VLLMServer(args.model, max_model_len=args.max_model_len, log_path=out / "vllm.log") as server:
+            with VLLMServer(args.model, max_model_len=args.max_model_len, log_path=out / "vllm.log",
+                            threads=args.threads) as server:
                 for mode in MODES:
                     walls[mode] = rollout(out, server.base_url, args, mode)
 

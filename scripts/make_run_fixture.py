@@ -7,7 +7,9 @@ trained on, nothing else (no checkpoints, no flows, no work directories):
 
 - ``captures/sessions/*.st<step>.*.jsonl``: the step's capture records, unchanged;
 - ``captures/rollouts.parquet``: the step's rollout results (status, reward);
-- ``report.json``: the demo's report (its ``steps[step]`` holds the step's trajectory statistics);
+- ``trajectories/step-<step>.parquet``: the trajectories the demo built from them and trained on;
+- ``report.json``: the demo's report, when the run has finished (its ``steps[step]`` holds the
+  step's trajectory statistics);
 - ``train/metrics.jsonl``: the first optimizer step's metrics of the GRPO step trained on this
   rollout step, and ``train/config.json``: that run's trainer configuration (from the checkpoint's
   trainer state), so a test replays it with the same settings.
@@ -60,7 +62,10 @@ def main() -> None:
         shutil.copy2(p, out / "captures" / "sessions" / p.name)
     rollouts = pl.read_parquet(run / "captures" / "rollouts.parquet").filter(pl.col("step") == step)
     rollouts.write_parquet(out / "captures" / "rollouts.parquet")
-    shutil.copy2(run / "report.json", out / "report.json")
+    (out / "trajectories").mkdir()
+    shutil.copy2(run / "trajectories" / f"step-{step}.parquet", out / "trajectories" / f"step-{step}.parquet")
+    if (run / "report.json").exists():
+        shutil.copy2(run / "report.json", out / "report.json")
     metrics, config = trained_on(run / "train", step)
     (out / "train" / "metrics.jsonl").write_text(json.dumps(metrics) + "\n")
     (out / "train" / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
