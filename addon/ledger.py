@@ -55,13 +55,26 @@ def context_digest(chat: dict[str, Any]) -> bytes:
     return digest({k: chat.get(k) for k in CONTEXT_KEYS if chat.get(k) not in (None, [], {})})
 
 
+def _same_number(obj: Any) -> Any:
+    """JSON has one number type: ``3.0`` and ``3`` are the same value, and a JavaScript harness
+    re-sends the model's ``3.0`` as ``3`` (seen live: Pi, 1 call of 528 fell back to the rendered
+    history). Integral floats become ints; booleans stay booleans."""
+    if isinstance(obj, float) and obj.is_integer() and abs(obj) < 2**53:
+        return int(obj)
+    if isinstance(obj, dict):
+        return {k: _same_number(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_same_number(v) for v in obj]
+    return obj
+
+
 def _args(value: Any) -> Any:
     if isinstance(value, str):
         try:
-            return orjson.loads(value)
+            return _same_number(orjson.loads(value))
         except orjson.JSONDecodeError:
             return value
-    return value
+    return _same_number(value)
 
 
 def _text(content: Any) -> str:

@@ -100,3 +100,17 @@ def test_an_answer_that_stopped_on_another_stop_id_is_still_spliced() -> None:
     # without knowing the template's end of turn, it cannot be spliced: a labelled fallback
     sp = splice(match, m2, rendered, None)
     assert sp.history == "rendered" and sp.detail.startswith("no end of turn") and sp.ids == rendered
+
+
+def test_arguments_re_sent_with_the_same_numbers_are_the_same_answer() -> None:
+    """A JavaScript harness re-sends the model's ``"timeout": 3.0`` as ``3`` (one JSON number); a
+    boolean for a number, or another value, is a changed answer."""
+    def answer(args: str) -> Answer:
+        return Answer.from_message({"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": args}}]})
+
+    sampled = answer('{"command": "mkdir build", "timeout": 3.0, "opts": [1.0, 2.5]}')
+    assert answer('{"timeout":3,"command":"mkdir build","opts":[1,2.5]}') == sampled
+    assert answer('{"command": "mkdir build", "timeout": 3.5, "opts": [1, 2.5]}') != sampled
+    assert answer('{"command": "mkdir build", "timeout": true, "opts": [1, 2.5]}') != answer(
+        '{"command": "mkdir build", "timeout": 1, "opts": [1, 2.5]}')
