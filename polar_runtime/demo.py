@@ -305,15 +305,18 @@ def count_params(model_dir: Path) -> int:
     return n
 
 
-def train_memory_estimate(model_dir: Path, kl: bool, dtype_bytes: int = 4, resumed: bool = False) -> int:
-    """Peak bytes of one AdamW step: weights, gradients, two moments (and a frozen reference for
-    the KL term), plus activations with gradient checkpointing. Measured on the 0.5B in float32
-    (630M parameters, untied; 7k tokens in one 8k bin, no KL): 12.6 GB peak RSS; this gives 12.8 GB.
-    A resumed step also holds the optimizer state read back from the checkpoint while it is loaded
-    (two more moments): measured 18.5 GiB with KL, where this gives 18.9 GiB (14.2 fresh, measured
-    13.6)."""
+def train_memory_estimate(model_dir: Path, dtype_bytes: int = 4) -> int:
+    """Peak bytes of one AdamW step: weights, gradients and two moments, plus activations with
+    gradient checkpointing and the trainer's other buffers.
+
+    Neither the KL term nor resuming adds to the peak any more: the trainer frees the frozen
+    reference once its logprobs are filled, before the first backward, and maps large buffers
+    directly so that freed activations do not stay resident (``polar_training.heap``). Measured on
+    the 0.5B in float32 (630M parameters): a resumed step with KL (AdamW moments read back, 11k
+    tokens in two 8k bins) peaked at 10.4 GiB RSS, where it took 18.4 GiB with the reference kept
+    and glibc's default heap; this gives 11.9 GiB."""
     params = count_params(model_dir)
-    return params * dtype_bytes * (4 + (1 if kl else 0) + (2 if resumed else 0)) + int(2.5 * 2**30)
+    return params * dtype_bytes * 4 + int(2.5 * 2**30)
 
 
 def mem_available() -> int:
@@ -648,10 +651,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 entry["note"] = "every GRPO group has zero reward variance: update skipped, no push"
                 console.print(f"[yellow]step {step}: {entry['note']}; the policy stays v{policy}[/yellow]")
                 continue
-            from polar_training.checkpoint import latest_checkpoint
-
-            resumed = (cfg.out / "train").exists() and latest_checkpoint(cfg.out / "train") is not None
-            need = 0 if cfg.gpu else train_memory_estimate(model_dir, cfg.kl_coef > 0, resumed=resumed)
+            need = 0 if cfg.gpu else train_memory_estimate(model_dir)
             stop_server = cfg.server_during_train == "stop" or (
                 cfg.server_during_train == "auto" and not cfg.gpu and mem_available() < need)
             if stop_server:

@@ -76,9 +76,11 @@ def run_training(job: TrainJob, console=None) -> RunResult:
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from .heap import map_large_allocations
     from .plots import plot_metrics
     from .trainer import GRPOTrainer, load_models
 
+    map_large_allocations()  # before the models load: the step's peak is then weights, gradients, moments
     pdist.init_from_env()
     main = pdist.is_main()
     out = Path(job.out)
@@ -93,6 +95,7 @@ def run_training(job: TrainJob, console=None) -> RunResult:
     torch.manual_seed(cfg.seed)
     model, ref = load_models(model_dir, cfg, ref_dir=job.ref_model or base_model, dtype=job.dtype)
     trainer = GRPOTrainer(model, cfg, ref_model=ref)
+    del ref  # the trainer's reference is its only one, so fit(last_batch=True) can free it
     if resume_dir:
         trainer.load_state_dict(ckpt.load_trainer_state(resume_dir))
 
@@ -132,7 +135,7 @@ def run_training(job: TrainJob, console=None) -> RunResult:
 
         probe_ids = list(frame["input_ids"][0][:PROBE_TOKENS]) if frame.height else None
         probe_before = ckpt.probe_logprobs(trainer.policy, probe_ids) if probe_ids else None  # collective
-        history = trainer.fit(prep, on_micro=on_micro, on_step=on_step)
+        history = trainer.fit(prep, on_micro=on_micro, on_step=on_step, last_batch=True)
 
     if not history:  # nothing to learn from (no sampled tokens left): keep the current weights
         if main and console is not None:

@@ -165,3 +165,31 @@ def test_attention_implementation_is_configured_and_checked(monkeypatch):
     with pytest.raises(ValueError, match="packed sequences would attend to each other. Use attention=block_mask"):
         check_attention_support(TrainConfig())
     check_attention_support(TrainConfig(attention="block_mask"))
+
+
+def test_last_batch_frees_the_reference_and_gradients_without_changing_the_update(small_qwen, make_frame):
+    """``python -m polar_training`` trains one rollout batch per process: the reference is freed once
+    its logprobs are filled and the gradients after the last step (a resumed 0.5B step's peak held
+    both), and the update is the same as when they are kept."""
+    import gc
+    import weakref
+
+    frame = make_frame(groups=2, samples=2, vocab=SMALL_VOCAB)
+    cfg = TrainConfig(lr=1e-4, token_budget=64, num_minibatches=2)
+    kept = GRPOTrainer(copy.deepcopy(small_qwen), copy.deepcopy(cfg), ref_model=copy.deepcopy(small_qwen))
+    want = kept.fit(frame)
+    ref = copy.deepcopy(small_qwen)
+    alive = weakref.ref(ref)
+    freed = GRPOTrainer(copy.deepcopy(small_qwen), copy.deepcopy(cfg), ref_model=ref)
+    del ref
+    got = freed.fit(frame, last_batch=True)
+    gc.collect()
+    assert alive() is None and freed.ref_policy is None
+    assert all(p.grad is None for p in freed.model.parameters())
+    assert any(p.grad is not None for p in kept.model.parameters())
+    assert len(got) == len(want) == 2 and all(g["kl"] > 0 for g in got[1:])
+    for g, w in zip(got, want):
+        for key in ("loss", "kl", "pg_loss", "grad_norm"):
+            assert g[key] == pytest.approx(w[key], rel=1e-6, abs=1e-9), key
+    for (n, a), b in zip(kept.model.named_parameters(), freed.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
