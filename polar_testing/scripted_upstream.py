@@ -434,6 +434,11 @@ class ScriptedUpstream:
         directives = dict(_DIRECTIVE_RE.findall(_last_user_text(messages)))
         if "scenario" in directives:
             return resolve_scenario(directives["scenario"])
+        kind = compaction_of(messages) or ""  # as the chat path answers a harness's compaction
+        if kind.startswith("summary call"):
+            return resolve_scenario(self.summary)
+        if self.resumed is not None and kind.startswith("resumed from a summary"):
+            return resolve_scenario(self.resumed)
         n_assistant = sum(1 for m in messages if m.get("role") == "assistant")
         return self.script.turn(session, n_assistant)
 

@@ -28,6 +28,13 @@ from .conftest import require_installed
 
 pytestmark = [pytest.mark.harness, pytest.mark.slow]
 
+
+@pytest.fixture(params=[False, True], ids=["plain", "exact"])
+def exact(request) -> bool:
+    """Each long run twice: as plain ``mitmdump -s addon/polar.py`` runs it, and with
+    ``polar_exact_history`` on, as ``polar rollout`` and ``polar demo`` run it."""
+    return request.param
+
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 CAP = 20  # polar_max_tokens_cap: the first call (a 40-word command) is cut mid-call
 COMPACT_AT = 4000  # Codex's model_auto_compact_token_limit, in the scripted upstream's (cheap) tokens
@@ -37,7 +44,7 @@ def _exec(cmd: str) -> dict:
     return {"tool_calls": [{"name": "exec_command", "arguments": {"cmd": cmd}}]}
 
 
-def test_codex_long_session(tmp_path):
+def test_codex_long_session(tmp_path, exact):
     preset = h.get_preset("codex")
     require_installed(preset)
     script = Script({"*": [
@@ -51,8 +58,8 @@ def test_codex_long_session(tmp_path):
     # restarts from it (a real model would go on from the summary).
     summary = {"text": "Summary: the steps ran and wrote their files; left: the report. #scenario:text"}
     with ServerThread(max_model_len=131072, script=script, summary=summary, log_size=256) as up:
-        proxy = ProxyProcess(up.url, tmp_path / "captures", confdir=tmp_path / "mitm",
-                             options={"polar_max_tokens_cap": CAP}).start()
+        options = {"polar_exact_history": True} if exact else {"polar_max_tokens_cap": CAP}  # see _long_run
+        proxy = ProxyProcess(up.url, tmp_path / "captures", confdir=tmp_path / "mitm", options=options).start()
         try:
             home, work = tmp_path / "home", tmp_path / "work"
             codex_home = home / ".codex"
@@ -81,6 +88,11 @@ def test_codex_long_session(tmp_path):
     assert len(sessions) == 1
     recs = [json.loads(line) for line in sessions[0].read_text().splitlines()]
     assert len(recs) == answered and all(r["status"] == "ok" for r in recs)  # every call captured
+    if exact:
+        assert any("image replaced by a text placeholder" in n for r in recs for n in r["translation_notes"])
+        _check_exact({"captures": tmp_path / "captures", "recs": recs, "name": "codex", "run": run,
+                      "tail": run.stderr[-2000:]})
+        return
     cut = recs[0]
     assert cut["finish_reason"] == "length" and len(cut["sampled_token_ids"]) == CAP
     assert any("image replaced by a text placeholder" in n for r in recs for n in r["translation_notes"])
@@ -109,7 +121,7 @@ def _messages_text(body: dict) -> str:
 
 def _long_run(tmp_path: Path, name: str, turns: list, *, max_model_len: int, configure=None, trim: bool = True,
               summary: object = None, task: str = "Run the steps.", timeout: float = 300.0,
-              patch_turns: bool = False, resumed: object = None) -> dict:
+              patch_turns: bool = False, resumed: object = None, exact: bool = False) -> dict:
     """Run preset ``name`` once; ``configure(session, invocation)`` adds the harness's own
     compaction settings. Returns the run's facts (rc, records, upstream log, drift details)."""
     import time
@@ -123,8 +135,11 @@ def _long_run(tmp_path: Path, name: str, turns: list, *, max_model_len: int, con
     if resumed is not None:  # the answer once the history restarts from the summary
         kwargs["resumed"] = resumed
     with ServerThread(max_model_len=max_model_len, script=Script({"*": turns}), log_size=512, **kwargs) as up:
-        proxy = ProxyProcess(up.url, tmp_path / "captures", confdir=tmp_path / "mitm",
-                             options={"polar_max_tokens_cap": CAP}).start()
+        # Exact mode runs without the budget cut: a streamed answer cut inside a tool call reaches
+        # the harness as its raw text there (the whole-answer derender), which ends some harnesses'
+        # sessions; cut turns in exact mode are covered by tests/proxy/test_exact_history.py.
+        options = {"polar_exact_history": True} if exact else {"polar_max_tokens_cap": CAP}
+        proxy = ProxyProcess(up.url, tmp_path / "captures", confdir=tmp_path / "mitm", options=options).start()
         try:
             session = h.Session(session_id=f"long-{name}", task=task, workdir=tmp_path / "work",
                                 home=tmp_path / "home", model="scripted-model",
@@ -137,6 +152,10 @@ def _long_run(tmp_path: Path, name: str, turns: list, *, max_model_len: int, con
             wall = time.monotonic() - t0
             time.sleep(0.5)  # the last record is written after the answer's last byte
             answered, requests = up.upstream.count, list(up.upstream.requests)
+            if exact:  # the chat requests reached the engine through render (and a probe of its own)
+                probe = [{"role": "user", "content": "hi"}]  # exact_history._probe_eot's renders
+                requests = [{"messages": r["messages"]} for r in up.upstream.rendered.values()
+                            if r["messages"][:1] != probe]
         finally:
             proxy.stop()
     recs = []
@@ -151,8 +170,9 @@ def _long_run(tmp_path: Path, name: str, turns: list, *, max_model_len: int, con
         print(f"  #{r['call_index']} {r['native_path']} {r['status']} {r['http_status']} {r['finish_reason']} "
               f"prompt={len(r['prompt_token_ids'])} msgs={len(msgs)} tools={len(_normalized(r).get('tools') or []) if msgs else '-'} "
               f"last={json.dumps(msgs[-1])[:150] if msgs else r.get('error')!r} notes={r['translation_notes']}")
-    return {"run": run, "wall": wall, "recs": recs, "answered": answered, "requests": requests,
-            "details": details, "work": session.workdir, "home": session.home, "tail": run.tail(4000)}
+    return {"run": run, "wall": wall, "recs": recs, "answered": answered, "requests": requests, "name": name,
+            "details": details, "work": session.workdir, "home": session.home, "tail": run.tail(4000),
+            "exact": exact, "captures": tmp_path / "captures"}
 
 
 def _summary_calls(recs: list[dict]) -> list[dict]:
@@ -169,12 +189,32 @@ def _check_common(res: dict) -> None:
     budget-cut call a length stop."""
     recs, requests = res["recs"], res["requests"]
     assert not res["run"].timed_out, res["tail"]
-    assert len(recs) == res["answered"] == len(requests), (len(recs), res["answered"], res["tail"])
+    # exact mode: the proxy itself refuses a prompt past the context (vLLM's 400) before generate
+    answered = [r for r in recs if r["status"] == "ok"] if res["exact"] else recs
+    assert len(answered) == res["answered"] and len(recs) == len(requests), (len(recs), res["answered"], res["tail"])
     assert [_normalized(r)["messages"] for r in recs] == [b["messages"] for b in requests]
     assert any("image replaced by a text placeholder" in n for r in recs for n in r["translation_notes"])
     assert any(PLACEHOLDER in _messages_text(b) for b in requests)  # what the text-only model read
+    if res["exact"]:
+        _check_exact(res)
+        return
     cut = [r for r in recs if r["finish_reason"] == "length"]  # the chat finish the proxy reported
     assert cut and all(len(r["sampled_token_ids"]) == CAP for r in cut)
+
+
+def _check_exact(res: dict) -> None:
+    """Exact mode on a long run: wherever the harness re-sent its history, the next call's prompt
+    continues the ids the model was given and sampled (an ``exact`` merge); every call that could
+    not continue is labelled with why (the history the harness edited: its compaction)."""
+    from polar_analysis.trajectories import prefix_merge
+
+    assert res["run"].returncode == 0, res["tail"]
+    _, st = prefix_merge.build(frames.calls(res["captures"], rewards=None))
+    labels = [(r.get("history"), r.get("history_cause")) for r in res["recs"]]
+    print(f"{res['name']} exact mode: merges {dict(st.merge_kinds)} breaks {dict(st.break_reasons)} history {labels}")
+    assert st.merges > 0 and st.merge_kinds == {"exact": st.merges}, (dict(st.merge_kinds), labels)
+    assert all(h in ("exact", "rendered") or (h or "").startswith("spliced_at=") for h, _ in labels), labels
+    assert all(cause for h, cause in labels if h != "exact"), labels  # every fallback says why
 
 
 def _bash(cmd: str, tool: str = "bash", key: str = "command") -> dict:
@@ -189,7 +229,7 @@ def _big(i: int, n: int = 300) -> str:
     return f"echo step{i} > s{i}.txt; seq -s ' ' 1 {n}"
 
 
-def test_pi_long_session(tmp_path):
+def test_pi_long_session(tmp_path, exact):
     """Pi compacts when its provider answers a context overflow (it compacts, then retries), with
     its own summary call: no tools, its own system prompt, one user message holding the serialized
     conversation and "The messages above are a conversation to summarize. Create a structured context
@@ -214,8 +254,10 @@ def test_pi_long_session(tmp_path):
         *[_bash(_big(i)) for i in range(12)],
     ]
     summary = {"text": "Summary: the steps ran. #scenario:text"}
-    res = _long_run(tmp_path, "pi-chat", turns, max_model_len=3000, configure=configure, summary=summary)
+    res = _long_run(tmp_path, "pi-chat", turns, exact=exact, max_model_len=3000, configure=configure, summary=summary)
     _check_common(res)
+    if exact:  # the rest follows the plain run's flow, which the budget cut shapes
+        return
     assert res["run"].returncode == 0, res["tail"]
     recs = res["recs"]
     # Pi streams the cut call's arguments as far as they were written and runs what it got (as with
@@ -232,7 +274,7 @@ def test_pi_long_session(tmp_path):
     assert recs[-1]["finish_reason"] == "stop" and recs[-1]["call_index"] > summary_call["call_index"]
 
 
-def test_qwen_code_long_session(tmp_path):
+def test_qwen_code_long_session(tmp_path, exact):
     """Qwen Code compacts by its own threshold (``context.autoCompactThreshold`` of
     ``model.generationConfig.contextWindowSize``): a chat call of the history, tools left out, ending
     in the user message "First, reason in your <analysis> block. Then, produce the <state_snapshot>
@@ -254,9 +296,11 @@ def test_qwen_code_long_session(tmp_path):
         *[_bash(_big(i), "run_shell_command") for i in range(12)],
     ]
     summary = {"text": "<state_snapshot>Summary: the steps ran.</state_snapshot>"}
-    res = _long_run(tmp_path, "qwen-code", turns, max_model_len=200000, configure=configure, summary=summary,
+    res = _long_run(tmp_path, "qwen-code", turns, exact=exact, max_model_len=200000, configure=configure, summary=summary,
                     patch_turns=True, resumed={"text": "All steps done."})
     _check_common(res)
+    if exact:  # the rest follows the plain run's flow, which the budget cut shapes
+        return
     assert res["run"].returncode == 0, res["tail"]
     recs = res["recs"]
     assert any(d.startswith("summary call (qwen-code)") for d in res["details"]), res["details"]
@@ -274,7 +318,7 @@ def test_qwen_code_long_session(tmp_path):
 QWEN_WINDOW, QWEN_PCT = 30000, 0.3  # compacts at 9000 (cheap) tokens; the first prompt has ~6600
 
 
-def test_gemini_cli_long_session(tmp_path):
+def test_gemini_cli_long_session(tmp_path, exact):
     """Gemini CLI compacts (ChatCompressionService.compress, bundle chunk-JDPZ4CE3.js of 0.61.0)
     before a turn whose chat reported at least ``model.compressionThreshold`` x tokenLimit prompt
     tokens (1 048 576 for a model it does not know), but only at a split point: a user message that
@@ -308,9 +352,12 @@ def test_gemini_cli_long_session(tmp_path):
         {"text": json.dumps({"reasoning": "The model said what it does next.", "next_speaker": "model"})},
     ]
     summary = {"text": "<state_snapshot>Summary: the steps ran.</state_snapshot>"}
-    res = _long_run(tmp_path, "gemini", turns, max_model_len=200000, configure=configure, summary=summary,
-                    resumed=_bash(LONG_CMD, "run_shell_command"))  # cut: the last turn
+    res = _long_run(tmp_path, "gemini", turns, exact=exact, max_model_len=200000, configure=configure, summary=summary,
+                    # plain: a command cut by the budget, the last turn; exact (no budget cut): the end
+                    resumed={"text": "All steps done."} if exact else _bash(LONG_CMD, "run_shell_command"))
     _check_common(res)
+    if exact:  # the rest follows the plain run's flow, which the budget cut shapes
+        return
     assert res["run"].returncode == 0, res["tail"]
     recs = res["recs"]
     print("gemini-cli compactions:", res["details"])
@@ -347,7 +394,7 @@ def test_gemini_cli_long_session(tmp_path):
 GEMINI_COMPACT_AT = 1000  # Gemini CLI's model.compressionThreshold x 1 048 576, in the upstream's (cheap) tokens
 
 
-def test_claude_code_long_session(tmp_path):
+def test_claude_code_long_session(tmp_path, exact):
     """Claude Code, untrimmed (its normal system prompt and tools, no --bare), compacts by its own
     window (``CLAUDE_CODE_AUTO_COMPACT_WINDOW``, ``CLAUDE_AUTOCOMPACT_PCT_OVERRIDE``): a streamed
     /v1/messages call with its tools, the history and a last user message "CRITICAL: Respond with TEXT
@@ -367,9 +414,11 @@ def test_claude_code_long_session(tmp_path):
         *[{"text": "All steps done."}] * 12,
     ]
     summary = {"text": "<summary>Summary: the steps ran.</summary>"}
-    res = _long_run(tmp_path, "claude-code", turns, max_model_len=400000, configure=configure, summary=summary,
+    res = _long_run(tmp_path, "claude-code", turns, exact=exact, max_model_len=400000, configure=configure, summary=summary,
                     trim=False, patch_turns=True, resumed={"text": "All steps done."})
     _check_common(res)
+    if exact:  # the rest follows the plain run's flow, which the budget cut shapes
+        return
     assert res["run"].returncode == 0, res["tail"]
     recs = res["recs"]
     # the cut call: stop_reason max_tokens after a tool_use streamed as far as it was written; Claude
@@ -392,7 +441,7 @@ def test_claude_code_long_session(tmp_path):
 CLAUDE_WINDOW, CLAUDE_PCT = 60000, 50  # compacts at ~30k (cheap) tokens: the first prompt has ~6.5k
 
 
-def test_opencode_long_session(tmp_path):
+def test_opencode_long_session(tmp_path, exact):
     """OpenCode compacts by its model's ``limit.context`` (opencode.json): a streamed chat call, no
     tools, one user message "Here is the conversation so far: <conversation>...</conversation> Create a
     new anchored summary ..."; the next call: user "What did we do so far?", the summary as the
@@ -417,9 +466,11 @@ def test_opencode_long_session(tmp_path):
         *[{"text": "All steps done."}] * 12,
     ]
     summary = {"text": "Summary: the steps ran."}
-    res = _long_run(tmp_path, "opencode", turns, max_model_len=400000, configure=configure, summary=summary,
+    res = _long_run(tmp_path, "opencode", turns, exact=exact, max_model_len=400000, configure=configure, summary=summary,
                     patch_turns=True, resumed={"text": "All steps done."})
     _check_common(res)
+    if exact:  # the rest follows the plain run's flow, which the budget cut shapes
+        return
     assert res["run"].returncode == 0, res["tail"]
     recs = res["recs"]
     assert any(d.startswith("summary call (opencode)") for d in res["details"]), res["details"]
