@@ -176,6 +176,9 @@ class Session:
     endpoint: Endpoint
     trim: bool = True  # trim tools/system prompts through the harness's own flags
     extra_env: dict[str, str] = field(default_factory=dict)
+    #: continue the harness's own last conversation in this work dir and HOME (``task`` is then the
+    #: next user turn): the harness re-sends the whole history, with the model's earlier answers
+    resume: bool = False
 
     def __post_init__(self) -> None:
         # The harness runs with ``workdir`` as its cwd: a relative HOME would point inside it.
@@ -223,6 +226,8 @@ def base_env(s: Session) -> dict[str, str]:
         POLAR_MODE=s.endpoint.mode,
         POLAR_WORKDIR=str(s.workdir),
     )
+    if s.resume:
+        env["POLAR_RESUME"] = "1"  # a generic harness continues its last conversation
     if os.geteuid() == 0:
         env["IS_SANDBOX"] = "1"  # Claude Code refuses --dangerously-skip-permissions as root otherwise
     ep = s.endpoint
@@ -258,6 +263,7 @@ class Preset:
     wire: str = ""  # provider wire format the harness speaks (schema.PROVIDERS)
     description: str = ""
     trim_flags: str = ""  # documentation of what ``trim`` does for this harness
+    resume_flags: str = ""  # documentation of how ``Session.resume`` continues the last conversation
 
     def binary(self) -> Path:
         pkg = PACKAGES[self.package]  # type: ignore[index]
@@ -280,6 +286,7 @@ class Codex(Preset):
     name, package, wire = "codex", "codex", "openai_responses"
     description = "OpenAI Codex CLI (`codex exec`), Responses API"
     trim_flags = '`--disable multi_agent --disable goals -c web_search="disabled"` (4 function tools left)'
+    resume_flags = "`codex exec resume --last`"
 
     def prepare(self, s: Session) -> Invocation:
         self._dirs(s)
@@ -307,8 +314,10 @@ class Codex(Preset):
         )
         env = base_env(s)
         env["CODEX_HOME"] = str(codex_home)
-        argv = [str(self.binary()), "exec", "--skip-git-repo-check", "--json",
-                "--dangerously-bypass-approvals-and-sandbox", "--cd", str(s.workdir), "--model", s.model]
+        # ``exec resume`` has no --cd: its --last picks the newest session of the cwd (the work dir)
+        argv = [str(self.binary()), "exec", *(["resume", "--last"] if s.resume else []), "--skip-git-repo-check",
+                "--json", "--dangerously-bypass-approvals-and-sandbox",
+                *([] if s.resume else ["--cd", str(s.workdir)]), "--model", s.model]
         if s.trim:
             argv += ["--disable", "multi_agent", "--disable", "goals", "-c", 'web_search="disabled"']
         argv.append(s.task)
@@ -319,6 +328,7 @@ class ClaudeCode(Preset):
     name, package, wire = "claude-code", "claude-code", "anthropic"
     description = "Anthropic Claude Code (`claude -p`), Messages API"
     trim_flags = "`--bare` (no CLAUDE.md/hooks/MCP, short system prompt, no in-message system reminder)"
+    resume_flags = "`--continue`"
 
     def prepare(self, s: Session) -> Invocation:
         self._dirs(s)
@@ -341,6 +351,8 @@ class ClaudeCode(Preset):
                 "--dangerously-skip-permissions", "--model", s.model]
         if s.trim:
             argv.append("--bare")
+        if s.resume:
+            argv.append("--continue")
         return Invocation(argv, env, s.workdir)
 
 
@@ -354,6 +366,7 @@ class QwenCode(Preset):
     name, package, wire = "qwen-code", "qwen-code", "openai_chat"
     description = "Qwen Code (`qwen --yolo`), Chat Completions"
     trim_flags = f"`--safe-mode --exclude-tools {','.join(QWEN_EXCLUDED_TOOLS)}`"
+    resume_flags = "`--continue`"
 
     def prepare(self, s: Session) -> Invocation:
         self._dirs(s)
@@ -373,7 +386,8 @@ class QwenCode(Preset):
         argv = [str(self.binary())]
         if s.trim:  # an array flag swallows the positionals after it: it goes first, the task last
             argv += ["--exclude-tools", *QWEN_EXCLUDED_TOOLS, "--safe-mode"]
-        argv += ["--auth-type", "openai", "--yolo", "-o", "json", "--model", s.model, s.task]
+        argv += ["--auth-type", "openai", "--yolo", "-o", "json", "--model", s.model,
+                 *(["--continue"] if s.resume else []), s.task]
         return Invocation(argv, env, s.workdir)
 
 
@@ -389,6 +403,7 @@ PI_APIS = {
 class Pi(Preset):
     package = "pi"
     trim_flags = "`--no-context-files --no-extensions --no-skills --no-prompt-templates` (tools: read, bash, edit, write)"
+    resume_flags = "`--continue`"
 
     def __init__(self, variant: str):
         self.variant = variant
@@ -426,6 +441,8 @@ class Pi(Preset):
         argv = [str(self.binary()), "-p", "--model", f"polar/{s.model}"]
         if s.trim:  # nothing from the machine leaks into the prompt; tools stay the default four
             argv += ["--no-context-files", "--no-extensions", "--no-skills", "--no-prompt-templates"]
+        if s.resume:
+            argv.append("--continue")
         argv.append(s.task)
         return Invocation(argv, env, s.workdir)
 
@@ -434,6 +451,7 @@ class Gemini(Preset):
     name, package, wire = "gemini", "gemini", "google"
     description = "Google Gemini CLI (`gemini -p`), streamGenerateContent"
     trim_flags = f"settings.json `tools.exclude`: {', '.join(GEMINI_EXCLUDED_TOOLS)} (no CLI flag for it)"
+    resume_flags = "`--resume latest`"
 
     def prepare(self, s: Session) -> Invocation:
         self._dirs(s)
@@ -451,7 +469,8 @@ class Gemini(Preset):
         if s.endpoint.mode == "base_url":
             env["GOOGLE_GEMINI_BASE_URL"] = s.endpoint.base_url
         # Always pass -m: without it a model-router call runs first and retries for ~85 s.
-        argv = [str(self.binary()), "-m", s.model, "-p", s.task, "--yolo", "--skip-trust", "-o", "json"]
+        argv = [str(self.binary()), "-m", s.model, *(["--resume", "latest"] if s.resume else []),
+                "-p", s.task, "--yolo", "--skip-trust", "-o", "json"]
         return Invocation(argv, env, s.workdir)
 
 
@@ -462,6 +481,7 @@ class OpenCode(Preset):
     name, package, wire = "opencode", "opencode", "openai_chat"
     description = "OpenCode (`opencode run`), Chat Completions via @ai-sdk/openai-compatible"
     trim_flags = f"opencode.json `tools`: {', '.join(OPENCODE_DISABLED_TOOLS)} off (no CLI flag for it)"
+    resume_flags = "`run --continue`"
 
     def prepare(self, s: Session) -> Invocation:
         self._dirs(s)
@@ -498,14 +518,15 @@ class OpenCode(Preset):
                    OPENCODE_DISABLE_AUTOUPDATE="1", OPENCODE_DISABLE_LSP_DOWNLOAD="1",
                    OPENCODE_DISABLE_SHARE="1", OPENCODE_DISABLE_DEFAULT_PLUGINS="1",
                    OPENCODE_DISABLE_CLAUDE_CODE="1", OPENCODE_DISABLE_EXTERNAL_SKILLS="1")
-        argv = [str(self.binary()), "run", "--model", f"polar/{s.model}", s.task]
+        argv = [str(self.binary()), "run", "--model", f"polar/{s.model}", *(["--continue"] if s.resume else []), s.task]
         return Invocation(argv, env, s.workdir)
 
 
 class Generic(Preset):
     """Any shell command. Placeholders are substituted shell-quoted: {task} {workdir} {home}
     {session} {api_key} {model} {base_url} {proxy_url}; the same facts are in the environment
-    (POLAR_SESSION, POLAR_API_KEY, POLAR_MODEL, POLAR_BASE_URL, POLAR_PROXY_URL, POLAR_WORKDIR)."""
+    (POLAR_SESSION, POLAR_API_KEY, POLAR_MODEL, POLAR_BASE_URL, POLAR_PROXY_URL, POLAR_WORKDIR, and
+    POLAR_RESUME=1 on a task's follow-up turns, when the command should continue its conversation)."""
 
     name, package, wire = "generic", None, ""
     description = "any command template: bring your own harness"

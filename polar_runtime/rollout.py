@@ -72,6 +72,7 @@ ROLLOUT_SCHEMA: dict[str, pl.DataType] = {
     "started_at": pl.Float64,
     "workdir": pl.String,
     "error_calls": pl.Int64,  # calls the proxy recorded as errors (upstream down, harness hung up, ...)
+    "turns": pl.Int64,  # harness runs of the sample: 1 + the task's follow-ups it reached
 }
 
 
@@ -85,8 +86,11 @@ class Task:
 
     Keys: ``id`` (or ``task_id``), ``instruction`` (or ``prompt``), optional ``files``
     ({relative path: content} written into the work dir), ``setup`` (shell command run in the work
-    dir before the harness), ``evaluator`` (shell command run in the work dir afterwards) and
-    ``timeout`` (seconds, overrides ``--timeout`` for this task).
+    dir before the harness), ``evaluator`` (shell command run in the work dir afterwards),
+    ``timeout`` (seconds, overrides ``--timeout`` for this task: the whole sample, follow-ups
+    included) and ``followups`` (later user turns: once the harness has ended its run cleanly, it
+    is started again on each, continuing its own conversation in the same session through its
+    resume flag, so it re-sends the whole history, the model's earlier answers included).
     """
 
     id: str
@@ -95,6 +99,7 @@ class Task:
     setup: str | None = None
     evaluator: str | None = None
     timeout: float | None = None
+    followups: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Task":
@@ -107,7 +112,10 @@ class Task:
         files = d.get("files") or {}
         if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
             raise ValueError(f"task {tid!r}: files must map relative paths to text")
-        return cls(tid, text, dict(files), d.get("setup"), d.get("evaluator"), d.get("timeout"))
+        followups = d.get("followups") or []
+        if not isinstance(followups, list) or not all(isinstance(f, str) and f for f in followups):
+            raise ValueError(f"task {tid!r}: followups must be a list of non-empty instructions")
+        return cls(tid, text, dict(files), d.get("setup"), d.get("evaluator"), d.get("timeout"), list(followups))
 
 
 def builtin_tasks() -> list[Path]:
@@ -578,7 +586,7 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
         status="failed", reward=None, calls=0, error_calls=0, prompt_tokens=0, sampled_tokens=0, wall_s=0.0,
         evaluator_output="", evaluator_status="none", eval_s=0.0, exit_code=None,
         harness=cfg.preset.name, mode=cfg.endpoint.mode, model=cfg.model, attempt=attempt,
-        error=None, started_at=time.time(), workdir=str(workdir),
+        error=None, started_at=time.time(), workdir=str(workdir), turns=0,
     )
     err = prepare_workdir(task, workdir)
     if err:
@@ -589,24 +597,36 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
     except Exception as exc:  # noqa: BLE001 - an unreachable proxy fails this sample, visibly
         row["error"] = f"session registration failed: {exc}"
         return row
-    session = Session(session_id=sid, task=task.instruction, workdir=workdir, home=home, model=cfg.model,
-                      endpoint=cfg.endpoint, trim=cfg.trim, extra_env=dict(cfg.extra_env))
-    try:
-        inv = cfg.preset.prepare(session)
-        result = run_invocation(inv, task.timeout or cfg.timeout, cfg.work / sid / "logs", cfg.preset.name)
-    except Exception as exc:  # noqa: BLE001 - a preset that cannot start is a failed sample, not a crash
-        row["error"] = f"{type(exc).__name__}: {exc}"
-        return row
-    row["wall_s"] = round(result.wall_s, 3)
-    row["exit_code"] = result.returncode
-    if result.timed_out:
-        row["status"] = "timeout"
-        row["error"] = f"killed after {task.timeout or cfg.timeout:.0f} s"
-    elif result.returncode == 0:
-        row["status"] = "ok"
-    else:
-        row["status"] = "failed"
-        row["error"] = result.tail(600).strip()[-600:] or f"exit code {result.returncode}"
+    limit = task.timeout or cfg.timeout
+    wall = 0.0
+    turns = [task.instruction, *task.followups]
+    for turn, text in enumerate(turns):
+        # a follow-up continues the harness's own conversation (same session, work dir and HOME)
+        session = Session(session_id=sid, task=text, workdir=workdir, home=home, model=cfg.model,
+                          endpoint=cfg.endpoint, trim=cfg.trim, extra_env=dict(cfg.extra_env), resume=turn > 0)
+        name = cfg.preset.name if turn == 0 else f"{cfg.preset.name}.turn{turn}"
+        try:
+            inv = cfg.preset.prepare(session)
+            result = run_invocation(inv, max(1.0, limit - wall), cfg.work / sid / "logs", name)
+        except Exception as exc:  # noqa: BLE001 - a preset that cannot start is a failed sample, not a crash
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            row["wall_s"] = round(wall, 3)
+            return row
+        wall += result.wall_s
+        row["turns"] = turn + 1
+        row["wall_s"] = round(wall, 3)
+        row["exit_code"] = result.returncode
+        at = f" (turn {turn} of {len(turns)})" if len(turns) > 1 else ""
+        if result.timed_out:
+            row["status"] = "timeout"
+            row["error"] = f"killed after {limit:.0f} s{at}"
+        elif result.returncode == 0:
+            row["status"] = "ok"
+        else:
+            row["status"] = "failed"
+            row["error"] = (result.tail(600).strip()[-600:] or f"exit code {result.returncode}") + at
+        if row["status"] != "ok":
+            break
     if not registry.settle(cfg.capture_dir, sid, cfg.settle_s):
         note = "a call still in flight at the end is not in the captures (the upstream has not answered)"
         row["error"] = f"{row['error']}; {note}" if row["error"] else note

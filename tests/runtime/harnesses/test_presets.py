@@ -215,3 +215,22 @@ def test_trim_flags(tmp_path):
     h.get_preset("gemini").prepare(full)
     assert "tools" not in json.loads((tmp_path / "full" / "home" / ".gemini" / "settings.json").read_text())
     assert "--no-context-files" not in h.get_preset("pi-chat").prepare(full).argv
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_resume_continues_the_harness_own_last_conversation(name, tmp_path):
+    """A follow-up turn (``Session.resume``) adds the harness's own continue flag, still ends with
+    the instruction where it was, and changes nothing else of the command line; a first turn has no such flag."""
+    fresh = h.get_preset(name).prepare(session("base_url", tmp_path))
+    again = h.get_preset(name).prepare(session("base_url", tmp_path, resume=True))
+    assert "make hello.txt" in fresh.argv and again.argv.count("make hello.txt") == 1
+    flags = {"codex": ["resume", "--last"], "gemini": ["--resume", "latest"]}.get(name, ["--continue"])
+    assert not set(flags) & set(fresh.argv[1:])
+    assert again.env["POLAR_RESUME"] == "1" and "POLAR_RESUME" not in fresh.env
+    if name == "codex":  # `codex exec resume` takes no --cd: it resumes the newest session of its cwd
+        assert again.argv[1:4] == ["exec", "resume", "--last"] and "--cd" not in again.argv
+        assert again.cwd == fresh.cwd == tmp_path / "w"
+        assert [a for a in again.argv if a not in flags] == [a for a in fresh.argv if a not in ("--cd", str(tmp_path / "w"))]
+    else:
+        i = next(k for k in range(len(again.argv)) if again.argv[k : k + len(flags)] == flags)
+        assert again.argv[:i] + again.argv[i + len(flags):] == fresh.argv

@@ -236,7 +236,7 @@ def test_interrupt_kills_running_harnesses_and_keeps_finished_results(tmp_path):
     assert [j.task.id for j in todo] == ["long"] and len(done) == 1
 
 
-@pytest.mark.parametrize("raw", [json.loads(line) for line in r.resolve_tasks_path("coding").read_text().splitlines()
+@pytest.mark.parametrize("raw", [json.loads(line) for path in r.builtin_tasks() for line in path.read_text().splitlines()
                                  if line.strip()], ids=lambda d: d["id"])
 def test_builtin_task_scores_zero_untouched_and_one_with_its_reference_solution(raw, tmp_path):
     """A task the demo trains on must be able to give both verdicts: reward 0 for a work dir the
@@ -249,3 +249,39 @@ def test_builtin_task_scores_zero_untouched_and_one_with_its_reference_solution(
     assert rc == 0, out
     solved = r.evaluate(task, tmp_path, timeout=60)
     assert solved.reward == 1.0, solved.output
+
+
+FOLLOWUP_HARNESS = """
+printf '%s|%s\\n' "${POLAR_RESUME:-0}" {task} >> turns.log
+case {task} in *fail*) exit 4 ;; *slow*) sleep 30 ;; esac
+"""
+
+
+def test_followups_resume_the_same_session_until_one_fails(tmp_path):
+    """Each follow-up starts the harness again in the same session, work dir and HOME, told to
+    resume (POLAR_RESUME=1, a preset's own resume flag); a failed or timed-out turn ends the sample,
+    and the sample's timeout covers all its turns."""
+    tasks = [r.Task("chat", "first", followups=["second", "third"], evaluator="test $(wc -l < turns.log) = 3"),
+             r.Task("broken", "first", followups=["now fail", "never"], evaluator="true"),
+             r.Task("slow", "first", followups=["slow one", "never"], evaluator="true")]
+    cfg = r.RolloutConfig(tasks=tasks, preset=get_preset("generic", command=FOLLOWUP_HARNESS),
+                          endpoint=Endpoint(mode="base_url", base_url="http://127.0.0.1:9"),
+                          capture_dir=tmp_path / "captures", model="m", samples=1, timeout=4.0, eval_timeout=10.0)
+    df = r.run_rollout(cfg)
+    rows = {row["task_id"]: row for row in df.iter_rows(named=True)}
+    turns = lambda t: (Path(rows[t]["workdir"]) / "turns.log").read_text().splitlines()  # noqa: E731
+    assert turns("chat") == ["0|first", "1|second", "1|third"]
+    assert rows["chat"]["status"] == "ok" and rows["chat"]["turns"] == 3 and rows["chat"]["reward"] == 1.0
+    assert turns("broken") == ["0|first", "1|now fail"]
+    assert rows["broken"]["status"] == "failed" and rows["broken"]["turns"] == 2
+    assert rows["broken"]["exit_code"] == 4 and "(turn 1 of 3)" in rows["broken"]["error"]
+    assert rows["slow"]["status"] == "timeout" and rows["slow"]["turns"] == 2 and rows["slow"]["wall_s"] < 10
+    logs = sorted(p.name for p in (Path(rows["chat"]["workdir"]).parent / "logs").iterdir())
+    assert logs == sorted(f"generic{t}.{s}" for t in ("", ".turn1", ".turn2") for s in ("stdout", "stderr"))
+
+
+def test_followups_are_validated():
+    assert r.Task.from_dict({"id": "a", "instruction": "x", "followups": ["y"]}).followups == ["y"]
+    for bad in ("y", [""], [3]):
+        with pytest.raises(ValueError, match="followups"):
+            r.Task.from_dict({"id": "a", "instruction": "x", "followups": bad})
