@@ -17,6 +17,10 @@ compares vLLM's logprobs with). Printed per mode:
     python benchmarks/bench_exact_onoff.py                  # 0.5B, Pi, 2 built-in tasks x 4 samples
     python benchmarks/bench_exact_onoff.py --upstream http://127.0.0.1:8000   # a running `polar serve`
     python benchmarks/bench_exact_onoff.py --reuse          # rebuild and measure the last rollouts
+    python benchmarks/bench_exact_onoff.py --model tiny-qwen --harness codex --tasks followups \
+        --samples 2 --max-tokens 64 --out runs/onoff-codex-followups
+        # a long-prompt harness on tiny-qwen: a model with random weights answers in text, so only
+        # follow-up turns (the harness resumed on the next instruction) make it re-send its history
 
 Runs ``polar rollout`` as a child process (exactly the CLI a user runs), so figures include nothing
 the product does not do.
