@@ -19,6 +19,10 @@ import pytest
 from polar_core.schema import SESSIONS_SUBDIR
 from polar_runtime import harnesses as h
 from polar_runtime import rollout as r
+from polar_testing.scripted_upstream import Script, ServerThread
+
+#: the model name the scripted upstream serves to the matrices
+SERVED = "scripted-model"
 
 #: (matrix, preset, mode) -> facts printed in the terminal summary.
 MATRIX: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -128,3 +132,12 @@ def harness_log_tail(row: dict[str, Any], n: int = 3000) -> str:
 
 def dump(obj: Any) -> str:
     return json.dumps(obj, indent=1, default=str)[:4000]
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_qwen_dir):
+    """The scripted vLLM-format upstream, rendering with the real Qwen2.5 template (tiny-qwen's
+    tokenizer); each test sets its session's script in ``upstream.script.by_session``."""
+    with ServerThread(served_model=SERVED, max_model_len=131072, tokenizer=str(tiny_qwen_dir),
+                      script=Script({"*": ["text"]}), log_size=256) as up:
+        yield up

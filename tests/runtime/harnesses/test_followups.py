@@ -23,14 +23,12 @@ import pytest
 from polar_proxy.process import ProxyProcess
 from polar_runtime import harnesses as h
 from polar_runtime import rollout as r
-from polar_testing.scripted_upstream import Script, ServerThread
 
-from .conftest import MATRIX, check_token_fields, harness_log_tail, merge_observation, require_installed, run_one
+from .conftest import MATRIX, SERVED, check_token_fields, harness_log_tail, merge_observation, require_installed, run_one
 from .test_scripted_matrix import shell_call
 
 pytestmark = [pytest.mark.harness, pytest.mark.slow]
 
-SERVED = "scripted-model"
 FOLLOWUP = "Now also write two.txt."
 #: harnesses that rewrite earlier messages of the conversation when they resume it (seen above)
 EDITS_HISTORY_ON_RESUME = {"gemini", "qwen-code"}
@@ -42,13 +40,6 @@ def script_for(preset: str) -> list[dict]:
     return [{"tool_calls": [shell_call(preset, "echo one > one.txt")]}, {"text": "Wrote one.txt."},
             {"tool_calls": [shell_call(preset, "echo two > two.txt")]}, {"text": "Wrote two.txt."},
             {"text": "Done."}, {"text": "Done."}]
-
-
-@pytest.fixture(scope="module")
-def scripted(tiny_qwen_dir):
-    with ServerThread(served_model=SERVED, max_model_len=131072, tokenizer=str(tiny_qwen_dir),
-                      script=Script({"*": ["text"]}), log_size=256) as up:
-        yield up
 
 
 @pytest.fixture(scope="module")

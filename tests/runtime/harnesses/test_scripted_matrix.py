@@ -18,13 +18,11 @@ import pytest
 from polar_proxy.process import ProxyProcess
 from polar_runtime import harnesses as h
 from polar_runtime import rollout as r
-from polar_testing.scripted_upstream import Script, ServerThread
 
-from .conftest import MATRIX, check_token_fields, dump, harness_log_tail, merge_observation, require_installed, run_one
+from .conftest import MATRIX, SERVED, check_token_fields, dump, harness_log_tail, merge_observation, require_installed, run_one
 
 pytestmark = [pytest.mark.harness, pytest.mark.slow]
 
-SERVED = "scripted-model"
 
 
 def shell_call(preset: str, command: str) -> dict:
@@ -52,13 +50,6 @@ def script_for(preset: str) -> list[dict]:
 
 
 EVALUATOR = "test \"$(cat one.txt)\" = one && test \"$(cat two.txt)\" = two && test \"$(cat three.txt)\" = three"
-
-
-@pytest.fixture(scope="module")
-def scripted(tiny_qwen_dir):
-    with ServerThread(served_model=SERVED, max_model_len=131072, tokenizer=str(tiny_qwen_dir),
-                      script=Script({"*": ["text"]}), log_size=256) as up:
-        yield up
 
 
 @pytest.fixture(scope="module")
