@@ -109,6 +109,8 @@ def harness_install(
 def harness_run(
     name: Annotated[str, typer.Argument(help="Preset (see `polar harness list`) or 'generic'.")],
     task: Annotated[str, typer.Option(help="The instruction given to the harness.")],
+    followup: Annotated[Optional[list[str]], typer.Option(
+        help="A later user turn (repeatable): the harness is started again on it, continuing its conversation.")] = None,
     mode: Mode = "base_url",
     proxy: ProxyOpt = None,
     upstream: UpstreamOpt = None,
@@ -125,7 +127,8 @@ def harness_run(
     """Run one harness once on an ad-hoc task through the proxy and show what was captured."""
     _check_mode(mode)
     preset = _preset(name, command)
-    t = r.Task(id=f"adhoc-{time.strftime('%Y%m%d-%H%M%S')}", instruction=task, evaluator=evaluator)
+    t = r.Task(id=f"adhoc-{time.strftime('%Y%m%d-%H%M%S')}", instruction=task, evaluator=evaluator,
+               followups=list(followup or []))
     with r.open_stack(mode=mode, capture_dir=None if proxy else capture_dir, proxy=proxy, upstream=upstream,
                       model=model, max_tokens_cap=max_tokens, ca_cert=ca_cert, log=console.print) as stack:
         cfg = r.RolloutConfig(tasks=[t], preset=preset, endpoint=stack.endpoint, capture_dir=stack.capture_dir,

@@ -55,14 +55,19 @@ def test_relative_capture_dir_from_another_cwd_captures_real_calls(command: str,
         args = ["rollout", "--tasks", "tasks.jsonl", "--harness", "pi-chat", "--samples", "1",
                 "--upstream", scripted.url, "--capture-dir", "runs/rel", "--timeout", "120"]
     else:
+        # with a follow-up turn: Pi resumes its conversation from the same (resolved) HOME
         args = ["harness", "run", "pi-chat", "--task", TASK["instruction"], "--evaluator", TASK["evaluator"],
-                "--upstream", scripted.url, "--capture-dir", "runs/rel", "--timeout", "120"]
+                "--followup", "Say done.", "--upstream", scripted.url, "--capture-dir", "runs/rel", "--timeout", "120"]
     proc = _polar(args, elsewhere)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cap = elsewhere / "runs" / "rel"
     (row,) = pl.read_parquet(cap / "rollouts.parquet").to_dicts()
     assert row["status"] == "ok" and row["reward"] == 1.0, row
+    assert row["turns"] == (2 if command == "harness run" else 1), row
     calls = read_calls(cap, row["session_id"])
+    if command == "harness run":  # the resumed run re-sent the first run's conversation
+        assert "Say done." in json.dumps(calls[-1]["normalized_request"])
+        assert "Done: hi.txt is written." in json.dumps(calls[-1]["normalized_request"])
     assert len(calls) >= 2 and calls[0]["output_tool_calls"], [c["finish_reason"] for c in calls]
     assert all(c["prompt_token_ids"] and c["sampled_token_ids"] for c in calls)
     assert Path(row["workdir"]).is_absolute() and Path(row["workdir"]).is_relative_to(cap)
