@@ -114,3 +114,16 @@ def test_arguments_re_sent_with_the_same_numbers_are_the_same_answer() -> None:
     assert answer('{"command": "mkdir build", "timeout": 3.5, "opts": [1, 2.5]}') != sampled
     assert answer('{"command": "mkdir build", "timeout": true, "opts": [1, 2.5]}') != answer(
         '{"command": "mkdir build", "timeout": 1, "opts": [1, 2.5]}')
+
+
+def test_common_prefix_finds_the_first_difference_anywhere() -> None:
+    import random
+
+    from polar_proxy.ledger import common_prefix
+
+    rng = random.Random(0)
+    for _ in range(300):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        b = list(a[: rng.randrange(0, len(a) + 1)]) + [rng.randrange(3) for _ in range(rng.randrange(0, 5))]
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix(a, b) == want == common_prefix(b, a), (a, b)
