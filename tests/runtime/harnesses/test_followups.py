@@ -11,8 +11,10 @@ be spliced then (a splice must not contradict what the harness sent): the call i
 labelled ``history_edited``, which the test requires exactly where the messages changed.
 
 Against the scripted vLLM-format upstream (real Qwen2.5 template through render / generate /
-derender), so that every harness really gets a tool call and a text answer to re-send; the same
-runner on a real vLLM is `benchmarks/bench_exact_onoff.py --tasks followups`.
+derender), so that every harness really gets a tool call and a text answer to re-send; then two
+long-prompt harnesses (Codex, OpenCode: 5k-token prompts) against a real vLLM serving tiny-qwen,
+whose random-weight answers are text cut at the output cap (``length``), so each splice also closes
+a truncated turn. The side-by-side measurement is `benchmarks/bench_exact_onoff.py --tasks followups`.
 """
 
 from __future__ import annotations
@@ -97,3 +99,48 @@ def test_followup_resends_the_history_and_is_spliced_exactly(name, scripted, pro
     assert resumed["history"] == "exact", label
     assert resumed["prompt_token_ids"][: len(head)] == head  # the model's own ids, not a re-rendering
     assert f"exact history: spliced after call {before['call_index']}" in resumed["translation_notes"]
+
+
+REAL_CAP = 24  # polar_max_tokens_cap on the real runs: every tiny-qwen answer is cut (finish length)
+
+
+@pytest.fixture(scope="module")
+def real_proxy(vllm_tiny, tmp_path_factory):
+    root = tmp_path_factory.mktemp("followups-real")
+    px = ProxyProcess(vllm_tiny.base_url, root / "captures", confdir=root / "mitmproxy",
+                      served_model=vllm_tiny.served_model_name, log_file=root / "proxy.log",
+                      options={"polar_exact_history": True, "polar_max_tokens_cap": REAL_CAP}).start()
+    try:
+        yield root / "captures", px
+    finally:
+        px.stop()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ["codex", "opencode"])
+def test_followups_on_real_vllm_are_spliced_exactly(name, vllm_tiny, real_proxy, tiny_qwen_dir):
+    from transformers import AutoTokenizer
+
+    preset = h.get_preset(name)
+    require_installed(preset)
+    capture_dir, px = real_proxy
+    followups = ["Now append a second line.", "How many lines are there?"]
+    task = r.Task(id=f"real-followup-{name}", instruction="Create notes.txt with one line.", followups=followups)
+    row, calls, wall = run_one(preset=preset, endpoint=h.Endpoint("base_url", base_url=px.url),
+                               capture_dir=capture_dir, task=task, model=vllm_tiny.served_model_name,
+                               timeout=240, control=px.control)
+    tok = AutoTokenizer.from_pretrained(str(tiny_qwen_dir))
+    MATRIX[("follow-up turns on real vLLM (tiny-qwen), exact history", name, "base_url")] = {
+        "result": row["status"], "wall_s": wall, "calls": row["calls"], "prompt_tokens": row["prompt_tokens"],
+        "sampled_tokens": row["sampled_tokens"], "merge": merge_observation(calls, tok.decode)}
+    assert row["status"] == "ok" and row["turns"] == 3, harness_log_tail(row)
+    check_token_fields(calls, row["session_id"])
+    for text in followups:
+        at = next(i for i, c in enumerate(calls) if _mentions(c, text))
+        before, resumed = calls[at - 1], calls[at]
+        assert before["finish_reason"] == "length" and len(before["sampled_token_ids"]) == REAL_CAP
+        head = before["prompt_token_ids"] + before["sampled_token_ids"]
+        assert resumed["history"] == "exact", (resumed["history"], resumed["history_cause"], resumed["translation_notes"])
+        # the model's own ids, then the end of turn closing the cut answer, then the new turn
+        assert resumed["prompt_token_ids"][: len(head) + 1] == head + [tok.convert_tokens_to_ids("<|im_end|>")]
+        assert len(before["prompt_token_ids"]) > 4000  # the harness's long system prompt and tools
