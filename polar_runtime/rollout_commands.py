@@ -68,6 +68,10 @@ def harness_list() -> None:
     for name, p in h.presets().items():
         if p.trim_flags:
             console.print(f"  {name}: {p.trim_flags}")
+    console.print("follow-up turns (a task's followups, --followup) continue the conversation with:")
+    for name, p in h.presets().items():
+        console.print(f"  {name}: {p.resume_flags}")
+    console.print("  generic: POLAR_RESUME=1 in its environment")
 
 
 @harness_app.command("install")

@@ -226,6 +226,7 @@ def test_resume_continues_the_harness_own_last_conversation(name, tmp_path):
     assert "make hello.txt" in fresh.argv and again.argv.count("make hello.txt") == 1
     flags = {"codex": ["resume", "--last"], "gemini": ["--resume", "latest"]}.get(name, ["--continue"])
     assert not set(flags) & set(fresh.argv[1:])
+    assert all(f in h.get_preset(name).resume_flags for f in flags)  # what `polar harness list` tells
     assert again.env["POLAR_RESUME"] == "1" and "POLAR_RESUME" not in fresh.env
     if name == "codex":  # `codex exec resume` takes no --cd: it resumes the newest session of its cwd
         assert again.argv[1:4] == ["exec", "resume", "--last"] and "--cd" not in again.argv
