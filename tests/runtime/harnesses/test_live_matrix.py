@@ -12,11 +12,17 @@ Cost on 2 CPU cores: the 0.5B Qwen prefills ~125 tokens/s, so it serves the shor
 CLI, OpenCode: 6k-17k-token first requests) go to tiny-qwen, which has the same real tokenizer and
 chat template and prefills in seconds. Each harness runs base_url then proxy back to back, so its
 system prompt is prefilled once and then comes from vLLM's prefix cache. max_tokens is capped by
-the proxy (polar_max_tokens_cap) to keep decoding short.
+the proxy (polar_max_tokens_cap) to keep decoding short, and sampling is seeded per call
+(polar_sampling, as `polar rollout --seed` does). Gemini CLI runs here with its loop detection off
+(``model.disableLoopDetection``): tiny-qwen's random weights once answered its proxy-mode run with
+runs of ``*`` tokens, which the detector took for a loop, so Gemini CLI hung up mid-stream and the run
+had no answer to check (the proxy recorded both calls as ``client_disconnected``, as it should); the
+prompt holds the temporary work dir, so not even seeded sampling repeats a run's tokens.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 import time
@@ -39,6 +45,7 @@ LONG = ["codex", "qwen-code", "gemini", "opencode"]  # tiny-qwen
 CAP = {"qwen05": 24, "tiny": 12}
 TIMEOUT = {"qwen05": 300.0, "tiny": 180.0}
 ANSWER_CHECK = Path(__file__).with_name("answer_check.py")
+SEED = 0  # base of the per-call sampling seeds
 
 
 def answer_evaluator(capture_dir: Path) -> str:
@@ -51,7 +58,8 @@ def _proxies(server, root, cap: int):
         for mode, pmode in (("base_url", "reverse"), ("proxy", "regular")):
             started[mode] = ProxyProcess(
                 server.base_url, root / "captures", mode=pmode, confdir=root / "mitmproxy",
-                served_model=server.served_model_name, options={"polar_max_tokens_cap": cap},
+                served_model=server.served_model_name,
+                options={"polar_max_tokens_cap": cap, "polar_sampling": r.sampling_spec(1.0, seed=SEED)},
                 log_file=root / f"proxy-{pmode}.log",
             ).start()
         yield root / "captures", started
@@ -75,6 +83,23 @@ def qwen_tokenizer(tiny_qwen_dir):
     return AutoTokenizer.from_pretrained(str(tiny_qwen_dir))  # the real Qwen2.5 tokenizer (both models)
 
 
+class _GeminiNoLoopDetection(h.Gemini):
+    """Gemini CLI as its preset runs it, with ``model.disableLoopDetection`` (see the docstring)."""
+
+    def prepare(self, s: h.Session) -> h.Invocation:
+        inv = super().prepare(s)
+        path = s.home / ".gemini" / "settings.json"
+        settings = json.loads(path.read_text())
+        settings.setdefault("model", {})["disableLoopDetection"] = True
+        path.write_text(json.dumps(settings))
+        return inv
+
+
+def _without_loop_detection(preset: h.Preset) -> h.Preset:
+    assert isinstance(preset, h.Gemini)
+    return _GeminiNoLoopDetection()
+
+
 def _run(name: str, mode: str, server, stack, which: str, tokenizer) -> None:
     preset = h.get_preset(name)
     require_installed(preset)
@@ -83,6 +108,8 @@ def _run(name: str, mode: str, server, stack, which: str, tokenizer) -> None:
     ep = h.Endpoint(mode=mode, base_url=px.url, proxy_url=px.url, ca_cert=px.ca_cert)
     task = r.Task(id=f"live-{name}-{mode}", instruction=INSTRUCTION, evaluator=answer_evaluator(capture_dir))
     t0 = time.monotonic()
+    if name == "gemini":
+        preset = _without_loop_detection(preset)
     row, calls, _ = run_one(preset=preset, endpoint=ep, capture_dir=capture_dir, task=task,
                             model=server.served_model_name, timeout=TIMEOUT[which], control=px.control)
     MATRIX[(f"real vLLM ({server.served_model_name})", name, mode)] = {
