@@ -13,9 +13,9 @@ CLI, OpenCode: 6k-17k-token first requests) go to tiny-qwen, which has the same 
 chat template and prefills in seconds. Each harness runs base_url then proxy back to back, so its
 system prompt is prefilled once and then comes from vLLM's prefix cache. max_tokens is capped by
 the proxy (polar_max_tokens_cap) to keep decoding short, and sampling is seeded per call
-(polar_sampling, as `polar rollout --seed` does). Gemini CLI runs here with its loop detection off
-(``model.disableLoopDetection``): tiny-qwen's random weights once answered its proxy-mode run with
-runs of ``*`` tokens, which the detector took for a loop, so Gemini CLI hung up mid-stream and the run
+(polar_sampling, as `polar rollout --seed` does). Gemini CLI and Qwen Code run here with their loop
+detection off (``model.disableLoopDetection``, ``model.skipLoopDetection``): tiny-qwen's random
+weights once answered Gemini CLI's proxy-mode run with runs of ``*`` tokens, which the detector took for a loop, so Gemini CLI hung up mid-stream and the run
 had no answer to check (the proxy recorded both calls as ``client_disconnected``, as it should); the
 prompt holds the temporary work dir, so not even seeded sampling repeats a run's tokens.
 """
@@ -83,21 +83,25 @@ def qwen_tokenizer(tiny_qwen_dir):
     return AutoTokenizer.from_pretrained(str(tiny_qwen_dir))  # the real Qwen2.5 tokenizer (both models)
 
 
-class _GeminiNoLoopDetection(h.Gemini):
-    """Gemini CLI as its preset runs it, with ``model.disableLoopDetection`` (see the docstring)."""
-
-    def prepare(self, s: h.Session) -> h.Invocation:
-        inv = super().prepare(s)
-        path = s.home / ".gemini" / "settings.json"
-        settings = json.loads(path.read_text())
-        settings.setdefault("model", {})["disableLoopDetection"] = True
-        path.write_text(json.dumps(settings))
-        return inv
+#: the settings that turn a harness's own loop detection off (see the module docstring)
+LOOP_DETECTION_OFF = {"gemini": (".gemini", "disableLoopDetection"), "qwen-code": (".qwen", "skipLoopDetection")}
 
 
 def _without_loop_detection(preset: h.Preset) -> h.Preset:
-    assert isinstance(preset, h.Gemini)
-    return _GeminiNoLoopDetection()
+    """The preset as it is, with ``model.<key>: true`` added to the settings.json it writes."""
+    folder, key = LOOP_DETECTION_OFF[preset.name]
+    base = type(preset)
+
+    class NoLoopDetection(base):  # type: ignore[misc, valid-type]
+        def prepare(self, s: h.Session) -> h.Invocation:
+            inv = super().prepare(s)
+            path = s.home / folder / "settings.json"
+            settings = json.loads(path.read_text())
+            settings.setdefault("model", {})[key] = True
+            path.write_text(json.dumps(settings))
+            return inv
+
+    return NoLoopDetection()
 
 
 def _run(name: str, mode: str, server, stack, which: str, tokenizer) -> None:
@@ -108,7 +112,7 @@ def _run(name: str, mode: str, server, stack, which: str, tokenizer) -> None:
     ep = h.Endpoint(mode=mode, base_url=px.url, proxy_url=px.url, ca_cert=px.ca_cert)
     task = r.Task(id=f"live-{name}-{mode}", instruction=INSTRUCTION, evaluator=answer_evaluator(capture_dir))
     t0 = time.monotonic()
-    if name == "gemini":
+    if name in LOOP_DETECTION_OFF:
         preset = _without_loop_detection(preset)
     row, calls, _ = run_one(preset=preset, endpoint=ep, capture_dir=capture_dir, task=task,
                             model=server.served_model_name, timeout=TIMEOUT[which], control=px.control)
