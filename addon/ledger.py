@@ -272,8 +272,9 @@ def entry_from_record(data: dict[str, Any]) -> Entry | None:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix, by bisection on slice comparisons (C loops): 0.05 ms for two
-    20k-id prompts where a Python loop over the ids took 0.8 ms, on every call of a long session."""
+    """Length of the common prefix, by bisection on slice comparisons (C loops): 0.21 ms for two
+    20k-id prompts differing at 19k, where a Python loop over the ids took 0.8 ms, on every call of
+    a long session."""
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:  # a[:lo] == b[:lo]; the first difference is in [lo, hi]
         mid = (lo + hi + 1) // 2

@@ -616,7 +616,7 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
         row["turns"] = turn + 1
         row["wall_s"] = round(wall, 3)
         row["exit_code"] = result.returncode
-        at = f" (turn {turn} of {len(turns)})" if len(turns) > 1 else ""
+        at = f" (turn {turn + 1} of {len(turns)})" if len(turns) > 1 else ""
         if result.timed_out:
             row["status"] = "timeout"
             row["error"] = f"killed after {limit:.0f} s{at}"

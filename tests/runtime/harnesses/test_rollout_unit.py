@@ -274,7 +274,7 @@ def test_followups_resume_the_same_session_until_one_fails(tmp_path):
     assert rows["chat"]["status"] == "ok" and rows["chat"]["turns"] == 3 and rows["chat"]["reward"] == 1.0
     assert turns("broken") == ["0|first", "1|now fail"]
     assert rows["broken"]["status"] == "failed" and rows["broken"]["turns"] == 2
-    assert rows["broken"]["exit_code"] == 4 and "(turn 1 of 3)" in rows["broken"]["error"]
+    assert rows["broken"]["exit_code"] == 4 and "(turn 2 of 3)" in rows["broken"]["error"]
     assert rows["slow"]["status"] == "timeout" and rows["slow"]["turns"] == 2 and rows["slow"]["wall_s"] < 10
     logs = sorted(p.name for p in (Path(rows["chat"]["workdir"]).parent / "logs").iterdir())
     assert logs == sorted(f"generic{t}.{s}" for t in ("", ".turn1", ".turn2") for s in ("stdout", "stderr"))
