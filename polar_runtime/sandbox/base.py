@@ -1,0 +1,193 @@
+"""The sandbox interface: what one phase (agent, oracle, verifier) asks of a sandbox, and what it
+reports back. Every backend (bubblewrap, docker, ...) implements ``Sandbox.run`` on the same
+``SandboxSpec``; the rollout runner never knows which one it has.
+
+Paths: the spec names *host* paths and where each appears *inside*. The task's work dir is bound
+at ``workdir`` (Harbor's WORKDIR, ``/app`` by default). The isolated HOME is bound at ``home``,
+which defaults to the same absolute path as on the host, so the config files a harness preset
+wrote there with absolute paths (``CODEX_HOME``, settings.json) stay valid inside; ``inside()``
+maps any host path of the spec to its sandbox path (for env values such as ``POLAR_WORKDIR``).
+
+Limits the kernel cannot enforce on this machine are not silently dropped: the result's ``notes``
+say, per run, which limits were enforced and how, and what was contained (processes killed at the
+end of the phase, a disk or memory cap hit, a timeout).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Callable, Union
+
+from polar_core.processes import kill_group
+
+#: What ``stdout``/``stderr`` may be: an open file, a raw fd, or None (inherit).
+Stream = Union[IO[bytes], IO[str], int, None]
+
+
+class SandboxError(RuntimeError):
+    """The sandbox could not be set up (backend missing, bad spec); the phase did not run."""
+
+
+class SandboxUnavailable(SandboxError):
+    """The requested backend is not usable on this machine (the message says why)."""
+
+
+@dataclass
+class SandboxSpec:
+    """One phase's sandbox. Only ``workdir_host`` is required."""
+
+    workdir_host: Path
+    #: where the work dir appears inside (the Dockerfile's WORKDIR); also the initial cwd
+    workdir: str = "/app"
+    #: the isolated HOME (harness config, sessions); bound read-write at ``home``
+    home_host: Path | None = None
+    #: where HOME appears inside; None = the same absolute path as on the host
+    home: str | None = None
+    #: (host path, path inside) pairs; a path inside of "" means the same path as on the host
+    ro_binds: list[tuple[Path, str]] = field(default_factory=list)
+    rw_binds: list[tuple[Path, str]] = field(default_factory=list)
+    #: the whole environment of the phase (nothing is inherited from the caller)
+    env: dict[str, str] = field(default_factory=dict)
+    #: True opens the host network (Harbor's ``allow_internet = true``); False = no network at all
+    network: bool = False
+    #: the model proxy's host loopback port: reachable inside at 127.0.0.1:<same port> only
+    proxy_port: int | None = None
+    cpus: float | None = None
+    memory_mb: int | None = None
+    #: the most processes (and threads) alive at once in the sandbox
+    pids: int | None = None
+    #: cap on what the phase may write to its work dir (and, separately, to its private /tmp)
+    disk_mb: int | None = None
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        self.workdir_host = Path(os.path.abspath(self.workdir_host))
+        if self.home_host is not None:
+            self.home_host = Path(os.path.abspath(self.home_host))
+        if not self.workdir.startswith("/"):
+            raise SandboxError(f"workdir must be an absolute path inside the sandbox, not {self.workdir!r}")
+        self.ro_binds = [(Path(os.path.abspath(h)), d) for h, d in self.ro_binds]
+        self.rw_binds = [(Path(os.path.abspath(h)), d) for h, d in self.rw_binds]
+
+    @property
+    def home_inside(self) -> str | None:
+        if self.home_host is None:
+            return None
+        return self.home or str(self.home_host)
+
+    def mounts(self) -> list[tuple[Path, str, bool]]:
+        """(host, inside, writable) for every bind, work dir and HOME included, in mount order."""
+        out: list[tuple[Path, str, bool]] = [(h, d or str(h), False) for h, d in self.ro_binds]
+        out += [(h, d or str(h), True) for h, d in self.rw_binds]
+        if self.home_host is not None:
+            out.append((self.home_host, self.home_inside or str(self.home_host), True))
+        out.append((self.workdir_host, self.workdir, True))
+        return out
+
+    def inside(self, host_path: str | os.PathLike[str]) -> str:
+        """The sandbox path of a host path under one of the spec's binds (longest match wins);
+        a path under none of them is returned unchanged (it is not visible inside)."""
+        p = Path(os.path.abspath(host_path))
+        best: tuple[int, str] | None = None
+        for host, dest, _ in self.mounts():
+            if p == host or host in p.parents:
+                n = len(host.parts)
+                if best is None or n > best[0]:
+                    best = (n, str(Path(dest) / p.relative_to(host)) if p != host else dest)
+        return best[1] if best else str(p)
+
+
+@dataclass
+class SandboxResult:
+    returncode: int  # the command's exit status; -N when killed by signal N (e.g. on timeout)
+    timed_out: bool
+    #: what was contained or enforced, one sentence each
+    notes: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+class Sandbox(abc.ABC):
+    """One backend. ``run`` blocks until the phase is over and every process of it has ended."""
+
+    #: the name ``get_sandbox`` knows it by
+    name: str = ""
+    #: False only for the pass-through ``host`` backend (no isolation at all)
+    isolates: bool = True
+
+    @classmethod
+    @abc.abstractmethod
+    def unavailable_reason(cls) -> str | None:
+        """None when the backend can run here; otherwise why not (shown to the user)."""
+
+    @abc.abstractmethod
+    def run(self, spec: SandboxSpec, argv: list[str], *, stdout: Stream = None,
+            stderr: Stream = None) -> SandboxResult:
+        """Run ``argv`` (resolved inside the sandbox, cwd = ``spec.workdir``) with ``spec.env``."""
+
+    def inside(self, spec: SandboxSpec, host_path: str | os.PathLike[str]) -> str:
+        """Where ``host_path`` (under one of the spec's binds) is seen by the command: use it for
+        paths put in ``spec.env`` or ``argv``. The ``host`` backend sees host paths unchanged."""
+        return spec.inside(host_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# running one process tree with a hard timeout (shared by the backends)
+
+#: Sandboxed phases running now, for ``terminate_all`` (Ctrl-C of a rollout).
+_ACTIVE: set[subprocess.Popen] = set()
+_ACTIVE_LOCK = threading.Lock()
+
+
+def terminate_all() -> int:
+    """Kill every running sandboxed phase (each leads its own process group). Returns how many."""
+    with _ACTIVE_LOCK:
+        procs = list(_ACTIVE)
+    for proc in procs:
+        kill_group(proc, grace=1.0)
+    return len(procs)
+
+
+def supervise(argv: list[str], *, env: dict[str, str] | None, cwd: str | os.PathLike[str] | None,
+              stdout: Stream, stderr: Stream, timeout_s: float, pass_fds: tuple[int, ...] = (),
+              on_start: Callable[[subprocess.Popen], None] | None = None,
+              poll: Callable[[], str | None] | None = None,
+              poll_interval_s: float = 0.25) -> tuple[int, bool, str | None, float]:
+    """Run ``argv`` in its own process group, stdin closed. After ``timeout_s``, or when ``poll``
+    returns a reason (a limit watchdog), the whole group is killed. Returns (returncode,
+    timed_out, the poll's reason or None, wall seconds)."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout,
+                            stderr=stderr, start_new_session=True, pass_fds=pass_fds)
+    with _ACTIVE_LOCK:
+        _ACTIVE.add(proc)
+    timed_out, reason = False, None
+    try:
+        if on_start is not None:
+            on_start(proc)
+        deadline = t0 + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            try:
+                proc.wait(timeout=min(left, poll_interval_s) if poll else left)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if poll is not None and (reason := poll()) is not None:
+                break
+    finally:
+        # On timeout, a watchdog's reason or Ctrl-C the whole group goes; after a clean exit,
+        # whatever it left in the group goes too.
+        kill_group(proc, grace=0.0)
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(proc)
+    rc = proc.returncode if proc.returncode is not None else -9
+    return rc, timed_out, reason, time.monotonic() - t0
