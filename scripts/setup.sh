@@ -37,6 +37,14 @@ quiet() { echo "+ $*" >> "$LOG"; "$@" >> "$LOG" 2>&1; }
 t0=$(date +%s)
 took() { echo "$(( $(date +%s) - $1 )) s"; }
 
+# ---- 0. bubblewrap: every agent, oracle and verifier phase runs in it (docs/sandbox.md) ---------
+if ! command -v bwrap >/dev/null 2>&1; then
+  phase "sandbox: installing bubblewrap (Debian package)"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+  { quiet $SUDO apt-get install -y bubblewrap || { quiet $SUDO apt-get update && quiet $SUDO apt-get install -y bubblewrap; }; } \
+    || die "cannot install bubblewrap (apt-get install bubblewrap as root, or run without a sandbox: --sandbox host, unsafe)"
+fi
+
 # ---- 1. the main venv ---------------------------------------------------------------------------
 MAIN_STAMP_VAL="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$ROOT"
 if [ ! -x "$ROOT/.venv/bin/python" ] || [ "$(cat "$ROOT/.venv/.polar-stamp" 2>/dev/null)" != "$MAIN_STAMP_VAL" ]; then
