@@ -1,0 +1,262 @@
+"""Escape attempts by a sample's "solution" (a shell script, as a half-trained policy might write),
+run through the real bubblewrap sandbox: each one is contained, the host is unchanged, the run
+returns, and the result's notes say what happened.
+
+Run against the unsafe pass-through backend to see what the sandbox prevents (these then fail, as
+they did on the code before the sandbox):
+
+    POLAR_SANDBOX_UNDER_TEST=host .venv/bin/python -m pytest tests/runtime/sandbox/test_adversarial.py
+
+(the real fork bomb is not run against ``host``: it would take the shared machine down; the bounded
+spawner next to it shows the missing process cap instead).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from polar_runtime.sandbox import SandboxSpec, get_sandbox, SandboxUnavailable
+
+BACKEND = os.environ.get("POLAR_SANDBOX_UNDER_TEST", "bubblewrap")
+REPO = Path(__file__).resolve().parents[3]
+HOST_HOME = Path(os.path.expanduser("~"))
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    try:
+        return get_sandbox(BACKEND)
+    except SandboxUnavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def sample(tmp_path):
+    """A sample's work dir and isolated HOME, a sibling sample's dir holding a secret."""
+    work, home, other = tmp_path / "work", tmp_path / "home", tmp_path / "other-sample"
+    for d in (work, home, other):
+        d.mkdir()
+    (other / "answer.txt").write_text("OTHER-SAMPLE-SECRET\n")
+    return work, home, other
+
+
+@pytest.fixture
+def host_marker():
+    """A path in the host user's HOME (removed afterwards), for a planted key or an escape write."""
+    made: list[Path] = []
+
+    def make(kind: str) -> Path:
+        p = HOST_HOME / f".polar-sandbox-test-{kind}-{uuid.uuid4().hex[:8]}"
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        if p.is_dir():
+            for f in p.iterdir():
+                f.unlink()
+            p.rmdir()
+        elif p.exists():
+            p.unlink()
+
+
+def run(sandbox, work: Path, home: Path, script: str, **kw):
+    spec = SandboxSpec(work, home_host=home, env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(home),
+                                                   **kw.pop("env", {})}, timeout_s=kw.pop("timeout_s", 20), **kw)
+    t0 = time.monotonic()
+    with open(work.parent / "out.log", "wb") as out:
+        res = sandbox.run(spec, ["/bin/sh", "-c", textwrap.dedent(script)], stdout=out, stderr=subprocess.STDOUT)
+    return res, time.monotonic() - t0, (work.parent / "out.log").read_text(errors="replace")
+
+
+def test_reads_host_keys_repository_and_other_samples(sandbox, sample, host_marker):
+    work, home, other = sample
+    keydir = host_marker("ssh")
+    keydir.mkdir()
+    (keydir / "id_rsa").write_text("-----BEGIN FAKE PRIVATE KEY-----\nHOSTKEY-SECRET\n")
+    res, _, log = run(sandbox, work, home, f"""
+        cat {keydir}/id_rsa {HOST_HOME}/.ssh/id_rsa {other}/answer.txt {REPO}/pyproject.toml > stolen.txt 2>/dev/null
+        ls {HOST_HOME} {REPO} /tmp >> stolen.txt 2>/dev/null
+        exit 0
+    """)
+    stolen = (work / "stolen.txt").read_text()
+    assert "HOSTKEY-SECRET" not in stolen, "the planted key in the host's HOME was readable"
+    assert "OTHER-SAMPLE-SECRET" not in stolen, "another sample's work dir was readable"
+    assert "[project]" not in stolen and "pyproject.toml" not in stolen, "the repository was visible"
+    assert keydir.name not in stolen and other.name not in stolen, "host HOME or /tmp was listable"
+    assert res.returncode == 0
+
+
+def test_writes_outside_its_work_dir(sandbox, sample, host_marker):
+    work, home, _ = sample
+    in_home, in_tmp = host_marker("write"), Path("/tmp") / f"polar-sandbox-test-{uuid.uuid4().hex[:8]}"
+    try:
+        res, _, log = run(sandbox, work, home, f"""
+            echo pwned > {in_home}; echo pwned > {in_tmp}; echo pwned > ../escaped.txt
+            echo pwned > {work.parent}/escaped2.txt; echo pwned > {REPO}/escaped.txt
+            echo pwned > /usr/escaped.txt; echo pwned > /etc/escaped.txt
+            echo inside > ok.txt
+        """)
+        assert not in_home.exists(), "wrote into the host user's HOME"
+        assert not in_tmp.exists(), "wrote into the host's /tmp"
+        assert not (work.parent / "escaped.txt").exists() and not (work.parent / "escaped2.txt").exists()
+        assert not (REPO / "escaped.txt").exists(), "wrote into the repository"
+        assert not Path("/usr/escaped.txt").exists() and not Path("/etc/escaped.txt").exists()
+        assert (work / "ok.txt").read_text() == "inside\n", "its own work dir must stay writable"
+    finally:
+        for p in (in_tmp, REPO / "escaped.txt", Path("/usr/escaped.txt"), Path("/etc/escaped.txt")):
+            p.unlink(missing_ok=True)
+
+
+class _Service:
+    """A TCP service on a host loopback port counting the connections it accepts."""
+
+    def __init__(self, reply: bytes):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self.reply = reply
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            c.recv(100)
+            c.sendall(self.reply)
+            c.close()
+
+    def close(self):
+        self.sock.close()
+
+
+PROBE = r"""
+import socket, sys
+def probe(port):
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=3)
+        s.sendall(b"hello\n")
+        return s.recv(100).decode() or "empty"
+    except OSError as e:
+        return f"refused:{e.errno}"
+print(probe(int(sys.argv[1])), probe(int(sys.argv[2])))
+"""
+
+
+def test_connects_to_host_loopback_but_only_reaches_the_proxy(sandbox, sample):
+    work, home, _ = sample
+    proxy, secret = _Service(b"PROXY-OK"), _Service(b"SECRET-SERVICE")
+    (work / "probe.py").write_text(PROBE)
+    try:
+        res, _, log = run(sandbox, work, home, f"/usr/bin/python3 probe.py {proxy.port} {secret.port} > probe.txt",
+                          proxy_port=proxy.port)
+    finally:
+        proxy.close()
+        secret.close()
+    got = (work / "probe.txt").read_text().split()
+    assert secret.accepted == 0 and "SECRET-SERVICE" not in got, "reached a host service other than the proxy"
+    assert got[0] == "PROXY-OK" and proxy.accepted == 1, f"the proxy must stay reachable: {got} {log}"
+    assert any("127.0.0.1:%d" % proxy.port in n for n in res.notes), res.notes
+
+
+PROXY_SCRIPT = "import socket,time\ns=socket.create_server(('127.0.0.1',0));print(s.getsockname()[1],flush=True)\ntime.sleep(120)"
+
+
+def test_kills_the_proxy(sandbox, sample):
+    work, home, _ = sample
+    proxy = subprocess.Popen([sys.executable, "-c", PROXY_SCRIPT], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proxy.stdout.readline())
+        res, _, log = run(sandbox, work, home, f"""
+            kill -9 {proxy.pid}; kill -9 -1; pkill -9 -f 'create_server' ; true
+        """, proxy_port=port)
+        time.sleep(0.2)
+        assert proxy.poll() is None, "the solution killed the model proxy"
+    finally:
+        proxy.kill()
+        proxy.wait()
+
+
+def test_background_process_writing_later_is_ended_with_the_phase(sandbox, sample):
+    work, home, _ = sample
+    res, wall, log = run(sandbox, work, home, """
+        setsid sh -c 'sleep 1.5; echo late > late.txt' > /dev/null 2>&1 < /dev/null &
+        nohup sh -c 'sleep 1.5; echo late > late2.txt' > /dev/null 2>&1 &
+        echo done
+    """)
+    assert wall < 1.5
+    time.sleep(2.5)
+    assert not (work / "late.txt").exists() and not (work / "late2.txt").exists(), "a process outlived its phase"
+    assert any("leftover" in n for n in res.notes), res.notes
+
+
+def test_spawning_is_capped_by_the_pids_limit(sandbox, sample):
+    work, home, _ = sample
+    # each background process that starts leaves a marker file (a builtin: no fork); dash gives up
+    # at the first fork the pids cap refuses
+    res, wall, log = run(sandbox, work, home, """
+        i=0; while [ $i -lt 200 ]; do (echo > started.$i; exec sleep 20) & i=$((i+1)); done
+        wait
+    """, pids=32, timeout_s=15)
+    started = len(list(work.glob("started.*")))
+    assert started <= 32, f"{started} processes started at once despite pids=32"
+    assert wall < 15, "the run must return without waiting for the spawned processes"
+    assert any("pids limit" in n for n in res.notes), res.notes
+
+
+@pytest.mark.skipif(BACKEND == "host", reason="a real fork bomb would take the shared machine down")
+def test_fork_bomb_is_contained(sandbox, sample):
+    work, home, _ = sample
+    tag = f"bomb{uuid.uuid4().hex[:8]}"
+    t0 = time.monotonic()
+    res, wall, log = run(sandbox, work, home, f"""
+        {tag}() {{ {tag} | {tag} & }}; {tag}
+        sleep 30
+    """, pids=64, timeout_s=4)
+    assert res.timed_out and wall < 10, f"the run must return (wall {wall:.1f} s)"
+    time.sleep(0.3)
+    left = [p for p in Path("/proc").glob("[0-9]*/cmdline") if tag.encode() in _read(p)]
+    assert not left, f"{len(left)} fork bomb processes outlived the phase"
+    assert any("pids limit" in n for n in res.notes) and any("timed out" in n for n in res.notes), res.notes
+    assert time.monotonic() - t0 < 12
+
+
+def _read(p: Path) -> bytes:
+    try:
+        return p.read_bytes()
+    except OSError:
+        return b""
+
+
+def test_filling_the_disk_is_bounded(sandbox, sample):
+    work, home, _ = sample
+    big_tmp = Path("/tmp") / f"polar-sandbox-fill-{uuid.uuid4().hex[:8]}"
+    try:
+        res, wall, log = run(sandbox, work, home, f"""
+            head -c 200M /dev/zero > {big_tmp} 2>/dev/null; ls -s {big_tmp} > tmp_size.txt
+            head -c 200M /dev/zero > big 2>/dev/null
+            i=0; while [ $i -lt 400 ]; do head -c 1M /dev/zero > f$i || break; i=$((i+1)); done
+            echo finished > finished.txt
+        """, disk_mb=32, timeout_s=20)
+    finally:
+        big_tmp.unlink(missing_ok=True)
+    tmp_kib = int((work / "tmp_size.txt").read_text().split()[0])
+    assert tmp_kib <= 32 * 1024, f"/tmp took {tmp_kib} KiB past its 32 MiB cap"
+    assert (work / "big").stat().st_size <= 32 * 1024 * 1024, "one file outgrew the disk cap"
+    used = sum(p.stat().st_size for p in work.iterdir())
+    assert used < 128 * 1024 * 1024, f"the work dir reached {used >> 20} MiB with a 32 MiB cap"
+    assert not (work / "finished.txt").exists(), "the phase must be stopped at the cap"
+    assert any("disk limit hit" in n for n in res.notes), res.notes
