@@ -13,7 +13,7 @@ import typer
 from polar_analysis import commands as analysis_commands
 from polar_proxy import commands as proxy_commands
 from polar_runtime import commands as runtime_commands
-from polar_runtime import demo, rollout_commands
+from polar_runtime import demo, evaluation, rollout_commands
 from polar_training import commands as training_commands
 
 app = typer.Typer(
@@ -34,6 +34,7 @@ def _translate(provider: str, body, path: str, query: dict[str, str]):
 runtime_commands.register(app)  # models, serve
 proxy_commands.register(app)  # proxy
 rollout_commands.register(app)  # harness, rollout
+evaluation.register(app)  # eval
 analysis_commands.register(app, translate=_translate)  # calls, inspect, align, drift, trajectories, flows
 training_commands.register(app)  # train
 demo.register(app)  # demo
