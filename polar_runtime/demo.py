@@ -27,7 +27,10 @@ with reward variance is skipped (no update, no push) instead of spending minutes
 Sampling is plain sampling at temperature 1 (the distribution the trainer computes logprobs from),
 enforced by the proxy (``polar_sampling``) and seeded per call, so a rerun samples the same tokens.
 Knobs scale it up (``--harness``, ``--model``, ``--tasks``, ``--samples``, ``--iterations``,
-``--max-tokens``, ``--temperature``, ``--seed``).
+``--max-tokens``, ``--temperature``, ``--seed``). ``--eval-every N --eval-samples M`` adds an
+evaluation (pass@1, pass@k with standard errors: polar_runtime/evaluation.py) of the served policy
+every N rollout steps and at the end, under ``eval-<task>`` session ids, in the report; off by
+default, because each one is another rollout of the tasks.
 
 Tool calls: Qwen2.5-Coder-0.5B writes tool calls as Markdown JSON blocks instead of Hermes
 ``<tool_call>`` tags, so by default vLLM loads the ``polar_lenient`` tool parser plugin
@@ -92,6 +95,8 @@ class DemoConfig:
     gpu: bool = False
     notebooks: bool = True
     keep: bool = False  # keep an existing run directory instead of replacing it
+    eval_every: int = 0  # evaluate the served policy every N rollout steps and at the end (0: off)
+    eval_samples: int = 4  # samples per task of each evaluation (the n of pass@k)
 
     def __post_init__(self) -> None:
         self.out = paths.absolute(self.out)  # harnesses run in their own cwd: see paths.absolute
@@ -237,6 +242,25 @@ def run_rollouts(rcfg: Any, control: Any, stop: threading.Event, label: str) -> 
     df = store.write_parquet()
     assert df is not None
     return df.filter(pl.col("step") == rcfg.step)
+
+
+def run_eval(cfg: DemoConfig, tl: Timeline, tasks: list[Any], endpoint: Any, control: Any, stop: threading.Event,
+             served: str, step: int, policy: int) -> dict[str, Any]:
+    """An evaluation of the served policy at the rollout's sampling (``--eval-every``): the demo's tasks
+    again, ``eval_samples`` each, scored by polar_runtime.evaluation; its results go under ``<out>/eval``."""
+    from polar_runtime import evaluation as ev
+    from polar_runtime import harnesses as h
+    from polar_runtime import rollout as r
+
+    preset = h.get_preset(cfg.harness)
+    ecfg = r.RolloutConfig(tasks=ev.demo_tasks(tasks), preset=preset, endpoint=endpoint,
+                           capture_dir=ev.demo_capture_dir(cfg.out, cfg.captures), model=served,
+                           samples=cfg.eval_samples, concurrency=cfg.concurrency, timeout=cfg.timeout, step=step)
+    with tl.phase(f"eval {step}", f"{preset.name} x {len(tasks)} tasks x {cfg.eval_samples} samples, policy v{policy}") as ph:
+        rows = run_rollouts(ecfg, control, stop, f"eval {step}")
+        result = ev.score_rows(rows.to_dicts(), strip_prefix=ev.DEMO_PREFIX)
+        ph.detail = ev.headline(result)
+    return {"step": step, "policy_version": policy, **result}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,6 +544,10 @@ def print_report(report: dict[str, Any]) -> None:
             f"peak RSS {tr['peak_rss_gib']:.1f} GiB  "
             f"-> pushed as policy v{tr['push']['policy_version']} via {tr['push']['method']} in "
             f"{tr['push']['reload_s']:.1f} s ({'; '.join(tr['push']['notes']) or 'verified'})")
+    if report.get("evaluation"):
+        from polar_runtime.evaluation import print_evaluations
+
+        print_evaluations(report["evaluation"], console)
     if report.get("skipped_steps"):
         console.print(f"skipped updates (every group's samples scored alike): {report['skipped_steps']}")
     before, after = report["reward_before"], report["reward_after"]
@@ -568,6 +596,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     tl = Timeline(console)
     steps: list[StepData] = []
     training: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
     paths_out: dict[str, str] = {}
     log = console.print
 
@@ -634,6 +663,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 build_trajectories(cfg, data, model_dir)
                 ph.detail = (f"{data.stats['sequences']} sequences from {data.stats['usable_calls']} calls, "
                              f"coverage {data.stats['coverage']:.2%}, merge rate {data.stats['merge_rate']:.0%}")
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.iterations):
+                evals.append(run_eval(cfg, tl, tasks, endpoint, proxy.control, stop, served, step, policy))
             if step == cfg.iterations:
                 break
             entry: dict[str, Any] = {"iteration": step, "step": None, "checkpoint": None, "metrics": {},
@@ -702,6 +733,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                    "drift_origin": s.drift_origin,
                    "trajectories_file": str(s.trajectories) if s.trajectories else None} for s in steps],
         "training": training,
+        "evaluation": evals,
         "skipped_steps": sum(1 for t in training if t.get("skipped")),
         "reward_before": reward_summary(steps[0].rollouts)["mean_reward"] if steps else None,
         "reward_after": reward_summary(steps[-1].rollouts)["mean_reward"] if len(steps) > 1 else None,
@@ -763,6 +795,9 @@ def demo_command(
     exact_history: Annotated[bool, typer.Option(
         help="Exact multi-turn history (proxy option polar_exact_history): the model is prompted with its own "
              "sampled ids for every answer the harness re-sends.")] = DemoConfig.exact_history,
+    eval_every: Annotated[int, typer.Option(help="Evaluate the served policy (pass@1, pass@k with standard errors) every "
+                                            "N rollout steps and at the end, in the report (0: off).")] = DemoConfig.eval_every,
+    eval_samples: Annotated[int, typer.Option(help="Samples per task of each evaluation.")] = DemoConfig.eval_samples,
 ) -> None:
     """The main job: serve a model, run a harness through the proxy, train one GRPO step, push, run again."""
     if server_during_train not in ("auto", "keep", "stop"):
@@ -774,7 +809,9 @@ def demo_command(
                      timeout=timeout, concurrency=concurrency, lr=lr,
                      kl_coef=kl_coef if kl_coef is not None else (DemoConfig.kl_coef if iterations > 1 or on_gpu else 0.0), max_model_len=max_model_len,
                      tool_parser=tool_parser, server_during_train=server_during_train, gpu=on_gpu, notebooks=notebooks, keep=keep,
-                     exact_history=exact_history)
+                     exact_history=exact_history, eval_every=eval_every, eval_samples=eval_samples)
+    if eval_every < 0 or eval_samples < 1:
+        raise typer.BadParameter("--eval-every must be >= 0 and --eval-samples >= 1")
     try:
         report = run_demo(cfg)
     except KeyboardInterrupt:
