@@ -20,11 +20,17 @@ chat.completion, or chat SSE chunks carrying ``prompt_token_ids`` and per-chunk 
 logprobs), so the provider translators, the relay and the capture path are unchanged.
 
 Streaming stays true streaming without the streaming derender (which replays the parser from the
-start on every chunk): text deltas come from the engine's detokenizer and are forwarded while
-they cannot be part of a tool call or reasoning markup (no tools in the request; or text that
-does not start like a JSON tool call and holds no ``<tool_call>``/``<think>`` marker yet); the
-rest is held back and the whole answer is derendered once at the end, whose remaining content and
-tool calls close the stream.
+start on every chunk): text deltas come from the engine's detokenizer and are split here
+(``stream_view``). Reasoning goes out as ``reasoning`` deltas: from the start when the prompt itself
+opened a think block (DeepSeek-R1 distills, QwQ, Qwen3 Thinking-2507: the prompt's last ``<think>``
+id comes after its last ``</think>`` id), or after a ``<think>`` the model wrote first (Qwen3
+hybrid); text that may still turn out to be reasoning is never sent as answer. Answer text is
+forwarded while it cannot be part of a tool call or markup (no tools in the request; or text that
+does not start like a JSON tool call and holds no ``<tool_call>``/``<think>`` marker yet); the rest is
+held back and the whole answer is derendered once at the end, whose remaining reasoning, content
+and tool calls close the stream. Should the parser disagree with what was already streamed, the
+answer is still sent whole, and the call is not offered for splicing (the harness holds other
+text than its ids).
 """
 
 from __future__ import annotations
@@ -155,13 +161,15 @@ class ExactResponse:
 class Pending:
     """What a call in flight needs for its ledger entry once its record is final."""
 
-    __slots__ = ("context", "digests", "rendered", "stop_string")
+    __slots__ = ("context", "digests", "rendered", "stop_string", "delivered_differs")
 
     def __init__(self, context: bytes, digests: list[bytes], rendered: list[int]):
         self.context = context
         self.digests = digests
         self.rendered = rendered
         self.stop_string = False
+        #: the stream sent text the parser later put elsewhere: its ids are not what the harness holds
+        self.delivered_differs = False
 
 
 class ExactHistory:
@@ -171,6 +179,8 @@ class ExactHistory:
         self.ledger = Ledger(max_sessions=max_sessions, loader=self._load)
         self.pending: dict[str, Pending] = {}
         self.probed_eot: dict[str, int | None] = {}
+        #: upstream URL -> the (``<think>``, ``</think>``) ids of its tokenizer; None: no such single ids
+        self.think_ids: dict[str, tuple[int, int] | None] = {}
         self.unavailable: dict[str, str] = {}  # upstream URL -> why it has no render/generate/derender  # upstream URL -> its end-of-turn id (None: unknown)
         self.stats = {"exact": 0, "spliced": 0, "rendered": 0, "render_ms": 0.0, "derender_ms": 0.0}
 
@@ -268,6 +278,8 @@ class ExactHistory:
             gen["stream_options"] = {"include_usage": True}
         else:
             gen.pop("stream_options", None)
+        if stream:
+            await self._probe_think(base_url, chat.get("model"), timeout, headers)
         ctx = _Ctx(self, base_url, chat, rec, sp.ids, timeout, headers)
         if not stream:
             answer = await self._call(base_url + GENERATE_PATH, gen, timeout, headers)
@@ -310,12 +322,32 @@ class ExactHistory:
         self.probed_eot[base_url] = eot
         return eot
 
+    async def _probe_think(self, base_url: str, model: Any, timeout: Any, headers: dict[str, str]) -> None:
+        """The ids of ``<think>`` and ``</think>`` (once per upstream): a stream must know whether its
+        prompt opened a think block, and a template that does so ends the prompt on that id."""
+        if base_url in self.think_ids:
+            return
+        found = None
+        try:
+            ids = []
+            for marker in ("<think>", "</think>"):
+                t = await self._call(base_url + "/tokenize", {"model": model, "prompt": marker,
+                                                              "add_special_tokens": False}, timeout, headers)
+                ids.append(t["tokens"])
+            if all(isinstance(x, list) and len(x) == 1 for x in ids):
+                found = (int(ids[0][0]), int(ids[1][0]))
+        except (ExactError, aiohttp.ClientError, OSError, asyncio.TimeoutError, KeyError, TypeError, ValueError):
+            found = None
+        self.think_ids[base_url] = found
+
     # -- the ledger ------------------------------------------------------------------------------
     def observe(self, rec: Any) -> None:
         """The call's record is final: keep what it sampled for the next calls of its session."""
         p = self.pending.pop(rec.call_id, None)
         if p is None or rec.status != "ok" or not rec.sampled_token_ids or not rec.prompt_token_ids:
             return
+        if p.delivered_differs:
+            return  # the harness was sent other text than these ids decode to: never splice them
         finish = rec.finish_reason or ""
         entry = Entry(
             call_index=rec.call_index, context=p.context, messages=p.digests,
@@ -411,13 +443,24 @@ class _Ctx:
              "model": self.chat.get("model"), "choices": choices, **extra}
         return b"data: " + jsonutil.dumps(d) + b"\n\n"
 
+    def opened_think(self) -> bool:
+        """Whether the prompt ends inside a think block (the template opened it for the model)."""
+        think = self.owner.think_ids.get(self.base_url)
+        if not think:
+            return False
+        open_id, close_id = think
+        tail = self.ids[-DERENDER_PROMPT_TAIL:]
+        last_open = max((i for i, t in enumerate(tail) if t == open_id), default=-1)
+        last_close = max((i for i, t in enumerate(tail) if t == close_id), default=-1)
+        return last_open > last_close
+
     async def stream(self, resp: aiohttp.ClientResponse, out: FeedReader) -> None:
         """Generate SSE in, chat SSE out (see the module docstring for what is held back)."""
         tools = bool(self.chat.get("tools")) and self.chat.get("tool_choice") != "none"
+        opened = self.opened_think()
         sampled: list[int] = []
         text = ""  # the engine's text so far
-        sent = 0  # chars of ``text`` already sent as content
-        holding = False
+        sent_r = sent_c = ""  # reasoning and content already sent
         finish = stop_reason = None
         usage = None
         try:
@@ -448,13 +491,13 @@ class _Ctx:
                         if c.get("finish_reason"):
                             finish, stop_reason = c["finish_reason"], c.get("stop_reason")
                         delta: dict[str, Any] = {}
-                        if not holding:
-                            holding = _must_hold(text, tools)
-                        if not holding:
-                            safe = _safe_len(text)
-                            if safe > sent:
-                                delta["content"] = text[sent:safe]
-                                sent = safe
+                        r, content = stream_view(text, opened=opened, tools=tools)
+                        if len(r) > len(sent_r) and r.startswith(sent_r):
+                            delta["reasoning"] = r[len(sent_r):]
+                            sent_r = r
+                        if len(content) > len(sent_c) and content.startswith(sent_c):
+                            delta["content"] = content[len(sent_c):]
+                            sent_c = content
                         if ids or delta:
                             pieces.append(self._chunk([{"index": 0, "delta": delta, "logprobs": self._lp(c.get("logprobs")),
                                                         "finish_reason": None, "token_ids": ids}]))
@@ -462,16 +505,25 @@ class _Ctx:
                     out.feed(b"".join(pieces))
             self._note_stop(stop_reason)
             message = await self.derender(sampled, finish, stop_reason)
-            content = message.get("content") or ""
             tail: list[bytes] = []
             delta = {}
-            if message.get("reasoning"):
-                delta["reasoning"] = message["reasoning"]
-            if content.startswith(text[:sent]):
-                if content[sent:]:
-                    delta["content"] = content[sent:]
-            else:
-                self.rec.translation_notes.append("exact history: streamed text differs from the derendered content")
+            differs = []
+            for key, done in (("reasoning", sent_r), ("content", sent_c)):
+                rest, same = _rest(message.get(key) or (message.get("reasoning_content") if key == "reasoning" else "")
+                                   or "", done)
+                if rest:
+                    delta[key] = rest
+                if not same:
+                    differs.append(key)
+            if differs:
+                # the answer still goes out whole; the record keeps what was sent, and these ids
+                # are not offered for splicing since the harness holds other text
+                self.rec.translation_notes.append(
+                    f"exact history: streamed {' and '.join(differs)} differs from the derendered answer; "
+                    "sent whole, not spliced later")
+                p = self.owner.pending.get(self.rec.call_id)
+                if p is not None:
+                    p.delivered_differs = True
             if delta:
                 tail.append(self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]))
             for i, tc in enumerate(message.get("tool_calls") or ()):
@@ -499,6 +551,68 @@ class _Ctx:
                               else aiohttp.ClientPayloadError(str(exc)))
         finally:
             resp.close()
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def stream_view(text: str, *, opened: bool, tools: bool) -> tuple[str, str]:
+    """(reasoning, content) of the engine's text so far that may be streamed now. Each grows only by
+    appending as text arrives; what might still change role (text that may be reasoning, a marker
+    or tool call beginning, whitespace a parser may strip) is held back. ``opened``: the prompt
+    ended inside a think block, so the text is reasoning until ``</think>``."""
+    if opened:
+        body = text
+    else:
+        lead = text.lstrip()
+        if THINK_OPEN.startswith(lead):
+            return "", ""  # nothing yet, or the start of "<think>": may become reasoning
+        if not lead.startswith(THINK_OPEN):
+            return "", _content_view(text, tools)
+        body = lead[len(THINK_OPEN):]
+    end = body.find(THINK_CLOSE)
+    if end < 0:
+        return _trim(body[: _cut(body, (THINK_CLOSE,))]), ""
+    return _trim(body[:end]), _content_view(body[end + len(THINK_CLOSE):], tools)
+
+
+def _content_view(text: str, tools: bool) -> str:
+    """Answer text that cannot become a tool call or markup: up to the first marker (or the start
+    of one); nothing when tools are offered and the text starts like a JSON tool call."""
+    if tools and text.lstrip()[:1] in ("{", "[", "`"):
+        return ""
+    return _trim(text[: min(_first_marker(text), _safe_len(text))])
+
+
+def _first_marker(text: str) -> int:
+    return min((i for i in (text.find(m) for m in HOLD_MARKERS) if i >= 0), default=len(text))
+
+
+def _trim(text: str) -> str:
+    """Trailing whitespace waits for what follows it (a parser may strip it before a marker)."""
+    return text.rstrip()
+
+
+def _cut(text: str, markers: tuple[str, ...]) -> int:
+    cut = len(text)
+    for m in markers:
+        for j in range(len(m) - 1, 0, -1):
+            if text.endswith(m[:j]):
+                cut = min(cut, len(text) - j)
+                break
+    return cut
+
+
+def _rest(final: str, sent: str) -> tuple[str, bool]:
+    """What of the derendered ``final`` text is still to send after ``sent`` (compared without the
+    leading whitespace parsers differ on), and whether ``final`` continues what was sent; when it
+    does not, all of ``final`` goes out."""
+    if not sent:
+        return final, True
+    body, head = final.lstrip(), sent.lstrip()
+    if body.startswith(head):
+        return body[len(head):], True
+    return final, False
 
 
 def _must_hold(text: str, tools: bool) -> bool:
