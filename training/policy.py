@@ -65,7 +65,8 @@ def _scaled_logits(
     temps: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits of one chunk divided by each row's temperature, and the top-k/top-p keep mask (the
-    sampled token is always kept: its logprob is what the loss needs)."""
+    sampled token is always kept: its logprob is what the loss needs). ``h`` and ``weight`` are
+    already in the matmul dtype (see :func:`_matmul_dtype`)."""
     logits = (h @ weight.T).to(acc)
     if temps is not None:
         logits = logits / temps.to(acc)[:, None]
@@ -74,6 +75,24 @@ def _scaled_logits(
         keep.scatter_(1, targets[:, None], True)
         logits = logits.masked_fill(~keep, -float("inf"))
     return logits, keep
+
+
+def _matmul_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype of the output-projection matmul: autocast's when it is on for this device (mixed
+    precision computes the logits in bf16), else the inputs' own.
+
+    Forward and backward must use the same one. The backward runs outside the autocast region, so
+    a backward that recomputed ``h @ W^T`` with the plain float32 tensors compared float32 logits
+    with the log-sum-exp of the bf16 ones: the softmax terms no longer summed to 1 and the weight
+    gradient was off by 9.1e-2 (relative) against autograd of the same bf16 forward at T=0.7,
+    top-p 0.9 (8.3e-2 without top-p; logits of an LM's scale, tests/training/test_policy.py), more
+    than bf16 rounding itself moves it (5.3e-2); with the dtype recorded here and reused, 1.7e-3.
+    The same as ``torch.amp.custom_fwd/custom_bwd``, for whichever device the tensors are on.
+    """
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return hidden.dtype
 
 
 class ChunkedTokenLogprob(torch.autograd.Function):
@@ -87,48 +106,56 @@ class ChunkedTokenLogprob(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, chunk, temps=None, top_k=None, top_p=None):
         k = hidden.shape[0]
         acc = _acc_dtype(hidden.dtype)
+        mm = _matmul_dtype(hidden)
         logp = hidden.new_empty(k, dtype=acc)
         ent = hidden.new_empty(k, dtype=acc)
         lse_all = hidden.new_empty(k, dtype=acc)
         sl = lambda t, s: None if t is None else t[s : s + chunk]  # noqa: E731
-        for s in range(0, k, chunk):
-            logits, keep = _scaled_logits(
-                hidden[s : s + chunk], weight, targets[s : s + chunk], acc, sl(temps, s), sl(top_k, s), sl(top_p, s)
-            )
-            lse = torch.logsumexp(logits, dim=-1)
-            lse_all[s : s + chunk] = lse
-            logp[s : s + chunk] = logits.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - lse
-            p = torch.exp(logits - lse[:, None])
-            finite = logits if keep is None else logits.masked_fill(~keep, 0.0)
-            ent[s : s + chunk] = lse - (p * finite).sum(-1)
+        with torch.autocast(hidden.device.type, enabled=False):  # the dtype is explicit from here on
+            w_mm = weight.to(mm)  # one cast for all chunks (autocast would cache the same copy)
+            for s in range(0, k, chunk):
+                logits, keep = _scaled_logits(
+                    hidden[s : s + chunk].to(mm), w_mm, targets[s : s + chunk], acc, sl(temps, s), sl(top_k, s), sl(top_p, s)
+                )
+                lse = torch.logsumexp(logits, dim=-1)
+                lse_all[s : s + chunk] = lse
+                logp[s : s + chunk] = logits.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - lse
+                p = torch.exp(logits - lse[:, None])
+                finite = logits if keep is None else logits.masked_fill(~keep, 0.0)
+                ent[s : s + chunk] = lse - (p * finite).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse_all, temps, top_k, top_p)
         ctx.chunk = chunk
+        ctx.mm_dtype = mm
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, _grad_ent: Any):
         hidden, weight, targets, lse_all, temps, top_k, top_p = ctx.saved_tensors
-        chunk = ctx.chunk
+        chunk, mm = ctx.chunk, ctx.mm_dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(hidden) if need_h else None
         acc = _acc_dtype(hidden.dtype)
         grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
         sl = lambda t, s: None if t is None else t[s : s + chunk]  # noqa: E731
-        for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s : s + chunk]
-            g = grad_logp[s : s + chunk].to(acc)
-            logits, _keep = _scaled_logits(h, weight, targets[s : s + chunk], acc, sl(temps, s), sl(top_k, s), sl(top_p, s))
-            # d logp / d z = onehot(target) - softmax(z) over the kept entries (masked ones: exp(-inf) = 0)
-            grad_logits = torch.exp(logits - lse_all[s : s + chunk, None]).mul_(-g[:, None])
-            grad_logits.scatter_add_(-1, targets[s : s + chunk, None], g[:, None])
-            if temps is not None:  # z = logits / T
-                grad_logits.div_(temps[s : s + chunk].to(acc)[:, None])
-            grad_logits = grad_logits.to(hidden.dtype)
-            if need_h:
-                grad_h[s : s + chunk] = grad_logits @ weight
-            if need_w:
-                grad_w.addmm_(grad_logits.T.to(acc), h.to(acc))
+        with torch.autocast(hidden.device.type, enabled=False):
+            w_mm = weight.to(mm)
+            for s in range(0, hidden.shape[0], chunk):
+                h = hidden[s : s + chunk].to(mm)
+                g = grad_logp[s : s + chunk].to(acc)
+                # the logits exactly as the forward computed them (same matmul dtype), so that
+                # exp(logits - lse) is the forward's softmax
+                logits, _keep = _scaled_logits(h, w_mm, targets[s : s + chunk], acc, sl(temps, s), sl(top_k, s), sl(top_p, s))
+                # d logp / d z = onehot(target) - softmax(z) over the kept entries (masked ones: exp(-inf) = 0)
+                grad_logits = torch.exp(logits - lse_all[s : s + chunk, None]).mul_(-g[:, None])
+                grad_logits.scatter_add_(-1, targets[s : s + chunk, None], g[:, None])
+                if temps is not None:  # z = logits / T
+                    grad_logits.div_(temps[s : s + chunk].to(acc)[:, None])
+                grad_logits = grad_logits.to(mm)  # as autograd of the forward's matmul would
+                if need_h:
+                    grad_h[s : s + chunk] = (grad_logits @ w_mm).to(hidden.dtype)
+                if need_w:  # summed over chunks in at least float32, in place (no V x d temporary)
+                    grad_w.addmm_(grad_logits.T.to(acc), h.to(acc))
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None
