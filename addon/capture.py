@@ -5,6 +5,12 @@ share one capture directory. Each record is serialized first (orjson, cheap on t
 then handed to the kernel in a single ``write`` on an ``O_APPEND`` descriptor, so concurrent
 writers never interleave inside a line and a crash leaves at most one torn last line (which
 loaders skip). No fsync per call unless asked (``fsync=True``): it costs milliseconds per call.
+
+A record that shares its prompt's prefix with one of the session's last records is written as a
+delta against it (``polar_core.capture_delta``, schema version 3): the new prompt ids and what is
+new in its requests. A session then grows with its length, not its square (a 200-call session
+with prompts growing to 30k ids: see ``benchmarks/bench_capture_growth.py``). Only a record whose
+write completed can be referred to, so a torn write still loses that record alone.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import orjson
 
 from polar_proxy import jsonutil
 
-from polar_core.schema import SESSIONS_SUBDIR, CallRecord, valid_session_id
+from polar_core.capture_delta import REQUEST_FIELDS, SessionDeltas
+from polar_core.schema import CALL_FIELDS, SESSIONS_SUBDIR, CallRecord, valid_session_id
 
 _FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 
@@ -43,14 +50,27 @@ def encode_record(record: CallRecord | dict[str, Any]) -> bytes:
     return jsonutil.dumps(record, default=_default, option=orjson.OPT_NON_STR_KEYS) + b"\n"
 
 
+def _dumps(value: Any) -> bytes:
+    return jsonutil.dumps(value, default=_default, option=orjson.OPT_NON_STR_KEYS)
+
+
+def _plain(value: Any) -> Any:
+    """A RawJSON field (the harness's body, the ids as the engine sent them) parsed: a delta needs
+    its elements (parsing a 30k-id prompt and a 100 kB request: about 1 ms)."""
+    return value.value() if isinstance(value, jsonutil.RawJSON) else value
+
+
 class CaptureWriter:
     """Appends records to ``<capture_dir>/sessions/<session_id>.jsonl``.
 
     Keeps a bounded LRU of open descriptors (sessions are many, descriptors are few).
     """
 
-    def __init__(self, capture_dir: str | os.PathLike[str], *, fsync: bool = False, max_open: int = 128):
+    def __init__(self, capture_dir: str | os.PathLike[str], *, fsync: bool = False, max_open: int = 128,
+                 delta: bool = True):
         self.root = Path(capture_dir).resolve()
+        #: None: every record in full (schema version 2's layout)
+        self.deltas = SessionDeltas(dumps=_dumps) if delta else None
         self.dir = self.root / SESSIONS_SUBDIR
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
@@ -82,7 +102,15 @@ class CaptureWriter:
 
     def write(self, record: CallRecord) -> int:
         """Append one record; returns the bytes written. Raises CaptureError on failure."""
-        line = encode_record(record)
+        kept = None
+        if self.deltas is None:
+            line = encode_record(record)
+        else:
+            rec = {f: getattr(record, f) for f in CALL_FIELDS}
+            for f in ("prompt_token_ids", *REQUEST_FIELDS):
+                rec[f] = _plain(rec[f])
+            out, kept = self.deltas.encode(rec)
+            line = encode_record(record if out is rec else out)
         fd = self._fd(record.session_id)
         try:
             n = os.write(fd, line)
@@ -98,6 +126,8 @@ class CaptureWriter:
             raise CaptureError(f"cannot write capture for {record.session_id}: {exc}") from exc
         self.records += 1
         self.bytes += n
+        if self.deltas is not None:
+            self.deltas.remember(record.session_id, kept)
         return n
 
     def existing_calls(self, session_id: str) -> int:

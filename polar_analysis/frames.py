@@ -37,6 +37,7 @@ import orjson
 import polars as pl
 import pyarrow as pa
 
+from polar_core.capture_delta import READ_WINDOW, WRITER_KEY, DeltaError, Expander
 from polar_core.flowmeta import unpack_tokens
 from polar_core.schema import CALL_FIELDS, JSON_COLUMNS, SESSIONS_SUBDIR, CallRecord, harness_name
 
@@ -237,8 +238,9 @@ class ScanReport:
         return {k: sum(getattr(f, k) for f in self.files) for k in keys}
 
 
-def _parse_line(line: bytes, stats: FileStats) -> list[dict[str, Any]]:
-    """Rows parsed from one complete line; counts what had to be skipped."""
+def _parse_line(line: bytes, stats: FileStats, expander: Expander | None = None) -> list[dict[str, Any]]:
+    """Rows parsed from one complete line; counts what had to be skipped. Delta records (schema 3)
+    are expanded by ``expander`` against the records before them."""
     stripped = line.strip()
     if not stripped:
         return []
@@ -249,7 +251,7 @@ def _parse_line(line: bytes, stats: FileStats) -> list[dict[str, Any]]:
         for marker in _RECOVERY_MARKERS:
             pos = stripped.find(marker, 1)
             if pos > 0:
-                rows = _parse_line(stripped[pos:], stats)
+                rows = _parse_line(stripped[pos:], stats, expander)
                 if rows:
                     stats.recovered += len(rows)
                     stats.invalid += 1
@@ -262,8 +264,10 @@ def _parse_line(line: bytes, stats: FileStats) -> list[dict[str, Any]]:
         stats.other_records += 1
         return []
     try:
+        if expander is not None and isinstance(data, dict):
+            data = expander.expand(data)
         row = normalize_record(data)
-    except InvalidRecord as exc:
+    except (InvalidRecord, DeltaError) as exc:
         stats.invalid += 1
         if len(stats.errors) < 5:
             stats.errors.append(str(exc))
@@ -272,8 +276,10 @@ def _parse_line(line: bytes, stats: FileStats) -> list[dict[str, Any]]:
     return [row]
 
 
-def _convert_range(path: Path, start: int, stats: FileStats) -> tuple[pl.DataFrame, int]:
-    """Parse complete lines of ``path`` from byte ``start``; returns (frame, new consumed offset)."""
+def _convert_range(path: Path, start: int, stats: FileStats, expander: Expander | None = None) -> tuple[pl.DataFrame, int]:
+    """Parse complete lines of ``path`` from byte ``start``; returns (frame, new consumed offset).
+    ``expander``: the records before ``start`` a delta may refer to (a fresh one from the start)."""
+    expander = expander or Expander()
     with open(path, "rb") as fh:
         fh.seek(start)
         data = fh.read()
@@ -285,7 +291,7 @@ def _convert_range(path: Path, start: int, stats: FileStats) -> tuple[pl.DataFra
     while pos < end:
         nl = data.index(b"\n", pos)
         line_no += 1
-        for row in _parse_line(data[pos:nl], stats):
+        for row in _parse_line(data[pos:nl], stats, expander):
             row["source_file"] = str(path)
             row["source_line"] = line_no
             rows.append(row)
@@ -365,7 +371,8 @@ def sync_file(jsonl: Path, cache_dir: Path) -> tuple[list[Path], FileStats, str]
         if meta["size"] == st.st_size and meta["mtime_ns"] == st.st_mtime_ns:
             return [cache_dir / p for p in meta["parts"]], stats, "cached"
         if st.st_size >= meta["consumed"] and _same_head(jsonl, meta["consumed"], meta["head"]):
-            df, consumed = _convert_range(jsonl, meta["consumed"], stats)
+            df, consumed = _convert_range(jsonl, meta["consumed"], stats,
+                                          _seeded_expander([cache_dir / p for p in meta["parts"]]))
             parts = list(meta["parts"])
             if df.height:
                 part = f"{stem}.{len(parts):04d}.parquet"
@@ -383,6 +390,30 @@ def sync_file(jsonl: Path, cache_dir: Path) -> tuple[list[Path], FileStats, str]
     _write_part(df, cache_dir / part)
     _save_meta(meta_path, jsonl, st, consumed, [part], stats)
     return [cache_dir / part], stats, "converted"
+
+
+def _seeded_expander(parts: list[Path]) -> Expander:
+    """An expander that knows the last records already converted (the ones a delta appended since
+    may refer to), read back from the cache's parts."""
+    ex = Expander()
+    if not parts:
+        return ex
+    lf = pl.scan_parquet([str(p) for p in parts]).with_row_index("_i")
+    keys = lf.select(
+        "_i", "session_id", writer=pl.col("extra_json").str.json_path_match(f"$.{WRITER_KEY}")
+    ).collect()
+    keep = keys.filter(
+        pl.col("_i").rank("ordinal", descending=True).over(["session_id", "writer"]) <= READ_WINDOW
+    )
+    writers = dict(zip(keep["_i"].to_list(), keep["writer"].to_list()))
+    cols = ["_i", "call_id", "session_id", "prompt_token_ids", "native_request", "normalized_request"]
+    tail = lf.filter(pl.col("_i").is_in(list(writers))).select(cols).collect()
+    for r in tail.iter_rows(named=True):
+        ex.remember({
+            "call_id": r["call_id"], "session_id": r["session_id"], "prompt_token_ids": r["prompt_token_ids"] or [],
+            "native_request": decode_json(r["native_request"]), "normalized_request": decode_json(r["normalized_request"]),
+        }, writers[r["_i"]])
+    return ex
 
 
 def _save_meta(meta_path: Path, jsonl: Path, st: os.stat_result, consumed: int, parts: list[str], stats: FileStats) -> None:

@@ -10,6 +10,10 @@ crash (no trailing newline, or not valid JSON) is detected and skipped by the lo
 
 Bump ``SCHEMA_VERSION`` when a field changes meaning or type; loaders accept older versions by
 filling missing fields with their defaults.
+
+Since version 3 a record may hold a ``delta`` (``capture_delta.py``): its prompt ids and requests
+as what is new since an earlier record of its session, the full fields null. Read files with
+``read_capture_lines``, which expands them; a raw ``orjson.loads`` of a line does not.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 import orjson
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: prompt ids and requests may be stored as a delta (capture_delta.py)
 
 #: Session ids come from headers, API keys and query strings: validate before using them as file names.
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -155,9 +159,14 @@ TRAJECTORY_COLUMNS = {
 }
 
 
-def read_capture_lines(path: str | Path) -> Iterator[dict[str, Any]]:
-    """The JSON objects of one capture file, in order. A torn last line (the proxy died while
-    writing it) or a line that is not a JSON object is skipped: what was written stays readable."""
+def read_capture_lines(path: str | Path, *, expand: bool = True) -> Iterator[dict[str, Any]]:
+    """The JSON objects of one capture file, in order, delta records expanded to full ones
+    (``expand=False``: as written). A torn last line (the proxy died while writing it), a line that
+    is not a JSON object, or a delta whose earlier record is unreadable is skipped: what was
+    written stays readable. Expanded requests share objects with earlier records: read-only."""
+    from polar_core.capture_delta import DeltaError, Expander
+
+    expander = Expander() if expand else None
     with open(path, "rb") as fh:
         for line in fh:
             if not line.endswith(b"\n"):
@@ -167,6 +176,11 @@ def read_capture_lines(path: str | Path) -> Iterator[dict[str, Any]]:
             except orjson.JSONDecodeError:
                 continue
             if isinstance(rec, dict):
+                if expander is not None:
+                    try:
+                        rec = expander.expand(rec)
+                    except DeltaError:
+                        continue
                 yield rec
 
 

@@ -1,0 +1,172 @@
+"""Captures stored as deltas (schema 3): every reader sees the records the proxy had in memory.
+
+Old captures (every record in full) and new ones (prompt ids and requests as what is new since an
+earlier record) must give the same calls frame and the same trajectories; a torn tail loses only
+the last record; the file grows with the session, not its square.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import orjson
+import polars as pl
+import pytest
+from polar_proxy.capture import CaptureWriter, encode_record
+
+from polar_analysis import frames, trajectories
+from polar_core import capture_delta as cd
+from polar_core.schema import SESSIONS_SUBDIR, CallRecord, read_capture_lines
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+COMPARED = [c for c in frames.CALL_SCHEMA if c not in ("source_file", "extra_json")]
+
+
+def growing_session(sid: str, n: int, *, step: int = 300, rng_seed: int = 0) -> list[CallRecord]:
+    """A session as exact history writes it: each prompt is the previous prompt, its sampled ids
+    and a tool result; each request re-sends the whole conversation."""
+    rng = np.random.default_rng(rng_seed)
+    prompt = rng.integers(0, 150_000, 500).tolist()
+    messages = [{"role": "system", "content": "sys " * 200}, {"role": "user", "content": "task"}]
+    tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": {"type": "object"}}} for i in range(5)]
+    out = []
+    for i in range(n):
+        sampled = rng.integers(0, 150_000, 40).tolist()
+        req = {"model": "m", "messages": list(messages), "tools": tools, "stream": True}
+        out.append(CallRecord(
+            call_id=f"{sid}-{i:04d}", session_id=sid, call_index=i, provider="openai_chat", status="ok",
+            finish_reason="tool_calls", native_request=req, normalized_request={**req, "logprobs": True},
+            prompt_token_ids=list(prompt), sampled_token_ids=sampled,
+            sampled_logprobs=(-rng.random(40)).tolist(), output_text=f"answer {i}", t_request_in=1000.0 + i,
+        ))
+        messages += [{"role": "assistant", "content": f"answer {i}"}, {"role": "tool", "content": "r" * step}]
+        prompt = prompt + sampled + rng.integers(0, 150_000, step).tolist()
+    return out
+
+
+def write_old(capture: Path, records: list[CallRecord]) -> None:
+    d = capture / SESSIONS_SUBDIR
+    d.mkdir(parents=True, exist_ok=True)
+    for r in records:
+        with open(d / f"{r.session_id}.jsonl", "ab") as fh:
+            fh.write(encode_record(r))
+
+
+def write_new(capture: Path, records: list[CallRecord]) -> CaptureWriter:
+    w = CaptureWriter(capture)
+    for r in records:
+        w.write(r)
+    return w
+
+
+def _frame(capture: Path) -> pl.DataFrame:
+    return frames.calls(capture, rewards=None).select(COMPARED).collect()
+
+
+def test_delta_capture_reads_back_every_record_and_grows_linearly(tmp_path):
+    recs = growing_session("s", 30)
+    write_old(tmp_path / "old", recs)
+    write_new(tmp_path / "new", recs).close()
+    old_file, new_file = (tmp_path / "old" / "sessions" / "s.jsonl"), (tmp_path / "new" / "sessions" / "s.jsonl")
+    raw = [orjson.loads(line) for line in new_file.read_bytes().splitlines()]
+    assert raw[0]["prompt_token_ids"] and "ref" not in raw[0]["delta"]  # the first record is whole
+    assert all(r["prompt_token_ids"] is None and r["delta"]["ref"] == recs[i].call_id
+               for i, r in enumerate(raw[1:]))  # the latest record is the best reference
+    got = list(read_capture_lines(new_file))
+    assert len(got) == 30
+    for rec, g in zip(recs, got):
+        assert g["prompt_token_ids"] == rec.prompt_token_ids
+        assert g["native_request"] == rec.native_request and g["normalized_request"] == rec.normalized_request
+        assert g["sampled_token_ids"] == rec.sampled_token_ids and g["sampled_logprobs"] == rec.sampled_logprobs
+    # linear: the file holds about the final prompt, the sampled ids and the last request once
+    last = recs[-1]
+    floor = len(orjson.dumps(last.prompt_token_ids)) + sum(len(orjson.dumps(r.sampled_token_ids)) for r in recs) \
+        + len(orjson.dumps(last.normalized_request))
+    assert new_file.stat().st_size < 3 * floor < old_file.stat().st_size
+    assert _frame(tmp_path / "new").equals(_frame(tmp_path / "old"))
+
+
+def test_torn_tail_loses_only_the_last_record(tmp_path):
+    recs = growing_session("s", 6)
+    write_new(tmp_path, recs).close()
+    path = tmp_path / "sessions" / "s.jsonl"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 200])  # the last record torn mid-line
+    assert [r["call_id"] for r in read_capture_lines(path)] == [r.call_id for r in recs[:5]]
+    df = frames.calls(tmp_path, rewards=None).collect()
+    assert df["call_id"].to_list() == [r.call_id for r in recs[:5]]
+    assert df["prompt_token_ids"].to_list()[-1] == recs[4].prompt_token_ids
+
+
+def test_a_delta_whose_reference_is_unreadable_is_counted_not_guessed(tmp_path):
+    recs = growing_session("s", 4)
+    write_new(tmp_path, recs).close()
+    path = tmp_path / "sessions" / "s.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[1] = b'{"broken": \n'  # record 1 lost: record 2 refers to it, record 3 to record 2
+    path.write_bytes(b"".join(lines))
+    report = frames.ScanReport()
+    df = frames.calls(tmp_path, rewards=None, report=report).collect()
+    assert df["call_id"].to_list() == [recs[0].call_id]
+    assert report.totals()["invalid"] == 3 and "refers to call" in report.files[0].errors[1]
+
+
+def test_incremental_conversion_resolves_deltas_across_parts(tmp_path):
+    recs = growing_session("s", 12)
+    w = write_new(tmp_path, recs[:5])
+    cache = tmp_path / "cache"
+    assert frames.calls(tmp_path, cache_dir=cache, rewards=None).collect().height == 5
+    for r in recs[5:]:
+        w.write(r)
+    w.close()
+    report = frames.ScanReport()
+    df = frames.calls(tmp_path, cache_dir=cache, rewards=None, report=report).select(COMPARED).collect()
+    assert report.appended == 1 and report.totals()["invalid"] == 0
+    write_old(tmp_path / "old", recs)
+    assert df.equals(_frame(tmp_path / "old"))
+
+
+def test_two_writers_on_one_session_file_resolve_their_own_references(tmp_path):
+    a, b = CaptureWriter(tmp_path), CaptureWriter(tmp_path)
+    ra, rb = growing_session("s", 20, rng_seed=1), growing_session("s", 20, rng_seed=2)
+    for r in rb:
+        r.call_id = "b" + r.call_id
+    order = [ra[i] for i in range(10)] + [x for pair in zip(ra[10:], rb) for x in pair] + rb[10:]
+    for r in order:
+        (a if r in ra else b).write(r)
+    got = list(read_capture_lines(tmp_path / "sessions" / "s.jsonl"))
+    assert [g["call_id"] for g in got] == [r.call_id for r in order]
+    assert all(g["prompt_token_ids"] == r.prompt_token_ids for g, r in zip(got, order))
+
+
+@pytest.mark.parametrize("fixture", ["demo-run", "demo-run-exact"])
+def test_old_capture_converted_rebuilds_identical_trajectories(tmp_path, fixture):
+    """The committed captures (every record in full) and their conversion to deltas give the same
+    calls and the same trajectories, in both modes."""
+    src = FIXTURES / fixture / "captures"
+    old, new = tmp_path / "old", tmp_path / "new"
+    shutil.copytree(src, old, ignore=shutil.ignore_patterns(".polar-cache"))
+    (new / SESSIONS_SUBDIR).mkdir(parents=True)
+    bytes_in = bytes_out = 0
+    for f in sorted((old / SESSIONS_SUBDIR).glob("*.jsonl")):
+        n, i, o = cd.convert_file(f, new / SESSIONS_SUBDIR / f.name)
+        assert n == sum(1 for _ in read_capture_lines(f)) and n > 0
+        bytes_in, bytes_out = bytes_in + i, bytes_out + o
+    assert bytes_out < bytes_in / 2
+    assert any(r.get("delta", {}).get("ref") for f in (new / SESSIONS_SUBDIR).glob("*.jsonl")
+               for r in read_capture_lines(f, expand=False))
+    old_lf, new_lf = frames.calls(old, rewards=None), frames.calls(new, rewards=None)
+    assert new_lf.select(COMPARED).collect().equals(old_lf.select(COMPARED).collect())
+    for mode in trajectories.MODES:
+        t_old, s_old = trajectories.build(old_lf, mode)
+        t_new, s_new = trajectories.build(new_lf, mode)
+        assert t_old.height > 0 and t_new.equals(t_old)
+        assert s_new.as_dict() == s_old.as_dict()
+    # and back: the delta capture written out in full again is the original, record for record
+    back = tmp_path / "back.jsonl"
+    f = sorted((new / SESSIONS_SUBDIR).glob("*.jsonl"))[0]
+    cd.convert_file(f, back, delta=False)
+    strip = lambda r: {k: v for k, v in r.items() if k != cd.WRITER_KEY}  # noqa: E731
+    assert [strip(r) for r in read_capture_lines(back)] == list(read_capture_lines(old / SESSIONS_SUBDIR / f.name))
