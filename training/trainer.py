@@ -208,11 +208,9 @@ class GRPOTrainer:
         if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy = TokenLogprobs(model)
-        self.ref_policy = TokenLogprobs(ref_model) if ref_model is not None else None
-        if self.ref_policy is not None:
-            self.ref_policy.eval()
-            for p in self.ref_policy.parameters():
-                p.requires_grad_(False)
+        self.ref_policy = None
+        if ref_model is not None:
+            self.attach_reference(ref_model, shard=False)
         self.compute_dtype = DTYPES[cfg.compute_dtype]
         if pdist.is_distributed():
             mp = self.compute_dtype if self.compute_dtype != torch.float32 else None
@@ -307,6 +305,18 @@ class GRPOTrainer:
             for mb in microbatches:
                 if mb.ref_logp is None:
                     mb.ref_logp = self._ref_logprobs(mb).float().cpu()
+
+    def attach_reference(self, ref_model: torch.nn.Module, shard: bool = True) -> None:
+        """Use ``ref_model`` as the frozen KL reference (again, after :meth:`release_reference`: a
+        trainer that stays up across rollout batches reloads it per batch, see session.py)."""
+        self.ref_model = ref_model
+        self.ref_policy = TokenLogprobs(ref_model)
+        self.ref_policy.eval()
+        for p in self.ref_policy.parameters():
+            p.requires_grad_(False)
+        if shard and pdist.is_distributed():
+            mp = self.compute_dtype if self.compute_dtype != torch.float32 else None
+            pdist.shard_model(self.ref_policy, param_dtype=mp)
 
     def release_reference(self) -> None:
         """Free the frozen reference once every micro-batch has its ``ref_logp``.
