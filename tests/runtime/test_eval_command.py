@@ -45,8 +45,10 @@ def test_polar_eval_through_the_proxy_greedy(tmp_path):
                              env={**os.environ, "COLUMNS": "200"})
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         url = up.url
-        sent = [b for b in up.upstream.requests if "messages" in b]
-    assert len(sent) == 9 and {b.get("temperature") for b in sent} == {0.0}, [b.get("temperature") for b in sent]
+        # chat calls, or token-in generate calls under exact history: the temperature vLLM was asked for
+        sent = [b.get("temperature") for b in up.upstream.requests if "messages" in b]
+        sent += [(b.get("sampling_params") or {}).get("temperature") for b in up.upstream.generate_requests]
+    assert len(sent) == 9 and set(sent) == {0.0}, sent
     res = json.loads((out / "eval.json").read_text())
     by = {t["task_id"]: t for t in res["tasks"]}
     assert res["ks"] == [1, 2, 3] and res["greedy"] is True and res["temperature"] == 0.0
