@@ -250,7 +250,6 @@ def eval_command(
     from polar_core.processes import interruptible, stop_all_children
     from polar_runtime import harnesses as h
     from polar_runtime import rollout as r
-    from polar_runtime.rollout_commands import _preset
 
     ks = _parse_ks(k)
     if infra not in INFRA_POLICIES:
@@ -273,7 +272,13 @@ def eval_command(
         raise typer.BadParameter("--samples must be >= 1")
     if ks and max(ks) > samples:
         raise typer.BadParameter(f"k = {max(ks)} needs at least that many samples (--samples {samples})")
-    preset = _preset(harness, command)
+    try:
+        preset = h.get_preset(harness, command or "")
+    except KeyError as exc:
+        raise typer.BadParameter(str(exc.args[0])) from None
+    if not preset.installed():
+        console.print(f"[red]{harness} is not installed: run `polar harness install {preset.package}`[/red]")
+        raise typer.Exit(1)
     try:
         task_list = r.load_tasks(tasks)
     except (ValueError, FileNotFoundError) as exc:
