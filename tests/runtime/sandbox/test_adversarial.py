@@ -7,8 +7,8 @@ they did on the code before the sandbox):
 
     POLAR_SANDBOX_UNDER_TEST=host .venv/bin/python -m pytest tests/runtime/sandbox/test_adversarial.py
 
-(the real fork bomb is not run against ``host``: it would take the shared machine down; the bounded
-spawner next to it shows the missing process cap instead).
+(the real fork bomb and ``kill -9 -1`` are not run against ``host``: they would take the shared
+machine down; the bounded spawner next to it shows the missing process cap instead).
 """
 
 from __future__ import annotations
@@ -180,9 +180,15 @@ def test_kills_the_proxy(sandbox, sample):
     proxy = subprocess.Popen([sys.executable, "-c", PROXY_SCRIPT], stdout=subprocess.PIPE, text=True)
     try:
         port = int(proxy.stdout.readline())
+        # "kill -9 -1" (every process it may signal) only where the sandbox isolates: on the host
+        # backend it would kill every process on the machine
+        everything = "kill -9 -1" if sandbox.isolates else "true"
         res, _, log = run(sandbox, work, home, f"""
-            kill -9 {proxy.pid}; kill -9 -1; pkill -9 -f 'create_server' ; true
+            kill -9 {proxy.pid}
+            {everything}
+            echo tried > tried.txt
         """, proxy_port=port)
+        assert (work / "tried.txt").exists(), log
         time.sleep(0.2)
         assert proxy.poll() is None, "the solution killed the model proxy"
     finally:
@@ -195,10 +201,10 @@ def test_background_process_writing_later_is_ended_with_the_phase(sandbox, sampl
     res, wall, log = run(sandbox, work, home, """
         setsid sh -c 'sleep 1.5; echo late > late.txt' > /dev/null 2>&1 < /dev/null &
         nohup sh -c 'sleep 1.5; echo late > late2.txt' > /dev/null 2>&1 &
-        echo done
+        sleep 0.3; echo done
     """)
     assert wall < 1.5
-    time.sleep(2.5)
+    time.sleep(2.0)
     assert not (work / "late.txt").exists() and not (work / "late2.txt").exists(), "a process outlived its phase"
     assert any("leftover" in n for n in res.notes), res.notes
 
@@ -226,11 +232,13 @@ def test_fork_bomb_is_contained(sandbox, sample):
         {tag}() {{ {tag} | {tag} & }}; {tag}
         sleep 30
     """, pids=64, timeout_s=4)
-    assert res.timed_out and wall < 10, f"the run must return (wall {wall:.1f} s)"
+    assert wall < 10, f"the run must return (wall {wall:.1f} s)"
     time.sleep(0.3)
     left = [p for p in Path("/proc").glob("[0-9]*/cmdline") if tag.encode() in _read(p)]
     assert not left, f"{len(left)} fork bomb processes outlived the phase"
-    assert any("pids limit" in n for n in res.notes) and any("timed out" in n for n in res.notes), res.notes
+    # the shell gives up when a fork is refused, or the timeout ends it: either way the rest die
+    assert any("pids limit hit" in n for n in res.notes), res.notes
+    assert any("timed out" in n or "leftover" in n for n in res.notes), res.notes
     assert time.monotonic() - t0 < 12
 
 
