@@ -179,10 +179,17 @@ class Session:
     #: continue the harness's own last conversation in this work dir and HOME (``task`` is then the
     #: next user turn): the harness re-sends the whole history, with the model's earlier answers
     resume: bool = False
+    #: in a sandbox ``workdir`` is the path the harness sees (the task's WORKDIR, /app) and this is
+    #: the host directory bound there; None when both are the same
+    host_workdir: Path | None = None
+    #: the task's reference solution (host directory with solve.sh), for the ``oracle`` preset only
+    solution_dir: Path | None = None
 
     def __post_init__(self) -> None:
         # The harness runs with ``workdir`` as its cwd: a relative HOME would point inside it.
         self.workdir, self.home = paths.absolute(self.workdir), paths.absolute(self.home)
+        if self.host_workdir is not None:
+            self.host_workdir = paths.absolute(self.host_workdir)
 
     @property
     def api_key(self) -> str:
@@ -194,6 +201,8 @@ class Invocation:
     argv: list[str]
     env: dict[str, str]
     cwd: Path
+    #: extra read-only (host path, path inside) binds the sandbox must add (the oracle's /solution)
+    binds: list[tuple[Path, str]] = field(default_factory=list)
 
     def shell(self) -> str:
         """The command as one copy-pasteable line (for logs and `polar harness run --dry-run`)."""
@@ -262,6 +271,7 @@ class Preset:
     package: str | None = None  # key of PACKAGES; None for the generic preset
     wire: str = ""  # provider wire format the harness speaks (schema.PROVIDERS)
     description: str = ""
+    needs_model: bool = True  # False: runs without a model server (oracle, nop)
     trim_flags: str = ""  # documentation of what ``trim`` does for this harness
     resume_flags: str = ""  # documentation of how ``Session.resume`` continues the last conversation
 
@@ -278,7 +288,7 @@ class Preset:
         raise NotImplementedError
 
     def _dirs(self, s: Session) -> None:
-        s.workdir.mkdir(parents=True, exist_ok=True)
+        (s.host_workdir or s.workdir).mkdir(parents=True, exist_ok=True)
         s.home.mkdir(parents=True, exist_ok=True)
 
 
@@ -549,6 +559,40 @@ class Generic(Preset):
         return Invocation(["bash", "-c", cmd], env, s.workdir)
 
 
+class Oracle(Preset):
+    """Harbor's ``oracle`` agent: runs the task's ``solution/solve.sh`` (bound read-only at
+    /solution) in exactly the sandbox an agent gets, with task.toml's ``[solution] env``. A task
+    whose oracle does not score 1 has a broken verifier or solution (``polar tasks check``)."""
+
+    name, package, wire = "oracle", None, ""
+    description = "the task's reference solution (solution/solve.sh); no model"
+    needs_model = False
+
+    def prepare(self, s: Session) -> Invocation:
+        if s.solution_dir is None or not (s.solution_dir / "solve.sh").is_file():
+            raise FileNotFoundError("the task has no solution/solve.sh for the oracle")
+        self._dirs(s)
+        return Invocation(["bash", "/solution/solve.sh"], base_env(s), s.workdir,
+                          binds=[(s.solution_dir, "/solution")])
+
+
+class Nop(Preset):
+    """Harbor's ``nop`` agent: does nothing, so the verifier judges the untouched environment. A
+    task whose nop scores as high as its oracle does not test anything (``polar tasks check``)."""
+
+    name, package, wire = "nop", None, ""
+    description = "does nothing (the untouched environment); no model"
+    needs_model = False
+
+    def prepare(self, s: Session) -> Invocation:
+        self._dirs(s)
+        return Invocation(["true"], base_env(s), s.workdir)
+
+
+#: Presets that need no model server and no npm package.
+NO_MODEL_PRESETS: dict[str, type[Preset]] = {"oracle": Oracle, "nop": Nop}
+
+
 def presets() -> dict[str, Preset]:
     ps: list[Preset] = [Codex(), ClaudeCode(), QwenCode(), *(Pi(v) for v in PI_APIS), Gemini(), OpenCode()]
     return {p.name: p for p in ps}
@@ -561,10 +605,12 @@ ALIASES = {"pi": "pi-chat", "claude": "claude-code", "qwen": "qwen-code", "gemin
 def get_preset(name: str, command: str = "") -> Preset:
     if name == "generic" or command:
         return Generic(command)
+    if name in NO_MODEL_PRESETS:
+        return NO_MODEL_PRESETS[name]()
     name = ALIASES.get(name, name)
     table = presets()
     if name not in table:
-        raise KeyError(f"unknown harness {name!r}; known: {', '.join([*table, 'generic'])}")
+        raise KeyError(f"unknown harness {name!r}; known: {', '.join([*table, 'generic', *NO_MODEL_PRESETS])}")
     return table[name]
 
 
@@ -579,6 +625,7 @@ class RunResult:
     wall_s: float
     stdout_path: Path
     stderr_path: Path
+    notes: list[str] = field(default_factory=list)  # what the sandbox enforced or contained
 
     def tail(self, n: int = 2000) -> str:
         out = []
@@ -603,11 +650,21 @@ def terminate_all() -> int:
     return len(procs)
 
 
-def run_invocation(inv: Invocation, timeout: float, log_dir: Path, name: str = "harness") -> RunResult:
-    """Run headless (stdin closed) in its own process group; a hard timeout kills the whole group."""
+def run_invocation(inv: Invocation, timeout: float, log_dir: Path, name: str = "harness",
+                   sandbox: object | None = None, spec: object | None = None) -> RunResult:
+    """Run headless (stdin closed) in its own process group; a hard timeout kills the whole group.
+
+    With ``sandbox`` (a polar_runtime.sandbox.Sandbox) and its ``spec``, the invocation runs in it:
+    argv and env as prepared, the timeout the spec's; ``RunResult.notes`` are the sandbox's."""
     log_dir.mkdir(parents=True, exist_ok=True)
     out_p, err_p = log_dir / f"{name}.stdout", log_dir / f"{name}.stderr"
     t0 = time.monotonic()
+    if sandbox is not None:
+        spec.env, spec.timeout_s = dict(inv.env), timeout  # type: ignore[attr-defined]
+        with open(out_p, "wb") as out, open(err_p, "wb") as err:
+            res = sandbox.run(spec, list(inv.argv), stdout=out, stderr=err)  # type: ignore[attr-defined]
+        return RunResult(None if res.timed_out else res.returncode, res.timed_out, time.monotonic() - t0,
+                         out_p, err_p, list(res.notes))
     with open(out_p, "wb") as out, open(err_p, "wb") as err:
         proc = subprocess.Popen(inv.argv, env=inv.env, cwd=inv.cwd, stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=err, start_new_session=True)

@@ -1,17 +1,21 @@
-"""`polar rollout`: run a harness on every task N times through the proxy, evaluate, record rewards.
+"""`polar rollout`: run a harness on every task N times through the proxy, verify, record rewards.
 
 Each sample gets its own session id (``<task>.st<step>.s<sample>``), work dir and HOME; the proxy
 captures its calls under that id (the task/group ids are registered through the proxy's control
-API before the harness starts). After the harness ends -- or is killed for the timeout, in which
-case its partial trace is kept and the sample is marked ``timeout`` -- the task's evaluator runs in
-the work dir and its verdict becomes the reward:
+API before the harness starts). Every phase of a sample runs in a sandbox (polar_runtime/sandbox,
+``auto``: bubblewrap where it is installed):
 
-* exit code 0: the number on the evaluator's last stdout line if there is one (partial credit),
-  else 1.0 (the evaluator gets POLAR_SESSION, POLAR_STATUS and POLAR_HARNESS_STDOUT, the file with
-  the harness's output, to judge a final answer);
-* exit code != 0: 0.0;
-* the evaluator could not run or timed out: reward null, ``evaluator_status`` says why.
-  Evaluator failures are recorded, never fatal to the rollout.
+1. build: the task's environment (its Dockerfile, or the JSONL shorthand's files and setup) is built
+   once per task into ``<work>/.builds`` (RUN steps inside the sandbox) and copied to the sample's
+   work dir, which the agent sees at the Dockerfile's WORKDIR (``/app`` by default);
+2. agent: the harness runs in the sandbox with that work dir, its isolated HOME, the harness install
+   read-only, no network but the model proxy (relayed into the sandbox on the same loopback port,
+   so base-URL and HTTPS_PROXY modes work unchanged) unless task.toml says ``allow_internet``;
+   after the harness ends -- or is killed for the timeout, in which case its partial trace is kept
+   and the sample is marked ``timeout`` -- every process it left is gone;
+3. verifier (polar_runtime/verifier.py): the hidden tests, copied only now to ``/tests``, run in a
+   sandbox of their own; the float test.sh writes to /logs/verifier/reward.txt is the reward (null
+   with ``evaluator_status`` error/timeout when it could not give one: recorded, never fatal).
 
 Results are written per sample as ``<capture_dir>/rollouts/<key>.json`` the moment a sample
 finishes (atomic rename), and gathered into ``<capture_dir>/rollouts.parquet`` after every sample.
@@ -28,7 +32,6 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,9 +42,10 @@ import polars as pl
 
 from polar_core import paths
 from polar_core.schema import SESSIONS_SUBDIR, read_capture_lines, valid_session_id
-from polar_runtime.harnesses import Endpoint, Preset, Session, kill_group, run_invocation, terminate_all
-
-TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+from polar_runtime.harnesses import Endpoint, Preset, Session, run_invocation, terminate_all
+from polar_runtime.tasks import TASKS_DIR, Task, builtin_sets, load_tasks, resolve_tasks_path, task_from_dict  # noqa: F401
+from polar_runtime.tasks.environment import BuildError, build_env, prepare_workdir
+from polar_runtime.verifier import Evaluation, verify  # noqa: F401
 ROLLOUTS_SUBDIR = "rollouts"
 ROLLOUTS_FILE = "rollouts.parquet"
 
@@ -73,81 +77,18 @@ ROLLOUT_SCHEMA: dict[str, pl.DataType] = {
     "workdir": pl.String,
     "error_calls": pl.Int64,  # calls the proxy recorded as errors (upstream down, harness hung up, ...)
     "turns": pl.Int64,  # harness runs of the sample: 1 + the task's follow-ups it reached
+    "sandbox": pl.String,  # the sandbox backend every phase of the sample ran in
+    "sandbox_notes": pl.String,  # what the sandbox enforced or contained (one sentence per line)
+    "verifier_dir": pl.String,  # /logs/verifier of the sample: reward file, test-output.txt
 }
 
 
 # ---------------------------------------------------------------------------------------------
-# tasks
-
-
-@dataclass
-class Task:
-    """One task of a tasks file (JSON Lines, one object per line).
-
-    Keys: ``id`` (or ``task_id``), ``instruction`` (or ``prompt``), optional ``files``
-    ({relative path: content} written into the work dir), ``setup`` (shell command run in the work
-    dir before the harness), ``evaluator`` (shell command run in the work dir afterwards),
-    ``timeout`` (seconds, overrides ``--timeout`` for this task: the whole sample, follow-ups
-    included) and ``followups`` (later user turns: once the harness has ended its run cleanly, it
-    is started again on each, continuing its own conversation in the same session through its
-    resume flag, so it re-sends the whole history, the model's earlier answers included).
-    """
-
-    id: str
-    instruction: str
-    files: dict[str, str] = field(default_factory=dict)
-    setup: str | None = None
-    evaluator: str | None = None
-    timeout: float | None = None
-    followups: list[str] = field(default_factory=list)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Task":
-        tid = d.get("id", d.get("task_id"))
-        text = d.get("instruction", d.get("prompt"))
-        if not tid or not isinstance(tid, str):
-            raise ValueError(f"task without an id: {d!r:.200}")
-        if not text or not isinstance(text, str):
-            raise ValueError(f"task {tid!r} has no instruction")
-        files = d.get("files") or {}
-        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-            raise ValueError(f"task {tid!r}: files must map relative paths to text")
-        followups = d.get("followups") or []
-        if not isinstance(followups, list) or not all(isinstance(f, str) and f for f in followups):
-            raise ValueError(f"task {tid!r}: followups must be a list of non-empty instructions")
-        return cls(tid, text, dict(files), d.get("setup"), d.get("evaluator"), d.get("timeout"), list(followups))
+# tasks (polar_runtime/tasks: Harbor directories and the JSONL shorthand, one Task object)
 
 
 def builtin_tasks() -> list[Path]:
-    return sorted(TASKS_DIR.glob("*.jsonl"))
-
-
-def resolve_tasks_path(spec: str | Path) -> Path:
-    """A path, or the name of a built-in tasks file (``coding`` -> polar_runtime/tasks/coding.jsonl)."""
-    p = Path(spec)
-    if p.exists():
-        return p
-    builtin = TASKS_DIR / f"{spec}.jsonl"
-    if builtin.exists():
-        return builtin
-    raise FileNotFoundError(f"no tasks file {spec!r} (built-in: {', '.join(b.stem for b in builtin_tasks())})")
-
-
-def load_tasks(spec: str | Path) -> list[Task]:
-    path = resolve_tasks_path(spec)
-    tasks: list[Task] = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        try:
-            tasks.append(Task.from_dict(json.loads(line)))
-        except (ValueError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}:{n}: {exc}") from exc
-    ids = [t.id for t in tasks]
-    dup = {i for i in ids if ids.count(i) > 1}
-    if dup:
-        raise ValueError(f"{path}: duplicate task ids {sorted(dup)}")
-    return tasks
+    return builtin_sets()
 
 
 def parse_shard(spec: str | None) -> tuple[int, int]:
@@ -200,85 +141,7 @@ def session_id_for(task_id: str, step: int, sample: int, attempt: int = 0) -> st
 
 
 # ---------------------------------------------------------------------------------------------
-# work dirs, evaluator, capture statistics
-
-
-def _shell(cmd: str, cwd: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int | None, str, float]:
-    """Run ``cmd`` with bash in its own process group; (exit code or None on timeout, output, secs)."""
-    t0 = time.monotonic()
-    proc = subprocess.Popen(["bash", "-c", cmd], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        rc: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        kill_group(proc, grace=2.0)
-        out, _ = proc.communicate()
-        rc = None
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, 9)
-    return rc, out.decode(errors="replace"), time.monotonic() - t0
-
-
-def prepare_workdir(task: Task, workdir: Path, timeout: float = 300.0) -> str | None:
-    """Write the task's files and run its setup command. Returns an error message or None."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    root = workdir.resolve()
-    for rel, content in task.files.items():
-        target = (workdir / rel).resolve()
-        if root not in target.parents:
-            return f"task file {rel!r} escapes the work dir"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(content)
-    if task.setup:
-        rc, out, _ = _shell(task.setup, workdir, timeout)
-        if rc != 0:
-            return f"setup {'timed out' if rc is None else f'exited {rc}'}: {out[-1000:]}"
-    return None
-
-
-@dataclass
-class Evaluation:
-    reward: float | None
-    status: str  # pass | fail | error | timeout | none
-    output: str
-    seconds: float = 0.0
-
-
-_NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
-
-
-def reward_from(rc: int | None, output: str) -> tuple[float | None, str]:
-    """The reward rule: exit 0 -> number on the last stdout line, else 1.0; exit != 0 -> 0.0."""
-    if rc is None:
-        return None, "timeout"
-    if rc != 0:
-        return 0.0, "fail"
-    lines = [ln.strip() for ln in output.strip().splitlines() if ln.strip()]
-    if lines and _NUMBER.fullmatch(lines[-1]):
-        value = float(lines[-1])
-        if value != value or value in (float("inf"), float("-inf")):
-            return None, "error"
-        return value, "pass" if value > 0 else "fail"
-    return 1.0, "pass"
-
-
-def evaluate(task: Task, workdir: Path, timeout: float = 120.0, facts: dict[str, str] | None = None) -> Evaluation:
-    """Run the evaluator in the work dir. ``facts`` become POLAR_* environment variables, so an
-    evaluator can also judge the harness's final answer (POLAR_HARNESS_STDOUT is its output file)."""
-    if not task.evaluator:
-        return Evaluation(None, "none", "")
-    env = {**os.environ, **{f"POLAR_{k.upper()}": v for k, v in (facts or {}).items()}}
-    try:
-        rc, out, secs = _shell(task.evaluator, workdir, timeout, env)
-    except OSError as exc:  # bash missing, work dir gone: recorded, not fatal
-        return Evaluation(None, "error", f"evaluator could not start: {exc}")
-    reward, status = reward_from(rc, out)
-    if rc is None:
-        out += f"\n[polar] evaluator timed out after {timeout:.0f} s"
-    elif rc in (126, 127) and status == "fail":  # shell: not executable / command not found
-        reward, status = None, "error"
-    return Evaluation(reward, status, out[-4000:], secs)
+# capture statistics
 
 
 def session_capture_files(capture_dir: Path, session_id: str) -> list[Path]:
@@ -534,10 +397,23 @@ class RolloutConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     settle_s: float = 5.0  # how long to wait for in-flight calls to reach the captures after a run
     rerun: frozenset[str] = frozenset()  # statuses whose samples run again (e.g. {"failed"} after an outage)
+    #: the sandbox backend of every phase (polar_runtime.sandbox.get_sandbox): auto, bubblewrap,
+    #: docker, or host (no isolation at all: tests with a fake harness that writes outside)
+    sandbox: str = "auto"
+    pids: int | None = 4096  # the most processes alive at once in one sample's sandbox
 
     def __post_init__(self) -> None:
         self.capture_dir = paths.absolute(self.capture_dir)
         self.work_root = paths.absolute(self.work_root) if self.work_root is not None else None
+        self._sandbox: Any = None
+
+    def get_sandbox(self) -> Any:
+        """The sandbox backend, resolved once (SandboxUnavailable says why it cannot run here)."""
+        if self._sandbox is None:
+            from polar_runtime.sandbox import get_sandbox
+
+            self._sandbox = get_sandbox(self.sandbox)
+        return self._sandbox
 
     @property
     def work(self) -> Path:
@@ -573,25 +449,76 @@ def next_attempt(cfg: RolloutConfig, task_id: str, sample: int) -> int:
     return attempt
 
 
+def _loopback_port(url: str) -> int | None:
+    """The port of a proxy URL on this machine's loopback (what the sandbox relays inside)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.hostname in ("127.0.0.1", "localhost", "::1") and parts.port:
+        return parts.port
+    return None
+
+
+def agent_spec(cfg: RolloutConfig, task: Task, workdir_host: Path, home: Path, timeout: float) -> Any:
+    """The sandbox of the agent phase (also the oracle's and nop's: exactly the same)."""
+    from polar_runtime.sandbox import SandboxSpec
+
+    ro: list[tuple[Path, str]] = []
+    ep = cfg.endpoint
+    needs_model = getattr(cfg.preset, "needs_model", True)
+    if cfg.preset.package:
+        ro.append((paths.harnesses_dir(), ""))
+    if needs_model and ep.mode == "proxy" and ep.ca_cert:
+        ro.append((ep.ca_cert, ""))
+    port = _loopback_port(ep.proxy_url if ep.mode == "proxy" else ep.base_url) if needs_model else None
+    network = task.allow_internet or (needs_model and port is None)  # a proxy on another machine
+    return SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, home_host=home, ro_binds=ro,
+                       network=network, proxy_port=port, cpus=task.cpus, memory_mb=task.memory_mb,
+                       pids=cfg.pids, timeout_s=timeout)
+
+
+def _map_binds(inv: Any, spec: Any, sandbox: Any) -> None:
+    """Add a preset's extra binds to the spec and point its argv at where they are seen inside
+    (the same path in a real sandbox; the host path with the ``host`` backend)."""
+    for host, dest in inv.binds:
+        spec.ro_binds.append((host, dest))
+        seen = sandbox.inside(spec, host)
+        inv.argv = [seen + a[len(dest):] if a == dest or a.startswith(dest + "/") else a for a in inv.argv]
+
+
 def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[str, Any]:
-    """One harness run, end to end; never raises for harness or evaluator failures."""
+    """One sample, end to end (build, agent, verifier); never raises for harness, build or
+    verifier failures."""
     task, i = job.task, job.sample
     attempt = next_attempt(cfg, task.id, i)
     sid = session_id_for(task.id, cfg.step, i, attempt)
     gid = group_id_for(task.id, cfg.step)
-    workdir = cfg.work / sid / "work"
-    home = cfg.work / sid / "home"
+    sample_dir = cfg.work / sid
+    workdir = sample_dir / "work"
+    home = sample_dir / "home"
+    logs = sample_dir / "logs"
     row: dict[str, Any] = dict(
         task_id=task.id, sample_index=i, session_id=sid, group_id=gid, step=cfg.step,
         status="failed", reward=None, calls=0, error_calls=0, prompt_tokens=0, sampled_tokens=0, wall_s=0.0,
         evaluator_output="", evaluator_status="none", eval_s=0.0, exit_code=None,
         harness=cfg.preset.name, mode=cfg.endpoint.mode, model=cfg.model, attempt=attempt,
-        error=None, started_at=time.time(), workdir=str(workdir), turns=0,
+        error=None, started_at=time.time(), workdir=str(workdir), turns=0, sandbox=cfg.sandbox,
+        sandbox_notes="", verifier_dir=None,
     )
-    err = prepare_workdir(task, workdir)
-    if err:
-        row["error"] = err
+    notes: list[str] = []
+    try:
+        sandbox = cfg.get_sandbox()
+        row["sandbox"] = sandbox.name
+        notes += prepare_workdir(task, workdir, sandbox, cfg.work / ".builds")
+    except Exception as exc:  # noqa: BLE001 - no sandbox, a build that fails: this sample failed, visibly
+        row["error"] = f"environment: {exc}"
+        row["sandbox_notes"] = "\n".join(notes)
         return row
+    home.mkdir(parents=True, exist_ok=True)
+    solution = None
+    if cfg.preset.name == "oracle" and task.has_solution:
+        solution = sample_dir / "solution"
+        task.write_solution(solution)
     try:
         registry.register(sid, task.id, gid, i, harness=cfg.preset.name)
     except Exception as exc:  # noqa: BLE001 - an unreachable proxy fails this sample, visibly
@@ -599,19 +526,28 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
         return row
     limit = task.timeout or cfg.timeout
     wall = 0.0
-    turns = [task.instruction, *task.followups]
+    # follow-ups are user turns for a model; the oracle and nop act once
+    turns = [task.instruction, *(task.followups if getattr(cfg.preset, "needs_model", True) else [])]
+    task_env = {k: v for k, v in build_env(task).items() if k != "PATH" or "PATH" in task.environment.env}  # type: ignore[union-attr]
+    extra_env = {**task_env, **cfg.extra_env, **(task.solution_env if solution else {})}
+    result = None
     for turn, text in enumerate(turns):
         # a follow-up continues the harness's own conversation (same session, work dir and HOME)
-        session = Session(session_id=sid, task=text, workdir=workdir, home=home, model=cfg.model,
-                          endpoint=cfg.endpoint, trim=cfg.trim, extra_env=dict(cfg.extra_env), resume=turn > 0)
+        spec = agent_spec(cfg, task, workdir, home, max(1.0, limit - wall))
+        session = Session(session_id=sid, task=text, workdir=Path(sandbox.inside(spec, workdir)), home=home,
+                          model=cfg.model, endpoint=cfg.endpoint, trim=cfg.trim, extra_env=dict(extra_env),
+                          resume=turn > 0, host_workdir=workdir, solution_dir=solution)
         name = cfg.preset.name if turn == 0 else f"{cfg.preset.name}.turn{turn}"
         try:
             inv = cfg.preset.prepare(session)
-            result = run_invocation(inv, max(1.0, limit - wall), cfg.work / sid / "logs", name)
+            _map_binds(inv, spec, sandbox)
+            result = run_invocation(inv, max(1.0, limit - wall), logs, name, sandbox=sandbox, spec=spec)
         except Exception as exc:  # noqa: BLE001 - a preset that cannot start is a failed sample, not a crash
             row["error"] = f"{type(exc).__name__}: {exc}"
             row["wall_s"] = round(wall, 3)
+            row["sandbox_notes"] = "\n".join(notes)
             return row
+        notes += result.notes
         wall += result.wall_s
         row["turns"] = turn + 1
         row["wall_s"] = round(wall, 3)
@@ -630,10 +566,14 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
     if not registry.settle(cfg.capture_dir, sid, cfg.settle_s):
         note = "a call still in flight at the end is not in the captures (the upstream has not answered)"
         row["error"] = f"{row['error']}; {note}" if row["error"] else note
-    ev = evaluate(task, workdir, cfg.eval_timeout, facts={
-        "session": sid, "task_id": task.id, "status": row["status"], "workdir": str(workdir),
-        "harness_stdout": str(result.stdout_path), "harness_stderr": str(result.stderr_path)})
-    row.update(reward=ev.reward, evaluator_status=ev.status, evaluator_output=ev.output, eval_s=round(ev.seconds, 3))
+    assert result is not None
+    ev = verify(task, sandbox=sandbox, sample_dir=sample_dir, workdir_host=workdir, agent_logs=logs,
+                timeout=task.verifier_timeout or cfg.eval_timeout, facts={
+                    "session": sid, "task_id": task.id, "status": row["status"],
+                    "harness_stdout": str(result.stdout_path), "harness_stderr": str(result.stderr_path)})
+    notes += [f"verifier: {n}" for n in ev.notes]
+    row.update(reward=ev.reward, evaluator_status=ev.status, evaluator_output=ev.output, eval_s=round(ev.seconds, 3),
+               verifier_dir=str(sample_dir / "verifier"), sandbox_notes="\n".join(dict.fromkeys(notes)))
     row["calls"], row["error_calls"], row["prompt_tokens"], row["sampled_tokens"] = capture_stats(cfg.capture_dir, sid)
     return row
 
@@ -681,6 +621,9 @@ def run_rollout(
         stop.set()
         pool.shutdown(wait=False, cancel_futures=True)
         terminate_all()
+        from polar_runtime.sandbox.base import terminate_all as terminate_sandboxed
+
+        terminate_sandboxed()
         pool.shutdown(wait=True)
         store.write_parquet()
         raise

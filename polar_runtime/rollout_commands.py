@@ -149,8 +149,11 @@ def harness_run(
 
 
 def register(app: typer.Typer) -> None:
+    from polar_runtime import task_commands
+
     app.add_typer(harness_app, name="harness")
     app.command("rollout")(rollout_command)
+    task_commands.register(app)  # tasks check|list|convert
 
 
 # ---------------------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def test_ctrl_c_stops_the_running_harness_and_keeps_no_result(tmp_path: Path) ->
     task = r.Task(id="slow", instruction="wait", evaluator="test -f late.txt")
     endpoint = h.Endpoint(mode="base_url", base_url="http://127.0.0.1:9")
     cfg = r.RolloutConfig(tasks=[task], preset=preset, endpoint=endpoint, capture_dir=tmp_path / "cap",
-                          model="m", samples=2, concurrency=2, timeout=120)
+                          model="m", samples=2, concurrency=2, timeout=120, sandbox="host")  # the marker is outside
 
     def interrupt() -> None:
         deadline = time.monotonic() + 20

@@ -1,0 +1,3 @@
+#!/usr/bin/env bash
+cd /app
+wc -l < data.txt > count.txt

@@ -1,0 +1,119 @@
+"""The local mode's environment build: a task's Dockerfile (or the shorthand's files and setup)
+applied to an empty work dir on the host's toolchain, then copied for every sample.
+
+``COPY``/``ADD`` copy files of the build context into the work dir; ``ENV`` values reach every
+later ``RUN`` and, as in a container, the agent, the oracle and the verifier; each ``RUN`` runs
+inside the sandbox with the work dir (bound at the Dockerfile's WORKDIR) writable, the host
+system read-only, and the network only when task.toml says ``allow_internet = true``. A build is
+done once per task and content (``Environment.digest``) under ``<work root>/.builds`` and reused by
+every sample and later step; a failed build is recorded there too, so the samples of a broken task
+fail at once with the build's error (the line and its output) instead of rebuilding it each time.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from polar_core.processes import file_lock
+from polar_runtime.tasks.model import DEFAULT_BUILD_TIMEOUT, Task
+
+#: PATH inside when neither the caller nor the Dockerfile sets one.
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class BuildError(RuntimeError):
+    """The environment could not be built; the message names the step (Dockerfile line)."""
+
+
+def _copy(src: Path, dest: Path) -> None:
+    if src.is_dir():
+        shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True)
+    else:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest, follow_symlinks=False)
+
+
+def build_env(task: Task, base_path: str | None = None) -> dict[str, str]:
+    """The environment variables of the task's ENV lines ($PATH resolved against the host's)."""
+    assert task.environment is not None
+    env = {"PATH": base_path or DEFAULT_PATH}
+    env.update(task.environment.env)
+    return env
+
+
+def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path) -> list[str]:
+    """Build the task's environment into ``workdir_host`` (empty); returns the notes of the build.
+    RUN steps run through ``sandbox`` (a polar_runtime.sandbox.Sandbox)."""
+    from polar_runtime.sandbox import SandboxSpec
+
+    env_plan = task.environment
+    assert env_plan is not None
+    workdir_host.mkdir(parents=True, exist_ok=True)
+    root = workdir_host.resolve()
+    notes = list(env_plan.notes)
+    env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", "HOME": "/root", "DEBIAN_FRONTEND": "noninteractive"}
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for i, step in enumerate(env_plan.steps):
+        where = f"line {step.line} `{step.source[:100]}`" if step.line else (step.source[:100] or step.kind)
+        if step.kind == "env":
+            env[step.dest] = step.text
+        elif step.kind == "write":
+            target = (workdir_host / step.dest).resolve()
+            if root not in target.parents:
+                raise BuildError(f"task file {step.dest!r} escapes the work dir")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(step.text)
+        elif step.kind == "copy":
+            assert env_plan.context is not None
+            sources = sorted(glob.glob(str(env_plan.context / step.src))) or [str(env_plan.context / step.src)]
+            dest = workdir_host / step.dest
+            for s in map(Path, sources):
+                # COPY dir/ dest copies the contents; a file goes into dest/ when dest ends in /
+                # or more than one source was named
+                target = dest / s.name if (step.dest.endswith("/") or len(sources) > 1) and s.is_file() else dest
+                if root not in target.resolve().parents and target.resolve() != root:
+                    raise BuildError(f"{where}: destination escapes the work dir")
+                _copy(s, target)
+        elif step.kind == "run":
+            spec = SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, env=dict(env),
+                               network=task.allow_internet, cpus=task.cpus, memory_mb=task.memory_mb,
+                               timeout_s=task.build_timeout or DEFAULT_BUILD_TIMEOUT)
+            out_path = log_dir / f"build-step{i}.log"
+            with open(out_path, "wb") as out:
+                res = sandbox.run(spec, ["bash", "-c", step.text], stdout=out, stderr=out)
+            if res.timed_out or res.returncode != 0:
+                tail = out_path.read_text(errors="replace")[-1500:]
+                what = f"timed out after {spec.timeout_s:g} s" if res.timed_out else f"exited {res.returncode}"
+                raise BuildError(f"{where} {what}: {tail}")
+    return notes
+
+
+def prepare_workdir(task: Task, workdir: Path, sandbox: Any, build_root: Path) -> list[str]:
+    """The task's built environment copied into ``workdir`` (built once under ``build_root``).
+    Returns the build's notes; raises :class:`BuildError`."""
+    assert task.environment is not None
+    key = f"{task.id[:60]}-{task.environment.digest()}"
+    built = build_root / key
+    ready, failed = built / ".polar-built", built / ".polar-build-error"
+    with file_lock(build_root / f".{key}.lock"):
+        if failed.exists():
+            raise BuildError(failed.read_text())
+        if not ready.exists():
+            if built.exists():
+                shutil.rmtree(built)
+            try:
+                notes = apply_steps(task, built / "work", sandbox, built / "logs")
+            except (BuildError, OSError) as exc:
+                built.mkdir(parents=True, exist_ok=True)
+                failed.write_text(str(exc))
+                raise BuildError(str(exc)) from exc
+            ready.write_text("\n".join(notes))
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    shutil.copytree(built / "work", workdir, symlinks=True)
+    os.chmod(workdir, 0o755)
+    return [n for n in ready.read_text().splitlines() if n]

@@ -1,0 +1,3 @@
+#!/usr/bin/env bash
+cd /app
+printf 'first\nsecond\n' > notes.txt

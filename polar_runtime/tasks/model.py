@@ -1,0 +1,173 @@
+"""The one task object every format becomes: a Harbor task (instruction, environment, hidden tests,
+optional reference solution, limits).
+
+Harbor task directories (``harbor.py``) and the JSONL shorthand (``jsonl.py``) both load into
+:class:`Task`; the runner, the environment build (``environment.py``) and the verifier
+(``polar_runtime/verifier.py``) only ever see this object, so there is one code path. A shorthand
+task carries its files, setup command, evaluator and reference solution as text; a Harbor task
+points at its directory. Either way the environment is a list of build steps (the Dockerfile's, or
+the shorthand's ``COPY``/``RUN`` equivalents), the tests are materialised into a fresh directory
+only after the agent phase (:meth:`Task.write_tests`), and the solution only for the oracle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_WORKDIR = "/app"
+DEFAULT_AGENT_TIMEOUT = 600.0
+DEFAULT_VERIFIER_TIMEOUT = 120.0
+DEFAULT_BUILD_TIMEOUT = 600.0
+
+
+@dataclass
+class Step:
+    """One build step of the environment, in order.
+
+    ``kind``: ``copy`` (``src`` under the build context -> ``dest`` inside the work dir), ``write``
+    (``text`` -> ``dest``), ``run`` (``text`` is a shell command run inside the sandbox) or ``env``
+    (``dest`` = name, ``text`` = value). ``line`` is the Dockerfile line it came from (errors name it).
+    """
+
+    kind: str
+    text: str = ""
+    src: str = ""
+    dest: str = ""
+    line: int = 0
+    source: str = ""  # the Dockerfile line as written, for messages
+
+
+@dataclass
+class Environment:
+    """What the local (no container runtime) mode builds: the host toolchain standing in for
+    ``base_image``, the work dir at ``workdir``, then ``steps``."""
+
+    workdir: str = DEFAULT_WORKDIR
+    base_image: str = ""
+    steps: list[Step] = field(default_factory=list)
+    context: Path | None = None  # the build context (a Harbor task's environment/)
+    notes: list[str] = field(default_factory=list)  # what the local mode ignored or stood in for
+
+    @property
+    def env(self) -> dict[str, str]:
+        """ENV values after the last step (the agent and the verifier see them, as in a container)."""
+        return {s.dest: s.text for s in self.steps if s.kind == "env"}
+
+    def digest(self) -> str:
+        """Content hash of everything the build reads: a built work dir is reused only as long as
+        neither the Dockerfile nor a file of its context changed."""
+        h = hashlib.sha256(f"{self.workdir}\0{self.base_image}".encode())
+        for s in self.steps:
+            h.update(f"\0{s.kind}\0{s.text}\0{s.src}\0{s.dest}".encode())
+        if self.context is not None and self.context.is_dir():
+            for p in sorted(self.context.rglob("*")):
+                if p.is_file():
+                    h.update(str(p.relative_to(self.context)).encode() + b"\0" + p.read_bytes())
+        return h.hexdigest()[:16]
+
+
+@dataclass
+class Task:
+    """One task. The keyword fields after ``followups`` are the shorthand's; a Harbor task sets
+    ``root`` (its directory) and leaves them empty.
+
+    ``timeout`` is the agent timeout (the whole sample, follow-ups included), ``verifier_timeout``
+    the verifier's; both override the command line's defaults when set. ``cpus``, ``memory_mb`` and
+    ``allow_internet`` come from task.toml's ``[environment]`` and reach the sandbox.
+    """
+
+    id: str
+    instruction: str
+    files: dict[str, str] = field(default_factory=dict)
+    setup: str | None = None
+    evaluator: str | None = None
+    timeout: float | None = None
+    followups: list[str] = field(default_factory=list)
+    reference: str | None = None  # the shorthand's reference solution (a shell command)
+    root: Path | None = None  # a Harbor task directory
+    verifier_timeout: float | None = None
+    build_timeout: float | None = None
+    cpus: float | None = None
+    memory_mb: int | None = None
+    storage_mb: int | None = None
+    allow_internet: bool = False
+    verifier_env: dict[str, str] = field(default_factory=dict)
+    solution_env: dict[str, str] = field(default_factory=dict)
+    environment: Environment | None = None
+    notes: list[str] = field(default_factory=list)  # task.toml keys ignored, stand-ins used
+
+    def __post_init__(self) -> None:
+        if self.environment is None:  # the shorthand: files are COPYs, setup is a RUN
+            steps = [Step("write", text=content, dest=rel) for rel, content in self.files.items()]
+            if self.setup:
+                steps.append(Step("run", text=self.setup, source=f"setup: {self.setup}"))
+            self.environment = Environment(steps=steps)
+
+    @property
+    def workdir(self) -> str:
+        assert self.environment is not None
+        return self.environment.workdir
+
+    @property
+    def has_tests(self) -> bool:
+        if self.root is not None:
+            return (self.root / "tests" / "test.sh").is_file()
+        return bool(self.evaluator)
+
+    @property
+    def has_solution(self) -> bool:
+        if self.root is not None:
+            return (self.root / "solution" / "solve.sh").is_file()
+        return bool(self.reference)
+
+    def write_tests(self, dest: Path) -> None:
+        """A fresh copy of the hidden tests at ``dest`` (placed at /tests after the agent phase)."""
+        _fresh(dest)
+        if self.root is not None:
+            shutil.copytree(self.root / "tests", dest, symlinks=True, dirs_exist_ok=True)
+        else:
+            (dest / "test.sh").write_text(shorthand_test_sh(self.evaluator or "false", self.workdir))
+        (dest / "test.sh").chmod(0o755)
+
+    def write_solution(self, dest: Path) -> None:
+        """The reference solution at ``dest`` (placed at /solution for the oracle only)."""
+        _fresh(dest)
+        if self.root is not None:
+            shutil.copytree(self.root / "solution", dest, symlinks=True, dirs_exist_ok=True)
+        else:
+            (dest / "solve.sh").write_text(f'#!/usr/bin/env bash\ncd "${{POLAR_WORKDIR:-{self.workdir}}}"\n{self.reference}\n')
+        (dest / "solve.sh").chmod(0o755)
+
+
+def _fresh(dest: Path) -> None:
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+
+
+def shorthand_test_sh(evaluator: str, workdir: str = DEFAULT_WORKDIR) -> str:
+    """tests/test.sh for a shorthand evaluator, with the shorthand's reward rule: exit 0 -> the
+    number on its last output line if there is one (partial credit), else 1; exit != 0 -> 0;
+    126/127 (not executable, command not found) and a non-finite number -> no reward (an error)."""
+    return f"""#!/usr/bin/env bash
+# Generated from a JSONL shorthand evaluator (polar_runtime/tasks/model.py).
+cd "${{POLAR_WORKDIR:-{workdir}}}" || exit 2
+vdir="${{POLAR_VERIFIER_DIR:-/logs/verifier}}"
+mkdir -p "$vdir"
+out="$vdir/evaluator.out"
+bash -c {shlex.quote(evaluator)} >"$out" 2>&1 </dev/null
+rc=$?
+cat "$out"
+if [ "$rc" -eq 126 ] || [ "$rc" -eq 127 ]; then exit "$rc"; fi
+if [ "$rc" -ne 0 ]; then echo 0 > "$vdir/reward.txt"; exit 0; fi
+last=$(grep -v '^[[:space:]]*$' "$out" | tail -n 1 | tr -d '[:space:]')
+if [[ "$last" =~ ^[-+]?([0-9]+(\\.[0-9]*)?|\\.[0-9]+)([eE][-+]?[0-9]+)?$ ]]; then
+  echo "$last" > "$vdir/reward.txt"
+else
+  echo 1 > "$vdir/reward.txt"
+fi
+"""

@@ -1,0 +1,132 @@
+"""The verifier phase: after the agent phase has ended (every process of it gone), the task's
+hidden tests are copied fresh to ``/tests`` -- they are never visible while the agent runs -- and
+``tests/test.sh`` runs in a sandbox of its own on the sample's work dir; the float it wrote to
+``/logs/verifier/reward.txt`` (or ``reward.json``) is the sample's reward.
+
+Outcomes (``Evaluation.status``):
+
+* ``pass`` / ``fail``: a reward was written (``fail`` when it is <= 0);
+* ``error``: test.sh wrote no reward, wrote something that is not a finite number, or could not
+  start (reward null);
+* ``timeout``: test.sh ran past the verifier timeout (reward null);
+* ``none``: the task has no tests.
+
+Verifier failures are recorded per sample, never fatal to the rollout. Everything the verifier
+printed is kept in ``<sample>/verifier/test-output.txt`` (with whatever test.sh itself wrote under
+/logs/verifier) and its tail in the rollout row. test.sh sees the task's ENV values, task.toml's
+``[verifier] env``, and POLAR_SESSION, POLAR_TASK_ID, POLAR_STATUS (the agent phase's outcome),
+POLAR_WORKDIR, POLAR_HARNESS_STDOUT / POLAR_HARNESS_STDERR (the harness's output under
+``/logs/agent``, read-only), POLAR_TESTS_DIR and POLAR_VERIFIER_DIR.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from polar_runtime.tasks.environment import build_env
+from polar_runtime.tasks.model import DEFAULT_VERIFIER_TIMEOUT, Task
+
+OUTPUT_TAIL = 4000
+
+
+@dataclass
+class Evaluation:
+    reward: float | None
+    status: str  # pass | fail | error | timeout | none
+    output: str
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def read_reward(verifier_dir: Path) -> tuple[float | None, str]:
+    """(reward, problem): the float in reward.txt, else reward.json's ``reward`` (or its only
+    number); problem is "" when a finite reward was found."""
+    txt, js = verifier_dir / "reward.txt", verifier_dir / "reward.json"
+    value: Any = None
+    if txt.is_file():
+        raw = txt.read_text(errors="replace").strip()
+        try:
+            value = float(raw)
+        except ValueError:
+            return None, f"reward.txt holds {raw[:80]!r}, not a number"
+    elif js.is_file():
+        try:
+            data = json.loads(js.read_text())
+        except ValueError as exc:
+            return None, f"reward.json is not JSON: {exc}"
+        if isinstance(data, (int, float)) and not isinstance(data, bool):
+            value = data
+        elif isinstance(data, dict):
+            nums = {k: v for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if "reward" in nums:
+                value = nums["reward"]
+            elif len(nums) == 1:
+                value = next(iter(nums.values()))
+            else:
+                return None, f"reward.json has no 'reward' key and {len(nums)} numbers: {sorted(nums)[:5]}"
+        else:
+            return None, "reward.json holds neither a number nor an object"
+    else:
+        return None, "test.sh wrote no /logs/verifier/reward.txt or reward.json"
+    value = float(value)
+    if not math.isfinite(value):
+        return None, f"reward is {value}"
+    return value, ""
+
+
+def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, agent_logs: Path,
+           facts: dict[str, str] | None = None, timeout: float | None = None,
+           base_path: str | None = None) -> Evaluation:
+    """Run the task's tests on ``workdir_host`` in ``sandbox``; never raises for test failures."""
+    from polar_runtime.sandbox import SandboxError, SandboxSpec
+
+    if not task.has_tests:
+        return Evaluation(None, "none", "")
+    tests, vdir = sample_dir / "tests", sample_dir / "verifier"
+    if vdir.exists():
+        shutil.rmtree(vdir)
+    vdir.mkdir(parents=True)
+    home = sample_dir / "verifier-home"
+    home.mkdir(parents=True, exist_ok=True)
+    agent_logs.mkdir(parents=True, exist_ok=True)
+    limit = timeout or task.verifier_timeout or DEFAULT_VERIFIER_TIMEOUT
+    t0 = time.monotonic()
+    try:
+        task.write_tests(tests)  # only now: the agent phase never saw them
+    except OSError as exc:
+        return Evaluation(None, "error", f"tests could not be copied: {exc}", time.monotonic() - t0)
+    spec = SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, home_host=home,
+                       rw_binds=[(tests, "/tests"), (vdir, "/logs/verifier")], ro_binds=[(agent_logs, "/logs/agent")],
+                       network=task.allow_internet, cpus=task.cpus, memory_mb=task.memory_mb, timeout_s=limit)
+    env = build_env(task, base_path)
+    env.update(LANG="C.UTF-8", HOME=sandbox.inside(spec, home), TERM="dumb")
+    for k, v in (facts or {}).items():
+        env[f"POLAR_{k.upper()}"] = sandbox.inside(spec, v) if k in ("harness_stdout", "harness_stderr") else v
+    env.update(POLAR_WORKDIR=sandbox.inside(spec, workdir_host), POLAR_TESTS_DIR=sandbox.inside(spec, tests),
+               POLAR_VERIFIER_DIR=sandbox.inside(spec, vdir))
+    env.update(task.verifier_env)
+    spec.env = env
+    out_path = sample_dir / "verifier-output.txt"
+    try:
+        with open(out_path, "wb") as out:
+            res = sandbox.run(spec, ["bash", sandbox.inside(spec, tests / "test.sh")], stdout=out, stderr=out)
+    except (SandboxError, OSError) as exc:
+        return Evaluation(None, "error", f"the verifier could not start: {exc}", time.monotonic() - t0)
+    secs = time.monotonic() - t0
+    output = out_path.read_text(errors="replace")
+    with_notes = list(res.notes)
+    if res.timed_out:
+        return Evaluation(None, "timeout", (output + f"\n[polar] verifier timed out after {limit:g} s")[-OUTPUT_TAIL:],
+                          secs, with_notes)
+    reward, problem = read_reward(vdir)
+    shutil.copy2(out_path, vdir / "test-output.txt")
+    if reward is None:
+        msg = f"\n[polar] {problem} (test.sh exited {res.returncode})"
+        return Evaluation(None, "error", (output + msg)[-OUTPUT_TAIL:], secs, with_notes)
+    return Evaluation(reward, "pass" if reward > 0 else "fail", output[-OUTPUT_TAIL:], secs, with_notes)
