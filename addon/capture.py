@@ -51,7 +51,10 @@ def encode_record(record: CallRecord | dict[str, Any]) -> bytes:
 
 
 def _dumps(value: Any) -> bytes:
-    return jsonutil.dumps(value, default=_default, option=orjson.OPT_NON_STR_KEYS)
+    try:  # orjson straight (the wrapper's hooks doubled the digest's cost); odd values below
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:
+        return jsonutil.dumps(value, default=_default, option=orjson.OPT_NON_STR_KEYS)
 
 
 def _plain(value: Any) -> Any:

@@ -12,6 +12,15 @@ Lines that cannot be used are counted, never fatal: a torn last line (no ``\\n``
 mid-write) is left for the next scan; an invalid line is skipped and counted; when a crash left a
 torn line and the proxy appended after it, the record glued behind the torn bytes is recovered.
 
+Prompt ids are not stored per row in the cache: each session file gets one id arena
+(``<stem>.ids``, raw int32, append-only) and a row holds where its prompt starts there and its
+length. A prompt that extends the previous one (every call of an exact-history session, whatever
+the capture format: full records or deltas) only appends its new ids, so the arena of a session is
+about its final prompt, not the sum of all its prompts (a 200-call session growing to 30k ids:
+``benchmarks/bench_capture_growth.py``). ``prompt_token_ids`` is computed from the arena only
+when a query asks for it (a lazy, row-wise expression; ``n_prompt_ids`` is stored), and the
+trajectory builders read the arena directly (``prompt_views``): numpy views, never a copy per call.
+
 Frames:
 - ``calls(dir)``: one row per model call; token ids as ``list[i32]``, logprobs ``list[f64]``,
   nested dicts (native_request, normalized_request, output_tool_calls) as JSON strings, unknown
@@ -42,7 +51,8 @@ from polar_core.flowmeta import unpack_tokens
 from polar_core.schema import CALL_FIELDS, JSON_COLUMNS, SESSIONS_SUBDIR, CallRecord, harness_name
 
 #: Bump when the Parquet layout of the cache changes: older caches are converted again.
-CACHE_VERSION = 2
+#: 3: prompt ids live in one id arena per session file (``_Arena``), not in the parts.
+CACHE_VERSION = 3
 CACHE_DIRNAME = ".polar-cache"
 
 _STR = pl.String
@@ -276,7 +286,59 @@ def _parse_line(line: bytes, stats: FileStats, expander: Expander | None = None)
     return [row]
 
 
-def _convert_range(path: Path, start: int, stats: FileStats, expander: Expander | None = None) -> tuple[pl.DataFrame, int]:
+#: Columns of the cache parts that place a row's prompt in its file's id arena.
+ARENA_SCHEMA: dict[str, pl.DataType] = {"prompt_arena": _STR, "prompt_ids_start": pl.Int64, "n_prompt_ids": pl.Int64}
+PART_SCHEMA: dict[str, pl.DataType] = {**CALL_SCHEMA, **ARENA_SCHEMA}
+
+
+class _Arena:
+    """The prompt ids of one session file, appended in row order: a prompt that starts with the
+    previous row's whole prompt (the ``tip``) shares its ids and only appends the rest."""
+
+    def __init__(self, path: Path, length: int = 0, tip: tuple[int, int] | None = None):
+        self.path = path
+        self.length = length  # ids already in the file (what the meta recorded)
+        self.pending: list[np.ndarray] = []
+        self.tip_start, self.tip = 0, np.zeros(0, np.int32)
+        if tip is not None and tip[1] and path.exists():
+            self.tip_start = tip[0]
+            self.tip = np.fromfile(path, dtype=np.int32, count=tip[1], offset=4 * tip[0])
+
+    def place(self, ids: np.ndarray) -> int:
+        if ids.size == 0:
+            return self.length
+        n = self.tip.size
+        if n and self.tip_start + n == self.length and ids.size >= n and np.array_equal(ids[:n], self.tip):
+            start = self.tip_start
+            self._append(ids[n:])
+        else:
+            start = self.length
+            self._append(ids)
+        self.tip_start, self.tip = start, ids
+        return start
+
+    def _append(self, ids: np.ndarray) -> None:
+        if ids.size:
+            self.pending.append(ids.astype(np.int32, copy=False))
+            self.length += int(ids.size)
+
+    def flush(self, base: int) -> None:
+        """Write what was placed since ``base`` ids (the file is cut there first: a crash between
+        an arena write and its part's meta leaves ids nobody refers to)."""
+        with open(self.path, "r+b" if self.path.exists() else "wb") as fh:
+            fh.truncate(4 * base)
+            fh.seek(4 * base)
+            for a in self.pending:
+                fh.write(a.tobytes())
+        self.pending = []
+
+    @property
+    def tip_meta(self) -> list[int]:
+        return [self.tip_start, int(self.tip.size)]
+
+
+def _convert_range(path: Path, start: int, stats: FileStats, expander: Expander | None = None,
+                   arena: _Arena | None = None) -> tuple[pl.DataFrame, int]:
     """Parse complete lines of ``path`` from byte ``start``; returns (frame, new consumed offset).
     ``expander``: the records before ``start`` a delta may refer to (a fresh one from the start)."""
     expander = expander or Expander()
@@ -296,7 +358,20 @@ def _convert_range(path: Path, start: int, stats: FileStats, expander: Expander 
             row["source_line"] = line_no
             rows.append(row)
         pos = nl + 1
-    return rows_to_frame(rows), start + end
+    if arena is None:
+        return rows_to_frame(rows), start + end
+    starts, counts = [], []
+    for row in rows:
+        ids = row["prompt_token_ids"]
+        starts.append(arena.place(ids))
+        counts.append(int(ids.size))
+        row["prompt_token_ids"] = ids[:0]
+    df = rows_to_frame(rows).with_columns(
+        prompt_arena=pl.lit(arena.path.name, _STR),
+        prompt_ids_start=pl.Series(starts, dtype=pl.Int64),
+        n_prompt_ids=pl.Series(counts, dtype=pl.Int64),
+    )
+    return df, start + end
 
 
 def _count_lines_before(path: Path, offset: int) -> int:
@@ -371,24 +446,30 @@ def sync_file(jsonl: Path, cache_dir: Path) -> tuple[list[Path], FileStats, str]
         if meta["size"] == st.st_size and meta["mtime_ns"] == st.st_mtime_ns:
             return [cache_dir / p for p in meta["parts"]], stats, "cached"
         if st.st_size >= meta["consumed"] and _same_head(jsonl, meta["consumed"], meta["head"]):
+            arena = _Arena(cache_dir / f"{stem}.ids", meta["arena"][0], tuple(meta["arena"][1]))
             df, consumed = _convert_range(jsonl, meta["consumed"], stats,
-                                          _seeded_expander([cache_dir / p for p in meta["parts"]]))
+                                          _seeded_expander([cache_dir / p for p in meta["parts"]]), arena)
             parts = list(meta["parts"])
             if df.height:
+                arena.flush(meta["arena"][0])
                 part = f"{stem}.{len(parts):04d}.parquet"
                 _write_part(df, cache_dir / part)
                 parts.append(part)
-            _save_meta(meta_path, jsonl, st, consumed, parts, stats)
+            _save_meta(meta_path, jsonl, st, consumed, parts, stats, arena)
             return [cache_dir / p for p in parts], stats, "appended"
     # (re)convert from scratch
     if meta:
         for p in meta.get("parts", []):
             (cache_dir / p).unlink(missing_ok=True)
     stats = FileStats(path=str(jsonl))
-    df, consumed = _convert_range(jsonl, 0, stats)
+    # a new file, never the old one cut: views of it may still be mapped (cutting them: SIGBUS)
+    (cache_dir / f"{stem}.ids").unlink(missing_ok=True)
+    arena = _Arena(cache_dir / f"{stem}.ids")
+    df, consumed = _convert_range(jsonl, 0, stats, None, arena)
+    arena.flush(0)
     part = f"{stem}.0000.parquet"
     _write_part(df, cache_dir / part)
-    _save_meta(meta_path, jsonl, st, consumed, [part], stats)
+    _save_meta(meta_path, jsonl, st, consumed, [part], stats, arena)
     return [cache_dir / part], stats, "converted"
 
 
@@ -398,7 +479,7 @@ def _seeded_expander(parts: list[Path]) -> Expander:
     ex = Expander()
     if not parts:
         return ex
-    lf = pl.scan_parquet([str(p) for p in parts]).with_row_index("_i")
+    lf = scan_parts(parts).with_row_index("_i")
     keys = lf.select(
         "_i", "session_id", writer=pl.col("extra_json").str.json_path_match(f"$.{WRITER_KEY}")
     ).collect()
@@ -416,9 +497,11 @@ def _seeded_expander(parts: list[Path]) -> Expander:
     return ex
 
 
-def _save_meta(meta_path: Path, jsonl: Path, st: os.stat_result, consumed: int, parts: list[str], stats: FileStats) -> None:
+def _save_meta(meta_path: Path, jsonl: Path, st: os.stat_result, consumed: int, parts: list[str], stats: FileStats,
+               arena: _Arena) -> None:
     meta = {
         "cache_version": CACHE_VERSION,
+        "arena": [arena.length, arena.tip_meta],
         "size": st.st_size,
         "mtime_ns": st.st_mtime_ns,
         "consumed": consumed,
@@ -465,8 +548,10 @@ def sync_capture(
 # Frames
 # ------------------------------------------------------------------------------------------------
 def _with_derived(lf: pl.LazyFrame) -> pl.LazyFrame:
+    names = lf.collect_schema().names()
+    n_prompt = pl.col("n_prompt_ids") if "n_prompt_ids" in names else pl.col("prompt_token_ids").list.len()
     return lf.with_columns(
-        n_prompt_ids=pl.col("prompt_token_ids").list.len().cast(pl.Int64),
+        n_prompt_ids=n_prompt.cast(pl.Int64),  # stored: counting must not expand the prompts
         n_sampled_ids=pl.col("sampled_token_ids").list.len().cast(pl.Int64),
         latency_s=pl.col("t_response_out") - pl.col("t_request_in"),
         ttfb_s=pl.col("t_upstream_first_byte") - pl.col("t_upstream_sent"),
@@ -474,11 +559,58 @@ def _with_derived(lf: pl.LazyFrame) -> pl.LazyFrame:
     )
 
 
+def _arena_file(path: str, cache: dict[str, np.ndarray]) -> np.ndarray:
+    arr = cache.get(path)
+    if arr is None:
+        arr = cache[path] = np.memmap(path, dtype=np.int32, mode="r") if os.path.getsize(path) else np.zeros(0, np.int32)
+    return arr
+
+
+def prompt_views(arenas: Iterable[str | None], starts: Iterable[int | None], counts: Iterable[int | None]) -> list[np.ndarray | None]:
+    """Each row's prompt ids as a read-only view into its arena (memory-mapped: prompts sharing a
+    prefix share its pages); None for a row without an arena."""
+    files: dict[str, np.ndarray] = {}
+    out: list[np.ndarray | None] = []
+    for a, s, n in zip(arenas, starts, counts):
+        if a is None or s is None:
+            out.append(None)
+        elif not n:
+            out.append(np.zeros(0, np.int32))
+        else:
+            view = _arena_file(a, files)[s : s + n]
+            if view.size != n:
+                raise FileNotFoundError(f"prompt ids {s}..{s + n} missing from {a} (cache changed underneath: "
+                                        "delete the .polar-cache directory)")
+            out.append(view)
+    return out
+
+
+def _expand_prompts(s: pl.Series) -> pl.Series:
+    """The ``prompt_token_ids`` column, built from the arena only for the rows a query reaches."""
+    views = prompt_views(s.struct.field("prompt_arena").to_list(), s.struct.field("prompt_ids_start").to_list(),
+                         s.struct.field("n_prompt_ids").to_list())
+    stored = s.struct.field("prompt_token_ids")
+    if any(v is None for v in views):
+        views = [np.asarray(stored[i], dtype=np.int32) if v is None else v for i, v in enumerate(views)]
+    lengths = np.fromiter((v.size for v in views), dtype=np.int64, count=len(views))
+    offsets = np.zeros(len(views) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate(views).astype(np.int32, copy=False) if views else np.zeros(0, np.int32)
+    arr = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+    return pl.Series("prompt_token_ids", arr).cast(pl.List(pl.Int32))
+
+
 def scan_parts(parts: Iterable[str | Path]) -> pl.LazyFrame:
-    parts = [str(p) for p in parts]
+    parts = [Path(p) for p in parts]
     if not parts:
         return empty_calls().lazy()
-    return pl.scan_parquet(parts, schema=CALL_SCHEMA, missing_columns="insert", extra_columns="ignore")
+    lf = pl.scan_parquet([str(p) for p in parts], schema=PART_SCHEMA, missing_columns="insert", extra_columns="ignore")
+    # the arena's path from where the parts are now (a moved capture directory keeps its cache)
+    lf = lf.with_columns(prompt_arena=pl.lit(str(parts[0].parent) + os.sep) + pl.col("prompt_arena"))
+    return lf.with_columns(
+        prompt_token_ids=pl.struct("prompt_arena", "prompt_ids_start", "n_prompt_ids", "prompt_token_ids")
+        .map_batches(_expand_prompts, return_dtype=pl.List(pl.Int32), is_elementwise=True)
+    )
 
 
 def calls(

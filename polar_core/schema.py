@@ -18,6 +18,7 @@ as what is new since an earlier record of its session, the full fields null. Rea
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -174,7 +175,10 @@ def read_capture_lines(path: str | Path, *, expand: bool = True) -> Iterator[dic
             try:
                 rec = orjson.loads(line)
             except orjson.JSONDecodeError:
-                continue
+                try:  # integers beyond 64 bits (a harness's seed), which orjson refuses
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
             if isinstance(rec, dict):
                 if expander is not None:
                     try:

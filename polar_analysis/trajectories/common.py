@@ -132,14 +132,21 @@ def _list_arrays(series: pl.Series, dtype: Any) -> list[np.ndarray]:
     return [flat[offsets[i] : offsets[i + 1]] for i in range(lengths.size)]
 
 
+#: Columns of a capture directory's calls frame (``frames.calls``) that place each prompt in the
+#: cache's id arena: the builders take numpy views there instead of one copy per call (a 200-call
+#: session's prompts share one arena about the size of its final prompt).
+_ARENA = ("prompt_arena", "prompt_ids_start", "n_prompt_ids")
+
 _SCALARS = ("call_id", "session_id", "task_id", "group_id", "call_index", "status", "finish_reason",
             "policy_version", "output_text", "output_reasoning", "output_tool_calls", "sampling")
 
 
 def trainer_sampling(sampling: dict[str, Any] | None, label: str) -> tuple[float | None, int, float, str | None]:
     """See :attr:`Call.trainer_sampling`. The trainer divides logits by the temperature and applies
-    top-k/top-p as vLLM does; it does not reproduce min-p or penalties, greedy decoding, unknown
-    server defaults, or raw (pre-processing) logprobs of a non-plain distribution."""
+    top-k/top-p as vLLM does; it does not reproduce min-p or penalties, constrained decoding
+    (structured output, required or named tool_choice, logit_bias, min_tokens: see
+    ``polar_proxy.sampling.constraints``), greedy decoding, unknown server defaults, or raw
+    (pre-processing) logprobs of a non-plain distribution."""
     if not sampling:
         return None, 0, 1.0, f"{label}: no effective sampling parameters recorded (captured before schema version 2)"
     unknown = [k for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -157,6 +164,7 @@ def trainer_sampling(sampling: dict[str, Any] | None, label: str) -> tuple[float
     for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
         if float(sampling[name]) != neutral:
             others.append(f"{name}={sampling[name]}")
+    others += [f"{k}={v}" for k, v in (sampling.get("constraints") or {}).items()]  # grammars, biases, masks
     if others:
         return None, 0, 1.0, f"{label}: sampled with {', '.join(others)}, which the trainer does not reproduce"
     plain = t == 1.0 and top_k == 0 and top_p >= 1.0
@@ -176,7 +184,13 @@ def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
     """
     names = calls_lf.collect_schema().names()
     cols = [c for c in CALL_COLUMNS if c in names]
+    arena = all(c in names for c in _ARENA)  # a capture directory's frame: its prompts by reference
+    if arena:
+        cols = [c for c in cols if c != "prompt_token_ids"] + list(_ARENA)
     df = calls_lf.select(cols).collect()
+    if arena and df["prompt_arena"].null_count():  # rows not from a capture directory's cache
+        arena, cols = False, [c for c in CALL_COLUMNS if c in names]
+        df = calls_lf.select(cols).collect()
     order = (
         df.select("session_id", "call_index", *(["t_request_in"] if "t_request_in" in cols else []))
         .with_row_index("_i")
@@ -184,7 +198,12 @@ def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
     )
     if not (order.diff().drop_nulls() == 1).all():  # capture files are already in order: no gather
         df = df[order]
-    prompts = _list_arrays(df["prompt_token_ids"], np.int32)
+    if arena:
+        from polar_analysis.frames import prompt_views
+
+        prompts = prompt_views(df["prompt_arena"].to_list(), df["prompt_ids_start"].to_list(), df["n_prompt_ids"].to_list())
+    else:
+        prompts = _list_arrays(df["prompt_token_ids"], np.int32)
     sampled = _list_arrays(df["sampled_token_ids"], np.int32)
     logprobs = _list_arrays(df["sampled_logprobs"], np.float64)
     requests = df["normalized_request"] if "normalized_request" in df.columns else pl.Series([None] * df.height, dtype=pl.String)

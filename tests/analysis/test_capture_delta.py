@@ -170,3 +170,25 @@ def test_old_capture_converted_rebuilds_identical_trajectories(tmp_path, fixture
     cd.convert_file(f, back, delta=False)
     strip = lambda r: {k: v for k, v in r.items() if k != cd.WRITER_KEY}  # noqa: E731
     assert [strip(r) for r in read_capture_lines(back)] == list(read_capture_lines(old / SESSIONS_SUBDIR / f.name))
+
+
+def test_prompts_share_one_arena_and_expand_only_when_asked(tmp_path, monkeypatch):
+    """The cache keeps a session's prompts as one arena about its final prompt's size; counting
+    prompt ids expands nothing; the builders get views into the arena, not a copy per call."""
+    expanded = []
+    real = frames._expand_prompts
+    monkeypatch.setattr(frames, "_expand_prompts", lambda s: expanded.append(len(s)) or real(s))
+    recs = growing_session("s", 30)
+    write_old(tmp_path, recs)  # full records: the arena does not depend on the capture format
+    lf = frames.calls(tmp_path, rewards=None)
+    assert lf.select(pl.col("n_prompt_ids").sum()).collect().item() == sum(len(r.prompt_token_ids) for r in recs)
+    assert expanded == []
+    arena = tmp_path / ".polar-cache" / "s.ids"
+    assert arena.stat().st_size == 4 * len(recs[-1].prompt_token_ids)
+    assert lf.filter(pl.col("call_index") == 7).select("prompt_token_ids").collect().item().to_list() == recs[7].prompt_token_ids
+    assert sum(expanded) < 30
+    from polar_analysis.trajectories.common import collect_calls
+
+    calls = collect_calls(lf)
+    assert [c.prompt.tolist() for c in calls] == [r.prompt_token_ids for r in recs]
+    assert np.shares_memory(calls[0].prompt, calls[-1].prompt)
