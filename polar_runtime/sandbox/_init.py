@@ -69,6 +69,12 @@ def _leftovers(me: int) -> list[int]:
     out = []
     for name in os.listdir("/proc"):
         if name.isdigit() and int(name) not in (1, me):
+            try:
+                with open(f"/proc/{name}/stat") as fh:
+                    if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        continue  # already dead, waiting for PID 1 to reap it
+            except (OSError, IndexError):
+                continue
             out.append(int(name))
     return out
 
@@ -116,6 +122,12 @@ def main() -> int:
         try:
             os.write(report_fd, json.dumps(report).encode())
             os.close(report_fd)
+        except OSError:
+            pass
+    elif cfg.get("report_path"):  # container backends: no fd crosses the runtime
+        try:
+            with open(cfg["report_path"], "w") as fh:
+                json.dump(report, fh)
         except OSError:
             pass
     return rc if rc >= 0 else 128 - rc

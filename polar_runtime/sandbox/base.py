@@ -65,6 +65,9 @@ class SandboxSpec:
     #: cap on what the phase may write to its work dir (and, separately, to its private /tmp)
     disk_mb: int | None = None
     timeout_s: float = 600.0
+    #: container backends (docker): the image to run, i.e. the task's built environment;
+    #: bubblewrap ignores it (its environment is the host's toolchain)
+    image: str | None = None
 
     def __post_init__(self) -> None:
         self.workdir_host = Path(os.path.abspath(self.workdir_host))

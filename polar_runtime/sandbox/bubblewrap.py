@@ -100,6 +100,10 @@ class BubblewrapSandbox(Sandbox):
         for host, dest, writable in spec.mounts():
             if not host.exists():
                 raise SandboxError(f"sandbox bind source {host} does not exist")
+            under = next((d for d in (*SYSTEM_DIRS, "/proc", "/dev") if dest.startswith(d + "/")), None)
+            if under and not os.path.exists(dest):
+                raise SandboxError(f"cannot bind {host} at {dest}: {under} is the host's, read-only, and "
+                                   f"has no {dest} to mount on (bind it at a path of its own)")
             a += ["--bind" if writable else "--ro-bind", str(host), dest]
         a += ["--chdir", spec.workdir, "--", *inner]
         return a

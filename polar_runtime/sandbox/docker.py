@@ -1,0 +1,115 @@
+"""``docker``: the same ``SandboxSpec`` on a Docker daemon, where one answers (``docker info``).
+
+``docker run --rm --network none`` (or the default bridge with ``network=True``) on ``spec.image``
+(the task's built environment: Harbor tasks ship a Dockerfile), with the work dir and HOME bound
+read-write, the spec's binds, ``--pids-limit``/``--memory``/``--cpus`` (the daemon's cgroups
+enforce them), a size-capped tmpfs /tmp, all capabilities dropped and no new privileges. The
+model proxy reaches the container the same way as bubblewrap's: a job-private Unix socket bound
+in, relayed to 127.0.0.1:<port> inside by the same init script (the image needs a ``python3``).
+A timeout, or the end of the run, removes the container and every process in it (``docker rm -f``).
+
+Not tested on this machine (no daemon); its tests skip and say why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from pathlib import Path
+
+from polar_runtime.sandbox.base import Sandbox, SandboxError, SandboxResult, SandboxSpec, Stream, supervise
+from polar_runtime.sandbox.relay import UnixToTcpRelay
+
+PRIVATE = "/run/polar-sandbox"
+
+
+class DockerSandbox(Sandbox):
+    name = "docker"
+    runtime = "docker"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        exe = shutil.which(cls.runtime)
+        if exe is None:
+            return f"the {cls.runtime} CLI is not installed"
+        try:
+            r = subprocess.run([exe, "info", "--format", "{{.ServerVersion}}"], capture_output=True,
+                               text=True, timeout=10, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"`{cls.runtime} info` did not answer ({e})"
+        if r.returncode != 0:
+            return f"`{cls.runtime} info` failed: no daemon answers ({(r.stderr or r.stdout).strip()[:200]})"
+        return None
+
+    def argv(self, spec: SandboxSpec, private: Path, name: str, inner: list[str],
+             report_dir: Path | None = None) -> list[str]:
+        if not spec.image:
+            raise SandboxError(f"the {self.runtime} sandbox needs an image (the task's environment)")
+        a = [self.runtime, "run", "--rm", "--name", name, "--init", "--cap-drop", "ALL",
+             "--security-opt", "no-new-privileges", "--network", "bridge" if spec.network else "none",
+             "--workdir", spec.workdir, "--user", f"{os.getuid()}:{os.getgid()}"]
+        if spec.pids:
+            a += ["--pids-limit", str(spec.pids)]
+        if spec.memory_mb:
+            a += ["--memory", f"{spec.memory_mb}m", "--memory-swap", f"{spec.memory_mb}m"]
+        if spec.cpus:
+            a += ["--cpus", f"{spec.cpus:g}"]
+        tmp = f"size={spec.disk_mb}m" if spec.disk_mb else "size=1g"
+        a += ["--tmpfs", f"/tmp:{tmp}", "-v", f"{private}:{PRIVATE}:ro"]
+        if report_dir is not None:
+            a += ["-v", f"{report_dir}:/run/polar-report"]
+        for host, dest, writable in spec.mounts():
+            if not host.exists():
+                raise SandboxError(f"sandbox bind source {host} does not exist")
+            a += ["-v", f"{host}:{dest}" + ("" if writable else ":ro")]
+        for k, v in spec.env.items():
+            a += ["-e", f"{k}={v}"]
+        return a + ["--entrypoint", inner[0], spec.image, *inner[1:]]
+
+    def run(self, spec: SandboxSpec, argv: list[str], *, stdout: Stream = None,
+            stderr: Stream = None) -> SandboxResult:
+        spec.workdir_host.mkdir(parents=True, exist_ok=True)
+        if spec.home_host is not None:
+            spec.home_host.mkdir(parents=True, exist_ok=True)
+        private = Path(tempfile.mkdtemp(prefix="polar-sandbox-"))
+        report_dir = Path(tempfile.mkdtemp(prefix="polar-sandbox-report-"))
+        name = f"polar-{uuid.uuid4().hex[:12]}"
+        relay = None
+        notes: list[str] = []
+        try:
+            shutil.copy(Path(__file__).with_name("_init.py"), private / "init.py")
+            cfg: dict = {"report_path": "/run/polar-report/report.json"}
+            if spec.proxy_port and not spec.network:
+                relay = UnixToTcpRelay(private / "proxy.sock", spec.proxy_port)
+                os.chmod(private / "proxy.sock", 0o666)  # the container's user connects to it
+                cfg.update(proxy_port=spec.proxy_port, socket=f"{PRIVATE}/proxy.sock")
+            if spec.disk_mb:
+                cfg["fsize"] = spec.disk_mb * 1024 * 1024
+            cmd = self.argv(spec, private, name, ["python3", f"{PRIVATE}/init.py", json.dumps(cfg), "--", *argv],
+                            report_dir)
+            rc, timed_out, _, wall = supervise(cmd, env=None, cwd=None, stdout=stdout, stderr=stderr,
+                                               timeout_s=spec.timeout_s)
+            report = {}
+            try:
+                report = json.loads((report_dir / "report.json").read_text())
+            except (OSError, ValueError):
+                pass
+            notes += [f"{k} limit enforced by the daemon's cgroups" for k, v in
+                      (("pids", spec.pids), ("memory", spec.memory_mb), ("cpu", spec.cpus)) if v]
+            if timed_out:
+                notes.append(f"timed out after {spec.timeout_s:g} s: the container and every process in it removed")
+            if report.get("leftovers"):
+                notes.append(f"killed {report['leftovers']} leftover process(es) when the command exited")
+            notes.append("no network" if not spec.network else "network open (allow_internet)")
+            return SandboxResult(rc if not timed_out else -9, timed_out, notes, wall)
+        finally:
+            subprocess.run([self.runtime, "rm", "-f", name], capture_output=True, timeout=60,
+                           stdin=subprocess.DEVNULL, check=False)
+            if relay is not None:
+                relay.close()
+            shutil.rmtree(private, ignore_errors=True)
+            shutil.rmtree(report_dir, ignore_errors=True)
