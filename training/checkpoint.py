@@ -8,6 +8,7 @@ Layout of ``<out>/step-000007/``::
                                         the served chat template and sampling defaults stay the same
     trainer_state.pt                    optimizer, scheduler, step, RNG states, train config
     polar_checkpoint.json               step / policy_version, base model, time, last metrics
+    adapter_model.safetensors           LoRA runs only: the adapters (model.safetensors has them merged)
 
 A checkpoint is written into a temporary sibling directory and renamed into place, so a reader
 (vLLM reloading weights, a resumed run) never sees half of one. ``<out>/latest`` names the newest.
@@ -55,6 +56,7 @@ TOKENIZER_FILES = (
 META_FILE = "polar_checkpoint.json"
 STATE_FILE = "trainer_state.pt"
 LATEST_FILE = "latest"
+ADAPTER_FILE = "adapter_model.safetensors"  # LoRA runs: the adapters alone (the weights file is merged)
 
 
 def checkpoint_name(step: int) -> str:
@@ -147,8 +149,14 @@ def save_checkpoint(
     ``policy``: the trainer's (possibly sharded) ``TokenLogprobs`` wrapping ``model``; weights and
     the probe are then taken through it.
     """
+    from . import lora
+
     out = Path(out_dir)
-    if policy is not None:
+    adapter = None
+    if lora.is_lora(model):  # vLLM gets the adapters merged into the base weights (lora.py says why)
+        state_dict = lora.merged_state_dict(model)
+        adapter = lora.adapter_state_dict(model) if trainer_state is not None else None
+    elif policy is not None:
         state_dict = pdist.full_model_state_dict(policy, strip_prefix="lm.")  # collective
     else:
         state_dict = pdist.full_model_state_dict(model)
@@ -176,6 +184,10 @@ def save_checkpoint(
         copy_tokenizer_files(tokenizer_dir, tmp)
         if trainer_state is not None:
             torch.save(trainer_state, tmp / STATE_FILE)
+        if adapter is not None:  # a resumed LoRA run continues from the base model and these
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in adapter.items()}, str(tmp / ADAPTER_FILE))
         info: dict[str, Any] = {
             "saved_at": time.time(),
             "format": "safetensors",

@@ -28,6 +28,10 @@ prints goes to stderr). :class:`TrainerProcess` is the client the demo keeps acr
 the trainer's memory stays out of the demo's own process and goes back to the system when the
 session closes, and Ctrl-C reaches it (same process group).
 
+LoRA (``lora=LoraSettings(...)``, :mod:`polar_training.lora`): the adapters are trained, the base
+frozen; the handoff and the checkpoints carry the merged weights (plus the adapters alone in a
+checkpoint, from which a LoRA session resumes).
+
 One process only: under ``torchrun`` (FSDP2) use ``polar train``.
 """
 
@@ -120,6 +124,7 @@ class TrainSession:
         checkpoint_every: int = 0,
         handoff_root: str | os.PathLike | None = None,
         keep_reference: bool | None = None,
+        lora: Any = None,
         log: Any = None,
     ) -> None:
         import torch
@@ -145,7 +150,28 @@ class TrainSession:
         self.base_model = ckpt.base_model_of(self.model_dir)
         self.ref_dir = str(ref_model) if ref_model else self.base_model
         torch.manual_seed(config.seed)
-        policy, ref = load_models(self.model_dir, config, ref_dir=self.ref_dir)
+        meta = ckpt.read_meta(self.resume_dir) if self.resume_dir else {}
+        if meta.get("lora") and lora is None:
+            lora = meta["lora"]  # a LoRA run goes on as one
+        self.lora = None
+        if lora is not None:
+            from . import lora as lo
+
+            self.lora = lora if isinstance(lora, lo.LoraSettings) else lo.LoraSettings(**lora)
+            # the frozen base the adapters sit on: the original model, also when resuming (the
+            # checkpoint's weights file has the adapters merged in; its adapter file has them alone)
+            weights_dir = meta.get("lora_base") or (self.base_model if self.resume_dir else self.model_dir)
+            policy, ref = load_models(weights_dir, config, ref_dir=self.ref_dir)
+            policy = lo.apply_lora(policy, self.lora)
+            if self.resume_dir:
+                from safetensors.torch import load_file
+
+                loaded = policy.load_state_dict(load_file(str(self.resume_dir / ckpt.ADAPTER_FILE)), strict=False)
+                if loaded.unexpected_keys:
+                    raise ValueError(f"adapter keys of {self.resume_dir} not in the model: {loaded.unexpected_keys[:3]}")
+            self.lora_base = weights_dir
+        else:
+            policy, ref = load_models(self.model_dir, config, ref_dir=self.ref_dir)
         self.trainer = GRPOTrainer(policy, config, ref_model=ref)
         del ref
         if self.resume_dir:
@@ -227,6 +253,8 @@ class TrainSession:
             "compute_dtype": self.cfg.compute_dtype,
             "config": self.cfg.to_dict(),
         }
+        if self.lora is not None:
+            meta.update(lora=self.lora.to_dict(), lora_base=self.lora_base)
         meta.update(getattr(self, "_last_meta", {}))
         return meta
 
@@ -312,7 +340,8 @@ def serve(stdin: IO[str], reply: IO[str]) -> int:
                 session = TrainSession(msg["model"], msg["out"], _config_from(msg.get("config") or {}),
                                        resume=msg.get("resume"), ref_model=msg.get("ref_model"),
                                        checkpoint_every=int(msg.get("checkpoint_every") or 0),
-                                       handoff_root=msg.get("handoff_root"), keep_reference=msg.get("keep_reference"))
+                                       handoff_root=msg.get("handoff_root"), keep_reference=msg.get("keep_reference"),
+                                       lora=msg.get("lora"))
                 answer({"ok": True, "step": session.step_count, "load_s": session.load_s, "model_dir": session.model_dir,
                         "peak_rss_gib": peak_rss_gib(), "rss_gib": rss_gib()})
                 continue
@@ -361,12 +390,14 @@ class TrainerProcess:
         checkpoint_every: int = 0,
         handoff_root: str | os.PathLike | None = None,
         keep_reference: bool | None = None,
+        lora: Any = None,
         python: str | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
         self.init = {"cmd": "init", "model": str(model), "out": str(out), "config": config.to_dict(), "resume": resume,
                      "ref_model": ref_model, "checkpoint_every": checkpoint_every,
-                     "handoff_root": str(handoff_root) if handoff_root else None, "keep_reference": keep_reference}
+                     "handoff_root": str(handoff_root) if handoff_root else None, "keep_reference": keep_reference,
+                     "lora": lora.to_dict() if hasattr(lora, "to_dict") else lora}
         self.python = python or sys.executable
         self.env = env
         self.proc: subprocess.Popen[str] | None = None
