@@ -152,11 +152,43 @@ def register(app: typer.Typer, *, translate=None) -> None:
         """Write the calls frame of a capture (token ids as list columns, nested JSON as strings)."""
         lf, report = _load(source, translate=translate)
         out.parent.mkdir(parents=True, exist_ok=True)
-        lf.sink_parquet(out)
+        # full prompt ids, not references into the capture's cache: the file stands on its own
+        lf.drop("prompt_arena", "prompt_ids_start", strict=False).sink_parquet(out)
         n = pl.scan_parquet(out).select(pl.len()).collect().item()
         console.print(f"wrote {n} calls to {out}")
         if report:
             console.print(_scan_line(report))
+
+    captures = typer.Typer(help="Capture files themselves: `polar captures convert`.", no_args_is_help=True)
+    app.add_typer(captures, name="captures")
+
+    @captures.command("convert")
+    def convert_cmd(
+        source: Annotated[Path, typer.Argument(help="Capture directory (sessions/*.jsonl) to read.", show_default=False)],
+        dest: Annotated[Path, typer.Argument(help="Capture directory to write (must not be SOURCE).", show_default=False)],
+        full: Annotated[bool, typer.Option("--full", help="Every record in full (the layout before schema 3).")] = False,
+    ) -> None:
+        """Rewrite a capture's session files as deltas (schema 3), or back in full with --full."""
+        from polar_core.capture_delta import convert_file
+        from polar_core.schema import SESSIONS_SUBDIR
+
+        from polar_analysis.frames import session_files
+
+        files = session_files(source) if source.is_dir() else []
+        if not files:
+            console.print(f"[red]no session files under {source}[/red]")
+            raise typer.Exit(2)
+        if dest.resolve() == source.resolve():
+            console.print("[red]DEST must be another directory than SOURCE[/red]")
+            raise typer.Exit(2)
+        out = dest / SESSIONS_SUBDIR
+        out.mkdir(parents=True, exist_ok=True)
+        records = bytes_in = bytes_out = 0
+        for f in files:
+            n, i, o = convert_file(f, out / f.name, delta=not full)
+            records, bytes_in, bytes_out = records + n, bytes_in + i, bytes_out + o
+        console.print(f"{records} records of {len(files)} sessions: {bytes_in / 1e6:.2f} MB -> {bytes_out / 1e6:.2f} MB "
+                      f"in {out}")
 
     @app.command("inspect")
     def inspect_cmd(

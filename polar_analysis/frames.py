@@ -57,7 +57,7 @@ CACHE_DIRNAME = ".polar-cache"
 
 _STR = pl.String
 #: Column types of the calls frame (CallRecord fields first, in schema order).
-CALL_SCHEMA: dict[str, pl.DataType] = {
+_FIELD_TYPES: dict[str, pl.DataType] = {
     "schema_version": pl.Int32,
     "record_type": _STR,
     "call_id": _STR,
@@ -104,12 +104,17 @@ CALL_SCHEMA: dict[str, pl.DataType] = {
     "history_cause": _STR,
     "rendered_prompt_diff": _STR,
     "sampling": _STR,  # JSON object: the effective sampling parameters (schema.CallRecord.sampling)
+}
+#: CallRecord fields without a type above (added since, e.g. ``stop_reason``: an id or a string)
+#: are JSON strings, like the nested ones: a new field never makes a capture unreadable.
+_JSON_FIELDS = frozenset(JSON_COLUMNS) | {n for n in CALL_FIELDS if n not in _FIELD_TYPES}
+CALL_SCHEMA: dict[str, pl.DataType] = {
+    **{n: _FIELD_TYPES.get(n, _STR) for n in CALL_FIELDS},
     # not CallRecord fields: provenance and forward compatibility
     "extra_json": _STR,  # fields this version does not know, as one JSON object (or null)
     "source_file": _STR,
     "source_line": pl.Int64,  # 1-based line number in the JSONL file (0 for flow files)
 }
-assert tuple(CALL_SCHEMA)[: len(CALL_FIELDS)] == CALL_FIELDS, "CALL_SCHEMA must follow CallRecord"
 
 _TOKEN_LISTS = ("prompt_token_ids", "sampled_token_ids")
 _DEFAULTS = CallRecord().to_dict()
@@ -161,7 +166,7 @@ def normalize_record(data: Any) -> dict[str, Any]:
                 raise InvalidRecord("sampled_logprobs holds non-numbers") from None
             if row[name].ndim != 1:
                 raise InvalidRecord("sampled_logprobs is not a flat list")
-        elif name in JSON_COLUMNS:
+        elif name in _JSON_FIELDS:
             row[name] = None if value is None else orjson.dumps(value).decode()
         elif name == "translation_notes":
             if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
