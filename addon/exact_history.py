@@ -48,7 +48,7 @@ import orjson
 from . import jsonutil, sampling
 from .ledger import (
     Answer,
-    Entry,
+    new_entry,
     Ledger,
     TEMPLATE_NOT_PREFIX,
     Splice,
@@ -178,11 +178,29 @@ class ExactHistory:
         self.capture_path = capture_path  # session id -> Path of its capture file
         self.ledger = Ledger(max_sessions=max_sessions, loader=self._load)
         self.pending: dict[str, Pending] = {}
+        #: call id -> (the ledger entry it was spliced after, its model): the entry is stored as a
+        #: difference from that one
+        self.bases: dict[str, tuple[Any, str]] = {}
+        self.loading: dict[str, Any] = {}  # session id -> its rebuild in a thread
         self.probed_eot: dict[str, int | None] = {}
         #: upstream URL -> the (``<think>``, ``</think>``) ids of its tokenizer; None: no such single ids
         self.think_ids: dict[str, tuple[int, int] | None] = {}
         self.unavailable: dict[str, str] = {}  # upstream URL -> why it has no render/generate/derender  # upstream URL -> its end-of-turn id (None: unknown)
         self.stats = {"exact": 0, "spliced": 0, "rendered": 0, "render_ms": 0.0, "derender_ms": 0.0}
+
+    async def ensure_session(self, sid: str) -> None:
+        """Hold the session's ledger, rebuilding it from its capture file in a thread when it is not
+        held (a restart, an LRU eviction): parsing a 100-call session's 14 MB capture stalled every
+        other stream for 443 ms when it ran on the event loop (benchmarks/bench_ledger.py). The
+        session's own calls wait for the one rebuild; other sessions go on."""
+        if sid in self.ledger.sessions:
+            self.ledger.sessions.move_to_end(sid)
+            return
+        task = self.loading.get(sid)
+        if task is None:
+            task = self.loading[sid] = asyncio.get_running_loop().run_in_executor(None, self.ledger.load, sid)
+            task.add_done_callback(lambda _t: self.loading.pop(sid, None))
+        self.ledger.install(sid, await asyncio.shield(task))  # install: once, whoever wakes first
 
     def _load(self, sid: str) -> list[dict[str, Any]]:
         if self.capture_path is None:
@@ -235,8 +253,9 @@ class ExactHistory:
         rendered: list[int] = rendered_req["token_ids"]
         context = context_digest(chat)
         digests = message_digests(messages)
+        await self.ensure_session(rec.session_id)  # a rebuild from the capture runs in a thread
         match = self.ledger.find(rec.session_id, context, messages, digests)
-        eot = self.ledger.eot()
+        eot = self.ledger.eot(str(chat.get("model") or ""))
         if eot is None and match.entry is not None and not match.entry.ends_with_eot:
             eot = await self._probe_eot(base_url, chat.get("model"), timeout, headers)
         sp: Splice = splice(match, messages, rendered, eot)
@@ -254,6 +273,7 @@ class ExactHistory:
         key = "exact" if sp.history == "exact" else "rendered" if sp.history == "rendered" else "spliced"
         self.stats[key] += 1
         self.pending[rec.call_id] = Pending(context, digests, rendered)
+        self.bases[rec.call_id] = (match.entry if sp.matched_call is not None else None, str(chat.get("model") or ""))
 
         params = dict(rendered_req["sampling_params"])
         # vLLM 0.32's render leaves ``max_tokens`` out of the sampling parameters it returns (None),
@@ -344,20 +364,19 @@ class ExactHistory:
     def observe(self, rec: Any) -> None:
         """The call's record is final: keep what it sampled for the next calls of its session."""
         p = self.pending.pop(rec.call_id, None)
+        matched, model = self.bases.pop(rec.call_id, (None, ""))
         if p is None or rec.status != "ok" or not rec.sampled_token_ids or not rec.prompt_token_ids:
             return
         if p.delivered_differs:
             return  # the harness was sent other text than these ids decode to: never splice them
         finish = rec.finish_reason or ""
-        entry = Entry(
-            call_index=rec.call_index, context=p.context, messages=p.digests,
-            prompt_ids=array("i", list(rec.prompt_token_ids)), rendered_ids=array("i", p.rendered),
-            sampled_ids=array("i", list(rec.sampled_token_ids)), finish_reason=finish,
-            ends_with_eot=finish != "length" and not p.stop_string,
-            answer=Answer.from_output(rec.output_text, rec.output_reasoning, rec.output_tool_calls),
-            exact=rec.history == "exact",
-        )
-        self.ledger.add(rec.session_id, entry)
+        stop_reason = getattr(rec, "stop_reason", None)
+        entry = new_entry(
+            rec.call_index, p.context, p.digests, rec.prompt_token_ids, p.rendered, rec.sampled_token_ids, finish,
+            Answer.from_output(rec.output_text, rec.output_reasoning, rec.output_tool_calls),
+            exact=rec.history == "exact", stop_reason="?" if p.stop_string and stop_reason is None else stop_reason,
+            model=model)
+        self.ledger.add(rec.session_id, entry, matched)
 
     def forget(self, sid: str) -> None:
         self.ledger.forget(sid)
@@ -412,6 +431,7 @@ class _Ctx:
         return finish
 
     def _note_stop(self, stop_reason: Any) -> None:
+        self.rec.stop_reason = stop_reason  # recorded: the ledger reads it back after a restart
         if isinstance(stop_reason, str):  # a stop string: the sampled ids do not end the turn
             p = self.owner.pending.get(self.rec.call_id)
             if p is not None:

@@ -3,9 +3,10 @@
 For every answered call the ledger keeps (bounded: an LRU over sessions, a cap per session)
 
 * the render context (a digest of what besides the messages changes the rendered prompt: tools,
-  chat template and its kwargs, documents) and one digest per normalized message it was prompted with;
-* the prompt ids vLLM was given, the ids its own template rendered for the same messages, the
-  sampled ids and whether they end with the end-of-turn id;
+  chat template and its kwargs, documents) and a digest of the normalized messages it was prompted with;
+* the prompt ids vLLM was given (as their difference from an earlier entry: memory linear in the
+  session), the length and digest of what its own template rendered for the same messages, the
+  sampled ids and whether they end with the end-of-turn id (not when cut or stopped on a stop string);
 * the answer the harness got, normalized (text, reasoning, tool calls as name + parsed arguments).
 
 ``find`` answers: which earlier call's history is a prefix of a new call's messages *and* had its
@@ -13,8 +14,9 @@ answer re-sent unchanged (the longest wins, which also separates interleaved sub
 none, why not (the cause recorded with the call). ``splice`` turns the match into prompt ids.
 
 The ledger is rebuilt from the session's capture file when the proxy meets a session it does not
-hold (a restart, a kill -9): every record carries what is needed (``normalized_request``, the ids,
-``rendered_prompt_diff``, the answer).
+hold (a restart, a kill -9, an LRU eviction), in a thread (``ExactHistory.ensure_session``): every
+record carries what is needed (``normalized_request``, the ids, ``rendered_prompt_diff``,
+``stop_reason``, the answer).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import orjson
+
+from polar_core.schema import read_capture_lines
 
 #: Request fields that change how the template renders the messages (besides the messages).
 CONTEXT_KEYS = ("tools", "chat_template", "chat_template_kwargs", "documents", "reasoning_effort",
@@ -123,18 +127,103 @@ class Answer:
         return None
 
 
-@dataclass
+def _ids_key(ids: Any) -> bytes:
+    """A digest of an id sequence (what a later call's rendering must start with)."""
+    return hashlib.blake2b(ids.tobytes() if isinstance(ids, array) else array("i", ids).tobytes(),
+                           digest_size=16).digest()
+
+
+def prefix_keys(digests: Sequence[bytes]) -> list[bytes]:
+    """``keys[k]`` stands for the first ``k`` messages (a hash chain over their digests): an entry
+    keeps one key instead of a digest per message, so its size does not grow with the session."""
+    keys = [b""]
+    for d in digests:
+        keys.append(hashlib.blake2b(keys[-1] + d, digest_size=16).digest())
+    return keys
+
+
+@dataclass(eq=False)
 class Entry:
+    """One answered call. Its prompt ids are stored as a difference from an earlier entry of the
+    session (``base``): the first ``keep`` ids of the base's prompt + sampled ids, then ``tail``. A
+    spliced call shares everything up to the new messages with the call it continued, so a session
+    holds each id about once: memory linear in the session (a 100-call session of 5k-25k-id
+    prompts: 12.1 MB -> see benchmarks/README.md, ledger). The template's rendering of its messages
+    is kept as its length and digest, all that the prefix check of a later call needs."""
+
     call_index: int
     context: bytes
-    messages: list[bytes]  # digests of the messages it was prompted with
-    prompt_ids: array  # what vLLM was given
-    rendered_ids: array  # what vLLM's template rendered for the same messages
+    n_messages: int  # it was prompted with the first n_messages messages
+    messages_key: bytes  # prefix_keys(...)[n_messages]
+    base: "Entry | None"
+    keep: int
+    tail: array
     sampled_ids: array
+    rendered_len: int
+    rendered_key: bytes
     finish_reason: str
     ends_with_eot: bool
     answer: Answer
     exact: bool  # its own prompt held every earlier answer as sampled
+    model: str = ""
+    learn_eot: bool = False  # its last id is known to be a stop token (not a stop string's text)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.keep + len(self.tail)
+
+    @property
+    def prompt_ids(self) -> array:
+        return self.ids(self.prompt_len)
+
+    def ids(self, upto: int | None = None) -> array:
+        """The first ``upto`` ids of prompt + sampled ids (all of them by default), walking the bases."""
+        if upto is None:
+            upto = self.prompt_len + len(self.sampled_ids)
+        parts: list[array] = []
+        e: Entry | None = self
+        while e is not None and upto > 0:
+            if upto > e.keep:
+                n = upto - e.keep
+                t = len(e.tail)
+                if n <= t:
+                    parts.append(e.tail[:n])
+                else:
+                    parts.append(e.sampled_ids[: n - t])
+                    parts.append(e.tail)
+                upto = e.keep
+            e = e.base
+        out = array("i")
+        for p in reversed(parts):
+            out.extend(p)
+        return out
+
+    def rebase(self, candidates: Iterable["Entry"]) -> None:
+        """Store the prompt as a difference from the candidate sharing the longest prefix with it."""
+        if self.base is not None:
+            return
+        prompt = self.tail
+        best, best_n = None, 0
+        for c in candidates:
+            if c is self:
+                continue
+            n = common_prefix(c.ids(min(len(prompt), c.prompt_len + len(c.sampled_ids))), prompt)
+            if n > best_n:
+                best, best_n = c, n
+        if best is not None:
+            self.base, self.keep, self.tail = best, best_n, prompt[best_n:]
+
+
+def new_entry(call_index: int, context: bytes, digests: Sequence[bytes], prompt: Sequence[int],
+              rendered: Sequence[int], sampled: Sequence[int], finish: str, answer: Answer, *, exact: bool,
+              stop_reason: Any = None, model: str = "", learn_eot: bool = True) -> Entry:
+    """An entry holding its whole prompt (``Ledger.add`` stores it as a difference)."""
+    ends = finish != "length" and not isinstance(stop_reason, str)  # a stop string: text, not an end of turn
+    return Entry(call_index=call_index, context=context, n_messages=len(digests),
+                 messages_key=prefix_keys(digests)[-1], base=None, keep=0, tail=array("i", prompt),
+                 sampled_ids=array("i", sampled), rendered_len=len(rendered), rendered_key=_ids_key(rendered),
+                 finish_reason=finish, ends_with_eot=ends, answer=answer, exact=exact, model=model,
+                 learn_eot=learn_eot and ends and bool(sampled))
 
 
 @dataclass
@@ -153,59 +242,94 @@ def message_digests(messages: list[dict[str, Any]]) -> list[bytes]:
     return [digest(m) for m in messages]
 
 
+#: how many of a session's latest entries a new one is compared with to find its base
+REBASE_CANDIDATES = 4
+
+
 class Ledger:
     """Per-session entries, LRU over sessions; ``loader(session_id)`` yields the session's capture
-    records (dicts) when a session is not in memory (rebuild after a restart)."""
+    records (dicts) when a session is not in memory (rebuild after a restart). ``load`` builds a
+    session without touching the ledger (the proxy runs it in a thread: a 100-call session's
+    capture takes about 0.4 s to parse), ``install`` puts it in on the event loop."""
 
     def __init__(self, max_sessions: int = 512, max_entries: int = 1024, loader: Any = None):
         self.max_sessions = max_sessions
         self.max_entries = max_entries
         self.loader = loader
         self.sessions: OrderedDict[str, SessionLedger] = OrderedDict()
-        #: end-of-turn ids learnt from answers that ended on one (closes a truncated turn)
-        self.eot_ids: dict[int, int] = {}
+        #: per model: end-of-turn ids learnt from answers that ended on one (closes a truncated
+        #: turn). Only from answers whose stop reason is known to be a token (never a stop string).
+        self.eot_ids: dict[str, dict[int, int]] = {}
         self.rebuilt = 0
 
     # -- sessions --------------------------------------------------------------------------------
     def session(self, sid: str) -> SessionLedger:
+        """The session's ledger, rebuilt in this thread when it is not held (see ``load``)."""
         s = self.sessions.get(sid)
         if s is None:
-            s = SessionLedger()
-            self.sessions[sid] = s
-            if self.loader is not None:
-                for data in self.loader(sid) or ():
-                    self._add_record(s, data)
-                if s.entries:
-                    self.rebuilt += 1
-            while len(self.sessions) > self.max_sessions:
-                self.sessions.popitem(last=False)
-        else:
+            return self.install(sid, self.load(sid))
+        self.sessions.move_to_end(sid)
+        return s
+
+    def load(self, sid: str) -> SessionLedger:
+        """The session rebuilt from its capture records (no shared state touched: thread-safe)."""
+        s = SessionLedger()
+        if self.loader is not None:
+            for data in self.loader(sid) or ():
+                entry = entry_from_record(data)
+                if entry is not None:
+                    at = _matched_call(data)  # the call it was spliced after: the base (one candidate)
+                    matched = next((e for e in reversed(s.entries) if e.call_index == at), None) if at is not None else None
+                    cands = [matched] if matched is not None else s.entries[-REBASE_CANDIDATES:]
+                    entry.rebase(cands)
+                    s.entries.append(entry)
+                    if len(s.entries) > self.max_entries:
+                        del s.entries[: len(s.entries) - self.max_entries]
+        return s
+
+    def install(self, sid: str, s: SessionLedger) -> SessionLedger:
+        """Hold a session built by ``load`` (on the event loop), unless one is held already."""
+        held = self.sessions.get(sid)
+        if held is not None:
             self.sessions.move_to_end(sid)
+            return held
+        self.sessions[sid] = s
+        if s.entries:
+            self.rebuilt += 1
+            for e in s.entries:
+                self._learn(e)
+        while len(self.sessions) > self.max_sessions:
+            self.sessions.popitem(last=False)
         return s
 
     def forget(self, sid: str) -> None:
         self.sessions.pop(sid, None)
 
-    def eot(self) -> int | None:
-        return max(self.eot_ids, key=self.eot_ids.__getitem__) if self.eot_ids else None
+    def eot(self, model: str = "") -> int | None:
+        """The id answers of this model ended their turn with most often (None: none seen)."""
+        seen = self.eot_ids.get(model or "")
+        return max(seen, key=seen.__getitem__) if seen else None
 
     # -- adding ----------------------------------------------------------------------------------
-    def add(self, sid: str, entry: Entry) -> None:
-        s = self.session(sid)
-        self._append(s, entry)
-
-    def _append(self, s: SessionLedger, entry: Entry) -> None:
-        if entry.ends_with_eot and entry.sampled_ids:
-            last = entry.sampled_ids[-1]
-            self.eot_ids[last] = self.eot_ids.get(last, 0) + 1
+    def add(self, sid: str, entry: Entry, matched: Entry | None = None) -> None:
+        """Keep an answered call. A session not held is not read back for it: its capture record
+        (written right after) brings it in with the next rebuild."""
+        s = self.sessions.get(sid)
+        if s is None:
+            if self.loader is not None:
+                return
+            s = self.session(sid)
+        entry.rebase(([matched] if matched is not None else []) + s.entries[-REBASE_CANDIDATES:])
+        self._learn(entry)
         s.entries.append(entry)
         if len(s.entries) > self.max_entries:
             del s.entries[: len(s.entries) - self.max_entries]
 
-    def _add_record(self, s: SessionLedger, data: dict[str, Any]) -> None:
-        entry = entry_from_record(data)
-        if entry is not None:
-            self._append(s, entry)
+    def _learn(self, entry: Entry) -> None:
+        if entry.learn_eot and entry.sampled_ids:
+            seen = self.eot_ids.setdefault(entry.model or "", {})
+            last = entry.sampled_ids[-1]
+            seen[last] = seen.get(last, 0) + 1
 
     # -- finding -----------------------------------------------------------------------------------
     def find(self, sid: str, context: bytes, messages: list[dict[str, Any]], digests: list[bytes]) -> Match:
@@ -216,12 +340,13 @@ class Ledger:
         if not s.entries:
             return Match(None, NO_EARLIER_CALL if has_assistant else None)
         n = len(messages)
+        keys = prefix_keys(digests)
         best_fail: Match | None = None
         best_fail_len = -1
         # longest first, newest first among equals
-        for entry in sorted(s.entries, key=lambda e: (len(e.messages), e.call_index), reverse=True):
-            k = len(entry.messages)
-            if k >= n or entry.messages != digests[:k]:
+        for entry in sorted(s.entries, key=lambda e: (e.n_messages, e.call_index), reverse=True):
+            k = entry.n_messages
+            if k >= n or entry.messages_key != keys[k]:
                 continue
             nxt = messages[k]
             fail: Match | None = None
@@ -244,8 +369,27 @@ class Ledger:
         return best_fail or Match(None, HISTORY_EDITED)
 
 
+def _matched_call(data: dict[str, Any]) -> int | None:
+    for note in data.get("translation_notes") or ():
+        if isinstance(note, str) and note.startswith("exact history: spliced after call "):
+            try:
+                return int(note.rsplit(" ", 1)[1])
+            except ValueError:
+                return None
+    return None
+
+
 def entry_from_record(data: dict[str, Any]) -> Entry | None:
-    """A ledger entry from a capture record (a dict as written), or None if it cannot serve."""
+    """A ledger entry from a capture record (a dict as written, delta records expanded), or None
+    if it cannot serve.
+
+    * A record captured with exact history off (``history`` null) is never ``exact``: its prompt
+      was the template's rendering.
+    * Its answer ended its turn unless it was cut (``length``) or stopped on a stop string
+      (``stop_reason`` a string; ``history_stop_string`` in records before it was recorded).
+    * Its last id teaches the end-of-turn id only when the stop reason is known to be a token:
+      records written in exact mode with a ``stop_reason`` field (the normal path does not record
+      it, and a stop string's last id is text)."""
     if data.get("record_type", "call") != "call" or data.get("status") != "ok":
         return None
     chat = data.get("normalized_request")
@@ -253,22 +397,20 @@ def entry_from_record(data: dict[str, Any]) -> Entry | None:
     prompt = data.get("prompt_token_ids") or []
     if not isinstance(chat, dict) or not sampled or not prompt:
         return None
+    if any(isinstance(n, str) and n.endswith("not spliced later") for n in data.get("translation_notes") or ()):
+        return None  # the harness was sent other text than these ids (exact_history.py, stream)
     rendered = rendered_from_diff(prompt, data.get("rendered_prompt_diff"))
     finish = data.get("finish_reason") or ""
     history = data.get("history")
-    return Entry(
-        call_index=int(data.get("call_index") or 0),
-        context=context_digest(chat),
-        messages=message_digests(chat.get("messages") or []),
-        prompt_ids=array("i", prompt),
-        rendered_ids=array("i", rendered),
-        sampled_ids=array("i", sampled),
-        finish_reason=finish,
-        ends_with_eot=finish != "length" and not data.get("history_stop_string"),
-        answer=Answer.from_output(data.get("output_text"), data.get("output_reasoning"),
-                                  data.get("output_tool_calls") or []),
-        exact=history in (None, "exact"),
-    )
+    stop_reason = data.get("stop_reason")
+    if stop_reason is None and data.get("history_stop_string"):
+        stop_reason = "?"  # a stop string (which one was not kept)
+    return new_entry(
+        int(data.get("call_index") or 0), context_digest(chat), message_digests(chat.get("messages") or []),
+        prompt, rendered, sampled, finish,
+        Answer.from_output(data.get("output_text"), data.get("output_reasoning"), data.get("output_tool_calls") or []),
+        exact=history == "exact", stop_reason=stop_reason, model=str(chat.get("model") or ""),
+        learn_eot=history is not None and "stop_reason" in data)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -300,22 +442,14 @@ def rendered_from_diff(prompt: list[int], diff: dict[str, Any] | None) -> list[i
 
 
 def read_session_records(path: Path) -> Iterable[dict[str, Any]]:
-    """The records of one session's capture file (a torn last line is skipped)."""
+    """The records of one session's capture file (``polar_core.schema.read_capture_lines``: a torn
+    last line is skipped, records stored as a delta against an earlier one are expanded). A generator:
+    a rebuild frees each record once it is read (freeing 100 parsed 15k-id records at once held the
+    interpreter for 135 ms on a loaded 2-core machine, stalling the event loop)."""
     try:
-        data = path.read_bytes()
+        yield from read_capture_lines(path)
     except OSError:
-        return []
-    out = []
-    for line in data.splitlines():
-        if not line.strip():
-            continue
-        try:
-            obj = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
+        return
 
 
 @dataclass
@@ -351,9 +485,9 @@ def splice(match: Match, messages: list[dict[str, Any]], rendered: list[int], eo
         if not has_assistant and match.cause is None:
             return Splice(list(rendered), "exact")
         return Splice(list(rendered), "rendered", match.cause, match.detail)
-    k = len(entry.messages)  # messages[k] is the re-sent answer
-    r_len = len(entry.rendered_ids)
-    if len(rendered) <= r_len or array("i", rendered[:r_len]) != entry.rendered_ids:
+    k = entry.n_messages  # messages[k] is the re-sent answer
+    r_len = entry.rendered_len
+    if len(rendered) <= r_len or _ids_key(rendered[:r_len]) != entry.rendered_key:
         return Splice(list(rendered), "rendered", TEMPLATE_NOT_PREFIX, f"call {entry.call_index}")
     sampled = list(entry.sampled_ids)
     close = eot if not entry.ends_with_eot else None

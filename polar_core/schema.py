@@ -101,6 +101,10 @@ class CallRecord:
     # The template-rendered ids of the same messages when they differ from prompt_token_ids:
     # {"common_prefix": n, "rendered_tail": [...], "rendered_len": m}.
     rendered_prompt_diff: dict[str, Any] | None = None
+    # vLLM's stop reason (exact-history mode): None for the end-of-sequence token or a cut answer,
+    # a stop token id, or the stop string, whose last sampled id is text and does not end the turn
+    # (the ledger closes that turn with the end of turn when it splices after a restart).
+    stop_reason: int | str | None = None
     #: The sampling parameters the engine *applied* to this call (request fields, else the server's
     #: generation-config defaults, else the engine's neutral defaults): ``temperature``, ``top_p``,
     #: ``top_k`` (0 = off), ``min_p``, ``repetition_penalty``, ``presence_penalty``,
