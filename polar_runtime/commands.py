@@ -81,6 +81,9 @@ def serve_command(
     scale_out: Annotated[bool, typer.Option(
         help="Serve vLLM's render/generate/derender endpoints (--enable-scale-out), which the proxy's "
              "exact-history mode needs.")] = True,
+    reasoning_parser: Annotated[str, typer.Option(
+        help="vLLM reasoning parser (qwen3, deepseek_r1, ...), none, or auto: the one the model's build "
+             "names (tiny-r1: deepseek_r1).")] = "auto",
 ) -> None:
     """Start a real vLLM OpenAI-compatible server and keep it running until Ctrl-C / SIGTERM."""
     try:
@@ -95,6 +98,7 @@ def serve_command(
             tool_parser=tool_parser,
             generation_config=generation_config,
             scale_out=scale_out,
+            reasoning_parser=reasoning_parser,
         )
     except models.ModelError as exc:
         _error(str(exc))

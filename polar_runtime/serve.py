@@ -81,6 +81,14 @@ def cpu_bind_spec(cpus: set[int] | None = None) -> str:
     return ",".join(ranges)
 
 
+def reasoning_parser_for(model_dir: Path) -> str | None:
+    """The vLLM reasoning parser a model directory names (``polar_reasoning_parser``, written by the
+    builds of reasoning models such as ``tiny-r1``): None for models that do not reason."""
+    f = model_dir / "polar_reasoning_parser"
+    name = f.read_text().strip() if f.is_file() else ""
+    return name or None
+
+
 def template_supports_tools(model_dir: Path) -> bool:
     """Qwen-style templates that render `tools` and emit Hermes `<tool_call>` blocks."""
     texts = []
@@ -156,11 +164,15 @@ class VLLMServer:
         generation_config: str = DEFAULT_GENERATION_CONFIG,
         logprobs_mode: str = DEFAULT_LOGPROBS_MODE,
         scale_out: bool = True,
+        reasoning_parser: str | None = "auto",
     ) -> None:
         self.model_dir, default_name = resolve_model(model)
         self.generation_config = generation_config
         self.logprobs_mode = logprobs_mode
         self.tool_parser = tool_parser
+        #: vLLM's ``--reasoning-parser`` (``qwen3``, ``deepseek_r1``, ...): reasoning goes to the
+        #: answer's reasoning field, not its content; "auto": what the model directory names
+        self.reasoning_parser = reasoning_parser_for(self.model_dir) if reasoning_parser == "auto" else reasoning_parser
         #: vLLM's token-in/token-out endpoints (render, generate, derender; ``--enable-scale-out``),
         #: which the proxy's exact-history mode uses
         self.scale_out = scale_out
@@ -237,6 +249,9 @@ class VLLMServer:
                 cmd += ["--kv-cache-memory-bytes", str(int(self.kv_cache_gib * 2**30))]
         if self.tool_parser != "none" and template_supports_tools(self.model_dir):
             cmd += ["--enable-auto-tool-choice", *tool_parser_args(self.tool_parser)]
+        if self.reasoning_parser and self.reasoning_parser != "none" and not any(
+                a.startswith("--reasoning-parser") for a in self.extra_args):
+            cmd += ["--reasoning-parser", self.reasoning_parser]
         if self.scale_out and "--enable-scale-out" not in self.extra_args:
             cmd.append("--enable-scale-out")
         return cmd + list(self.extra_args)

