@@ -1,0 +1,187 @@
+"""Per-step overhead of the trainer: one process per step (``python -m polar_training``, the old demo
+path) against the trainer that stays up (``polar_training.session``), on a real vLLM.
+
+    flock /tmp/polar-heavy.lock timeout 1800 .venv/bin/python benchmarks/bench_train_overhead.py
+
+Overhead = what a step costs besides its forward/backward/optimizer work (``fit``): for the old path
+the process's start, imports, model load, optimizer-state load (from the second step on),
+the full checkpoint write (weights + AdamW moments), then vLLM's in-place reload from that
+checkpoint; for the session, the probe, the weights-only handoff write and vLLM's reload from it.
+The handoff is written twice per step, into the run directory (disk, page cache) and into
+``/dev/shm`` (tmpfs), and vLLM reloads from each, so both locations are measured on the same
+weights. Every reload is verified by the push check (``weights_push.verify_served``).
+
+Same model, same synthetic rollout batch (``--tokens`` per step, two samples of one group),
+float32 with gradient checkpointing and ``kl_coef 0`` as the demo's CPU run; ``--steps`` steps of
+each path. Writes ``benchmarks/results/train_overhead.json`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results" / "train_overhead.json"
+
+
+def make_batch(path: Path, vocab: int, tokens: int, seed: int) -> None:
+    import polars as pl
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(2):
+        ids = [rng.randrange(vocab) for _ in range(tokens // 2)]
+        prompt = len(ids) // 3
+        rows.append({"trajectory_id": f"s{seed}-{i}/0", "session_id": f"s{seed}-{i}", "group_id": f"g{seed}",
+                     "input_ids": ids, "loss_mask": [0] * prompt + [1] * (len(ids) - prompt),
+                     "logprobs": [0.0] * prompt + [-11.0] * (len(ids) - prompt), "reward": float(i), "status": "ok"})
+    pl.DataFrame(rows).write_parquet(path)
+
+
+VERIFIED: list[str] = []  # the push check's verdict on each reload
+
+
+def reload_and_verify(server, directory: str) -> float:
+    from polar_training.weights_push import PushError, verify_served
+
+    t0 = time.perf_counter()
+    server.reload_weights(directory)
+    reload_s = time.perf_counter() - t0
+    try:
+        VERIFIED.append(f"{Path(directory).name}: verified, probe max |dlogp| {verify_served(server.base_url, directory):.2e}")
+    except PushError as exc:
+        VERIFIED.append(f"{Path(directory).name}: NOT verified: {exc}")
+    print(VERIFIED[-1])
+    return reload_s
+
+
+def old_step(model: str, traj: Path, run: Path, resume: bool) -> dict:
+    """One ``python -m polar_training`` invocation as the demo ran it; wall and fit seconds."""
+    from polar_training import checkpoint as ckpt
+
+    before = sum(1 for _ in open(run / "metrics.jsonl")) if (run / "metrics.jsonl").is_file() else 0
+    cmd = [sys.executable, "-m", "polar_training", "--model", model, "-t", str(traj), "-o", str(run), "--lr", "1e-6",
+           "--kl-coef", "0", "--token-budget", "8192", "--dtype", "float32", "--gradient-checkpointing", "--no-progress"]
+    if resume:
+        cmd += ["--resume", "auto"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"polar_training failed: {proc.stderr[-3000:]}")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()[before:]]
+    fit = sum(r["step_time_s"] for r in rows)
+    return {"wall_s": wall, "fit_s": fit, "checkpoint": str(ckpt.latest_checkpoint(run))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--kv-cache-gib", type=float, default=0.5)
+    args = ap.parse_args()
+
+    import torch
+
+    from polar_runtime import models
+    from polar_runtime.demo import servable_dir
+    from polar_runtime.serve import VLLMServer
+    from polar_training.config import LossConfig, TrainConfig
+    from polar_training.session import TrainSession
+
+    torch.set_num_threads(os.cpu_count() or 2)
+    model_dir = models.ensure_model(args.model) if args.model in models.SPECS else Path(args.model)
+    serve_dir = servable_dir(model_dir, print)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    work = Path(tempfile.mkdtemp(prefix="bench-overhead-", dir=REPO / "runs" if (REPO / "runs").is_dir() else None))
+    shm = Path(tempfile.mkdtemp(prefix="polar-bench-", dir="/dev/shm")) if Path("/dev/shm").is_dir() else None
+    batches = []
+    for s in range(args.steps):
+        p = work / f"batch-{s}.parquet"
+        make_batch(p, vocab, args.tokens, s)
+        batches.append(p)
+    result: dict = {"model": args.model, "tokens_per_step": args.tokens, "steps": args.steps, "old": [], "session": [],
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count()}
+    server = VLLMServer(serve_dir, served_model_name="bench", max_model_len=2048, kv_cache_gib=args.kv_cache_gib,
+                        log_path=work / "vllm.log")
+    try:
+        with server:
+            print(f"vLLM ready in {server.start_seconds} s")
+            # the old path: a process per step, full checkpoint, reload from it
+            for s, batch in enumerate(batches):
+                r = old_step(str(model_dir), batch, work / "old", resume=s > 0)
+                r["reload_s"] = reload_and_verify(server, r["checkpoint"])
+                r["overhead_s"] = r["wall_s"] - r["fit_s"] + r["reload_s"]
+                result["old"].append(r)
+                print(f"old step {s}: wall {r['wall_s']:.1f} s, fit {r['fit_s']:.1f} s, reload {r['reload_s']:.1f} s "
+                      f"-> overhead {r['overhead_s']:.1f} s")
+            server.reload_weights(serve_dir)  # back to the base weights for the session's first probe
+            cfg = TrainConfig(lr=1e-6, token_budget=8192, gradient_checkpointing=True, loss=LossConfig(kl_coef=0.0))
+            t0 = time.perf_counter()
+            session = TrainSession(model_dir, work / "new", cfg, handoff_root=work / "handoff", keep_reference=False)
+            result["session_load_s"] = time.perf_counter() - t0
+            for s, batch in enumerate(batches):
+                t0 = time.perf_counter()
+                out = session.step([str(batch)])
+                wall = time.perf_counter() - t0
+                r = {"wall_s": wall, "fit_s": out.timings["fit_s"], "handoff_disk_s": out.timings["handoff_s"],
+                     "peak_rss_gib": out.peak_rss_gib, "rss_after_gib": out.rss_gib}
+                r["reload_disk_s"] = reload_and_verify(server, out.handoff)
+                if shm is not None:
+                    session.handoff_root = shm
+                    t1 = time.perf_counter()
+                    shm_dir = session.write_handoff()
+                    r["handoff_shm_s"] = time.perf_counter() - t1
+                    r["reload_shm_s"] = reload_and_verify(server, str(shm_dir))
+                    session.remove_handoff()
+                    session.handoff_root = work / "handoff"
+                r["overhead_disk_s"] = wall - r["fit_s"] + r["reload_disk_s"]
+                if "handoff_shm_s" in r:
+                    r["overhead_shm_s"] = wall - r["fit_s"] - r["handoff_disk_s"] + r["handoff_shm_s"] + r["reload_shm_s"]
+                result["session"].append(r)
+                print(f"session step {s}: wall {wall:.1f} s, fit {r['fit_s']:.1f} s, handoff disk "
+                      f"{r['handoff_disk_s']:.1f} s / shm {r.get('handoff_shm_s', float('nan')):.1f} s, reload disk "
+                      f"{r['reload_disk_s']:.1f} s / shm {r.get('reload_shm_s', float('nan')):.1f} s")
+            t0 = time.perf_counter()
+            session.close()
+            result["session_final_checkpoint_s"] = time.perf_counter() - t0
+    finally:
+        if shm is not None:
+            shutil.rmtree(shm, ignore_errors=True)
+    result["push_check"] = VERIFIED
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2))
+    shutil.rmtree(work, ignore_errors=True)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"per-step overhead, {args.model} float32 CPU, {args.tokens} tokens per step (seconds)")
+    for c in ("path", "step", "wall", "fit", "handoff / checkpoint write", "vLLM reload", "overhead"):
+        t.add_column(c, justify="left" if c == "path" else "right")
+    for s, r in enumerate(result["old"]):
+        t.add_row("process per step", str(s), f"{r['wall_s']:.1f}", f"{r['fit_s']:.1f}", "(in wall)", f"{r['reload_s']:.1f}",
+                  f"{r['overhead_s']:.1f}")
+    for s, r in enumerate(result["session"]):
+        t.add_row("session, disk", str(s), f"{r['wall_s']:.1f}", f"{r['fit_s']:.1f}", f"{r['handoff_disk_s']:.1f}",
+                  f"{r['reload_disk_s']:.1f}", f"{r['overhead_disk_s']:.1f}")
+        if "overhead_shm_s" in r:
+            t.add_row("session, /dev/shm", str(s), "", "", f"{r['handoff_shm_s']:.1f}", f"{r['reload_shm_s']:.1f}",
+                      f"{r['overhead_shm_s']:.1f}")
+    Console(width=140).print(t)
+    print(f"session start (once): {result['session_load_s']:.1f} s; final checkpoint (once): "
+          f"{result['session_final_checkpoint_s']:.1f} s; results in {RESULTS.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
