@@ -10,12 +10,17 @@ Phases (each timed; Ctrl-C or SIGTERM stops everything the demo started):
 4. ``rollout``    the harness (unmodified, Pi by default) on a few built-in coding tasks, several
                   samples each (one GRPO group per task), evaluated into rewards;
 5. ``trajectories`` prefix-merged sequences from the captured ids, drift causes, rewards attached;
-6. ``train``      one GRPO iteration (``polar train`` as a child process: float32 on CPU, gradient
-                  checkpointing), a checkpoint. The 0.5B step peaks at ~12.6 GB (weights, gradients,
-                  AdamW moments); when free memory is short, vLLM is stopped meanwhile;
+6. ``train``      one GRPO iteration in the trainer that stays up (``polar_training.session``, a child
+                  process started at the first update and kept across iterations: float32 on CPU,
+                  gradient checkpointing): model and AdamW state stay in memory, each step writes
+                  only a weights-only directory for vLLM, full checkpoints come every
+                  ``--checkpoint-every`` steps and at the end. The 0.5B step peaks at ~10.4 GiB;
+                  between steps the trainer holds ~7 GiB (weights, AdamW moments). When free memory
+                  is short, vLLM is stopped meanwhile and the trainer checkpoints and exits (the disk
+                  round trip; the next step resumes from that checkpoint);
 7. ``push``       the new weights into the running vLLM in place (or a restart on the checkpoint
                   when it was stopped), while the proxy holds calls; the served weights are checked
-                  against the checkpoint's probe, and the proxy records the new policy version;
+                  against the probe written with them, and the proxy records the new policy version;
 8. rollouts again with the new policy (phases 4-7 repeat ``--iterations`` times), the notebooks
    executed on the run, and a short report (also written to ``<out>/report.json``).
 
@@ -95,6 +100,7 @@ class DemoConfig:
     gpu: bool = False
     notebooks: bool = True
     keep: bool = False  # keep an existing run directory instead of replacing it
+    checkpoint_every: int = 0  # full trainer checkpoints every N optimizer steps (0: at the end only)
     eval_every: int = 0  # evaluate the served policy every N rollout steps and at the end (0: off)
     eval_samples: int = 4  # samples per task of each evaluation (the n of pass@k)
 
@@ -352,48 +358,47 @@ def mem_available() -> int:
 
 @dataclass
 class TrainResult:
-    checkpoint: Path | None  # None: the trainer made no update (nothing to learn from)
+    checkpoint: Path | None  # a full checkpoint this step wrote (schedule), else None
     step: int
     metrics: dict[str, Any]
     peak_rss_gib: float
+    handoff: Path | None = None  # None: the trainer made no update (nothing to learn from)
+    timings: dict[str, float] = field(default_factory=dict)
 
 
-def train_step(cfg: DemoConfig, model_dir: Path, trajectories: Path) -> TrainResult:
-    """One GRPO iteration as a ``python -m polar_training`` child process: its memory (policy, gradients, AdamW
-    state: ~8 GB for the 0.5B in float32) is returned to the system before the next rollout, and
-    its peak RSS is measured. Ctrl-C reaches it too (same process group)."""
+def train_config(cfg: DemoConfig) -> TrainConfig:
+    """The demo's GRPO settings: float32 with gradient checkpointing on CPU, bf16 on a GPU.
+
+    Groups whose samples all scored alike carry no policy-gradient signal (every advantage is 0):
+    leaving them out (as DAPO's dynamic sampling does) saves their forward/backward, minutes per
+    group of long agent sequences on a CPU."""
+    from polar_training.config import AdvantageConfig
+
+    return TrainConfig(lr=cfg.lr, token_budget=max(4096, cfg.max_model_len // 2),
+                       compute_dtype="bfloat16" if cfg.gpu else "float32", gradient_checkpointing=not cfg.gpu,
+                       adv=AdvantageConfig(drop_zero_variance=True), loss=LossConfig(kl_coef=cfg.kl_coef))
+
+
+def start_trainer(cfg: DemoConfig, model_dir: Path) -> Any:
+    """The trainer that stays up across iterations (polar_training.session, a child process):
+    model and AdamW state are loaded once, each step hands vLLM a weights-only directory, full
+    checkpoints are written every ``--checkpoint-every`` steps and at the end. A run directory
+    with a checkpoint already (a session closed to free memory for vLLM) is resumed from it."""
     from polar_training import checkpoint as ckpt
-    from polar_training.plots import read_metrics
+    from polar_training.session import TrainerProcess
 
     run = cfg.out / "train"
-    cmd = [sys.executable, "-m", "polar_training", "--model", str(model_dir), "-t", str(trajectories),
-           "-o", str(run), "--lr", repr(cfg.lr), "--kl-coef", repr(cfg.kl_coef),
-           "--token-budget", str(max(4096, cfg.max_model_len // 2)), "--dtype", "bfloat16" if cfg.gpu else "float32",
-           # Groups whose samples all scored alike carry no policy-gradient signal (every advantage
-           # is 0): leaving them out (as DAPO's dynamic sampling does) saves their forward/backward,
-           # minutes per group of long agent sequences on a CPU.
-           "--drop-zero-variance"]
-    if not cfg.gpu:
-        cmd.append("--gradient-checkpointing")
-    before = ckpt.latest_checkpoint(run) if run.exists() else None
-    if before is not None:
-        cmd += ["--resume", "auto"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # progress goes to stderr
-    try:
-        _, status, usage = os.wait4(proc.pid, 0)
-    except BaseException:
-        proc.terminate()
-        proc.wait()
-        raise
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise DemoError(f"polar train exited with {proc.returncode}: {' '.join(cmd)}")
-    latest = ckpt.latest_checkpoint(run) if run.exists() else None
-    peak = usage.ru_maxrss / 2**20
-    if latest is None or latest == before:  # no sampled token to learn from: the weights stay
-        return TrainResult(None, int(ckpt.read_meta(before).get("step", 0)) if before else 0, {}, peak)
-    rows = read_metrics(run / "metrics.jsonl")
-    return TrainResult(latest, int(rows[-1]["step"]), rows[-1] if rows else {}, peak)
+    resume = "auto" if run.exists() and ckpt.latest_checkpoint(run) is not None else None
+    return TrainerProcess(model_dir, run, train_config(cfg), resume=resume, checkpoint_every=cfg.checkpoint_every).start()
+
+
+def train_step(trainer: Any, trajectories: Path) -> TrainResult:
+    """One GRPO iteration in the persistent trainer; its peak RSS is the step's (VmHWM reset)."""
+    r = trainer.step([trajectories])
+    return TrainResult(checkpoint=Path(r["checkpoint"]) if r.get("checkpoint") else None, step=int(r["step"]),
+                       metrics=r.get("metrics") or {}, peak_rss_gib=float(r.get("peak_rss_gib") or 0.0),
+                       handoff=Path(r["handoff"]) if r.get("updated") and r.get("handoff") else None,
+                       timings=r.get("timings") or {})
 
 
 class _Stopped:
@@ -642,6 +647,26 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             ph.detail = f"{proxy.url} -> {server.base_url}, max_tokens <= {cfg.max_tokens}"
         endpoint = h.Endpoint(mode="base_url", base_url=proxy.url, proxy_url=proxy.url, ca_cert=proxy.ca_cert)
         policy = 0  # the version of the weights vLLM serves
+        trainer: Any = None  # the trainer that stays up (polar_training.session), started at the first update
+        trainer_box: list[Any] = [None]  # for the clean-up on errors and Ctrl-C
+        stack.callback(lambda: trainer_box[0] is not None and trainer_box[0].stop(5.0))
+        last_trained: dict[str, Any] | None = None
+
+        def close_trainer(step: int) -> str | None:
+            """End the trainer: its final checkpoint (recorded on the last trained iteration) and its
+            memory back to the system."""
+            nonlocal trainer
+            if trainer is None:
+                return None
+            with tl.phase(f"checkpoint {step}", "the trainer's final checkpoint (weights + AdamW state)") as ph:
+                path = trainer.close()
+                trainer = trainer_box[0] = None
+                ph.detail = path or "nothing trained"
+            if path:
+                paths_out["checkpoint"] = path
+                if last_trained is not None:
+                    last_trained["checkpoint"] = path
+            return path
 
         for step in range(cfg.iterations + 1):
             rcfg = r.RolloutConfig(tasks=tasks, preset=preset, endpoint=endpoint, capture_dir=cfg.captures,
@@ -682,39 +707,56 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 entry["note"] = "every GRPO group has zero reward variance: update skipped, no push"
                 console.print(f"[yellow]step {step}: {entry['note']}; the policy stays v{policy}[/yellow]")
                 continue
-            need = 0 if cfg.gpu else train_memory_estimate(model_dir)
+            # The trainer that stays up already holds its weights and AdamW moments: only the rest of
+            # the step's peak is new memory.
+            held = int(trainer.rss_gib * 2**30) if trainer is not None else 0
+            need = 0 if cfg.gpu else max(train_memory_estimate(model_dir) - held, 0)
             stop_server = cfg.server_during_train == "stop" or (
                 cfg.server_during_train == "auto" and not cfg.gpu and mem_available() < need)
             if stop_server:
                 entry["note"] = (f"vLLM stopped while training (needs ~{need / 2**30:.1f} GiB, "
-                                 f"{mem_available() / 2**30:.1f} GiB available); the push restarts it")
+                                 f"{mem_available() / 2**30:.1f} GiB available); the trainer writes a checkpoint "
+                                 "and exits, and the push restarts vLLM on it")
                 console.print(f"[yellow]{entry['note']}[/yellow]")
                 server.stop()
             with tl.phase(f"train {step}", f"GRPO iteration {step + 1} ({'bf16 GPU' if cfg.gpu else 'float32 CPU'})") as ph:
                 assert data.trajectories is not None
-                result = train_step(cfg, model_dir, data.trajectories)
-                entry.update(step=result.step, metrics=result.metrics, peak_rss_gib=result.peak_rss_gib)
+                if trainer is None:
+                    trainer = trainer_box[0] = start_trainer(cfg, model_dir)
+                result = train_step(trainer, data.trajectories)
+                entry.update(step=result.step, metrics=result.metrics, peak_rss_gib=result.peak_rss_gib,
+                             trainer_timings=result.timings)
                 ph.detail = f"peak RSS {result.peak_rss_gib:.1f} GiB, " + (
-                    f"step {result.step}, checkpoint {result.checkpoint}" if result.checkpoint else "no update")
-            if result.checkpoint is None:
+                    f"step {result.step}, weights for vLLM in {result.handoff}" if result.handoff else "no update")
+            if result.checkpoint is not None:
+                entry["checkpoint"] = paths_out["checkpoint"] = str(result.checkpoint)
+            if result.handoff is None:
                 entry["note"] = "the trainer made no update (no sampled token to learn from)"
                 if stop_server:
+                    same = close_trainer(step)
                     with tl.phase(f"serve {step + 1}", "vLLM again, same weights"):
-                        server.start(wait=True)
+                        server.restart(model_dir=same or serve_dir)
                 continue
-            entry["checkpoint"] = str(result.checkpoint)
-            paths_out["checkpoint"] = str(result.checkpoint)
+            last_trained = entry
+            # Memory short: the trainer's memory goes back before vLLM starts again (the disk round
+            # trip: the next step resumes from this checkpoint); otherwise the weights-only handoff.
+            source = close_trainer(step) if stop_server else result.handoff
+            assert source is not None
             with tl.phase(f"push {step}", "restart vLLM on the new weights (proxy holds calls)" if stop_server
                           else "new weights into the running vLLM in place (proxy holds calls)") as ph:
                 if stop_server:  # nothing to reload in place: the restart fallback serves the checkpoint
-                    push = push_weights(result.checkpoint, _Stopped(server), proxy.url, result.step)
+                    push = push_weights(source, _Stopped(server), proxy.url, result.step)
                 else:
-                    push = push_weights(result.checkpoint, server, proxy.url, result.step)
+                    push = push_weights(source, server, proxy.url, result.step)
                 ph.detail = f"policy v{push.policy_version} via {push.method} in {push.reload_s:.1f} s"
             if stop_server:  # the in-place attempt on a stopped server is expected to fail: not news
                 push.notes = [n for n in push.notes if not n.startswith("in-place reload failed")]
             entry["push"] = asdict(push)
             policy = push.policy_version
+            if step == cfg.iterations - 1:  # the last update: its checkpoint, and the memory back
+                close_trainer(step)
+
+        close_trainer(cfg.iterations)
 
         if cfg.notebooks:
             with tl.phase("notebooks", "execute the debugging notebooks on this run") as ph:
@@ -792,6 +834,9 @@ def demo_command(
     gpu: Annotated[Optional[bool], typer.Option("--gpu/--cpu", help="Default: a GPU when paths.has_gpu().")] = None,
     notebooks: Annotated[bool, typer.Option(help="Execute the notebooks on the run at the end.")] = DemoConfig.notebooks,
     keep: Annotated[bool, typer.Option(help="Keep an existing run directory (finished samples are reused).")] = DemoConfig.keep,
+    checkpoint_every: Annotated[int, typer.Option(
+        help="Full trainer checkpoints (weights + AdamW state, resumable) every N optimizer steps; 0: only at the end. "
+             "vLLM gets each step's weights either way.")] = DemoConfig.checkpoint_every,
     exact_history: Annotated[bool, typer.Option(
         help="Exact multi-turn history (proxy option polar_exact_history): the model is prompted with its own "
              "sampled ids for every answer the harness re-sends.")] = DemoConfig.exact_history,
@@ -809,6 +854,7 @@ def demo_command(
                      timeout=timeout, concurrency=concurrency, lr=lr,
                      kl_coef=kl_coef if kl_coef is not None else (DemoConfig.kl_coef if iterations > 1 or on_gpu else 0.0), max_model_len=max_model_len,
                      tool_parser=tool_parser, server_during_train=server_during_train, gpu=on_gpu, notebooks=notebooks, keep=keep,
+                     checkpoint_every=checkpoint_every,
                      exact_history=exact_history, eval_every=eval_every, eval_samples=eval_samples)
     if eval_every < 0 or eval_samples < 1:
         raise typer.BadParameter("--eval-every must be >= 0 and --eval-samples >= 1")
