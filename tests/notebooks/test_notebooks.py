@@ -193,8 +193,10 @@ def committed(run_dir: Path):
     """The run's facts, read straight from its files (not through polar_analysis)."""
     import polars as pl
 
-    records = [json.loads(line) for p in sorted((run_dir / "captures" / "sessions").glob("*.jsonl"))
-               for line in p.read_text().splitlines() if line.strip()]
+    from polar_core.schema import read_capture_lines
+
+    records = [rec for p in sorted((run_dir / "captures" / "sessions").glob("*.jsonl"))
+               for rec in read_capture_lines(p)]  # delta records (schema 3) expanded
     rollouts = pl.read_parquet(run_dir / "captures" / "rollouts.parquet")
     metrics = [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines() if line]
     trajectories = sum(pl.read_parquet(p).height for p in (run_dir / "trajectories").glob("*.parquet"))

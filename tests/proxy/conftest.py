@@ -25,6 +25,7 @@ import pytest
 from polar_proxy.process import ProxyProcess
 from polar_testing.scripted_upstream import ServerThread
 from polar_core.paths import harness_request_fixtures
+from polar_core.schema import read_capture_lines
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = harness_request_fixtures()
@@ -352,7 +353,7 @@ def read_records(capture_dir: Path, session: str) -> list[dict[str, Any]]:
     path = Path(capture_dir) / "sessions" / f"{session}.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return list(read_capture_lines(path))  # delta records (schema 3) expanded
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from mitmproxy.http import HTTPFlow
 from polar_core.flowmeta import unpack_tokens
 from polar_proxy import contentview as cv
 from polar_core.paths import REPO_ROOT
+from polar_core.schema import read_capture_lines
 
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "demo-run" / "captures"
 RUN = FIXTURE / "flows-run"  # the capture directory of the run the flows were saved in
@@ -34,8 +35,7 @@ def _flows(path: Path) -> list[HTTPFlow]:
 def _records() -> dict[str, dict]:
     out = {}
     for p in (RUN / "sessions").glob("*.jsonl"):
-        for line in p.read_text().splitlines():
-            rec = json.loads(line)
+        for rec in read_capture_lines(p):  # delta records (schema 3) expanded
             out[rec["call_id"]] = rec
     return out
 

@@ -5,7 +5,6 @@ response working from the flow file alone; browsing a flow file starts no proxy 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -20,6 +19,7 @@ from mitmproxy.http import HTTPFlow
 from polar_core.control import ProxyControl
 from polar_core.flowmeta import unpack_tokens
 from polar_core.paths import REPO_ROOT
+from polar_core.schema import read_capture_lines
 from polar_proxy import contentview as cv
 from polar_proxy import flows as pflows
 
@@ -34,8 +34,7 @@ def _read(path: Path) -> list[HTTPFlow]:
 def _records(capture: Path) -> dict[str, dict]:
     out = {}
     for p in (capture / "sessions").glob("*.jsonl"):
-        for line in p.read_text().splitlines():
-            rec = json.loads(line)
+        for rec in read_capture_lines(p):  # delta records (schema 3) expanded
             out[rec["call_id"]] = rec
     return out
 

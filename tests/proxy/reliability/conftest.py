@@ -121,14 +121,11 @@ def error_shape(provider: str, body: bytes) -> dict[str, Any]:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Complete, parseable lines of a capture file (a torn line is skipped, as the loader does)."""
-    out = []
-    for line in path.read_bytes().split(b"\n"):
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    """Complete, parseable records of a capture file, deltas expanded (a torn line is skipped, as
+    the loader does)."""
+    from polar_core.schema import read_capture_lines
+
+    return list(read_capture_lines(path))
 
 
 @dataclass

@@ -13,10 +13,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 
-from polar_core.schema import SESSIONS_SUBDIR
+from polar_core.schema import SESSIONS_SUBDIR, read_capture_lines
 from polar_runtime import harnesses as h
 from polar_runtime import rollout as r
 from polar_testing.scripted_upstream import Script, ServerThread
@@ -60,10 +59,7 @@ def read_calls(capture_dir: Path, session_id: str) -> list[dict[str, Any]]:
     path = capture_dir / SESSIONS_SUBDIR / f"{session_id}.jsonl"
     if not path.exists():
         return []
-    out = []
-    for line in path.read_bytes().splitlines(keepends=True):
-        if line.endswith(b"\n"):
-            out.append(orjson.loads(line))
+    out = list(read_capture_lines(path))  # delta records (schema 3) expanded
     return sorted(out, key=lambda c: c["call_index"])
 
 

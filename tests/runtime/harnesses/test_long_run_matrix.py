@@ -20,6 +20,7 @@ import pytest
 
 from polar_analysis import drift, frames
 from polar_core.compaction import compaction_of
+from polar_core.schema import read_capture_lines
 from polar_proxy.process import ProxyProcess
 from polar_runtime import harnesses as h
 from polar_testing.scripted_upstream import Script, ServerThread
@@ -86,7 +87,7 @@ def test_codex_long_session(tmp_path, exact):
     assert run.returncode == 0, run.stderr[-2000:]
     sessions = list((tmp_path / "captures" / "sessions").glob("*.jsonl"))
     assert len(sessions) == 1
-    recs = [json.loads(line) for line in sessions[0].read_text().splitlines()]
+    recs = list(read_capture_lines(sessions[0]))
     assert len(recs) == answered and all(r["status"] == "ok" for r in recs)  # every call captured
     if exact:
         assert any("image replaced by a text placeholder" in n for r in recs for n in r["translation_notes"])
@@ -160,7 +161,7 @@ def _long_run(tmp_path: Path, name: str, turns: list, *, max_model_len: int, con
             proxy.stop()
     recs = []
     for p in sorted((tmp_path / "captures" / "sessions").glob("*.jsonl")):
-        recs += [json.loads(line) for line in p.read_text().splitlines()]
+        recs += list(read_capture_lines(p))
     recs.sort(key=lambda r: r["t_request_in"] or 0)
     report = drift.drift_report(frames.calls(tmp_path / "captures", rewards=None))
     details = [d for c, d in zip(report["cause"], report["detail"]) if c == "compacted"]
