@@ -106,6 +106,41 @@ def effective(chat: dict[str, Any], server: dict[str, Any] | None, enforced: dic
     out["enforced"] = sorted(enforced or ())
     out["defaults_from"] = server.get("defaults_from") or "unknown"
     out["logprobs_mode"] = server.get("logprobs_mode")
+    found = constraints(chat)
+    if found:
+        out["constraints"] = found
+    return out
+
+
+#: vLLM request fields that constrain decoding (structured outputs, token masks) besides
+#: ``response_format`` and ``tool_choice``.
+CONSTRAINT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "allowed_token_ids", "bad_words")
+
+
+def constraints(chat: dict[str, Any]) -> dict[str, Any]:
+    """What in ``chat`` makes vLLM change the distribution before it samples (and before it computes
+    processed logprobs): a json_schema/json_object ``response_format`` (Google's responseSchema
+    arrives as one) or a required/named ``tool_choice`` (both decoded under a grammar),
+    ``logit_bias``, ``min_tokens`` (stop tokens masked until then), vLLM's own structured-output and
+    token-mask fields. Recorded in ``CallRecord.sampling["constraints"]``; the trainer refuses such
+    calls (it computes logprobs from the plain logits)."""
+    out: dict[str, Any] = {}
+    fmt = chat.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        out["response_format"] = str(fmt.get("type"))
+    choice = chat.get("tool_choice")
+    if choice == "required":
+        out["tool_choice"] = "required"
+    elif isinstance(choice, dict):
+        out["tool_choice"] = "named:" + str((choice.get("function") or {}).get("name") or choice.get("name") or "")
+    if chat.get("logit_bias"):
+        out["logit_bias"] = len(chat["logit_bias"])  # how many ids are biased
+    if (chat.get("min_tokens") or 0) > 0:
+        out["min_tokens"] = int(chat["min_tokens"])
+    for name in CONSTRAINT_FIELDS:
+        if chat.get(name):
+            out[name] = True
     return out
 
 

@@ -140,6 +140,9 @@ def sequences_from_frame(frame: pl.DataFrame) -> list[PackedSequence]:
         positions = [t for t, m in enumerate(mask) if m]
         if positions and positions[0] == 0:
             raise ValueError(f"{tid[i]}: a sampled token at position 0 has no context to be predicted from")
+        bad_lp = next((t for t in positions if lps[t] is None or lps[t] != lps[t] or lps[t] == float("inf")), None)
+        if bad_lp is not None:  # NaN would turn the importance ratio and the loss into NaN
+            raise ValueError(f"{tid[i]}: behaviour logprob {lps[bad_lp]} at sampled position {bad_lp} (not a logprob)")
         out.append(
             PackedSequence(
                 index=i,
