@@ -185,6 +185,9 @@ class ExactHistory:
         self.probed_eot: dict[str, int | None] = {}
         #: upstream URL -> the (``<think>``, ``</think>``) ids of its tokenizer; None: no such single ids
         self.think_ids: dict[str, tuple[int, int] | None] = {}
+        #: upstream URL -> whether its reasoning parser takes text without think markers as reasoning
+        #: (vLLM's deepseek_r1 does: "models that may not generate the start token")
+        self.unmarked_reasoning: dict[str, bool] = {}
         self.unavailable: dict[str, str] = {}  # upstream URL -> why it has no render/generate/derender  # upstream URL -> its end-of-turn id (None: unknown)
         self.stats = {"exact": 0, "spliced": 0, "rendered": 0, "render_ms": 0.0, "derender_ms": 0.0}
 
@@ -356,8 +359,22 @@ class ExactHistory:
                 ids.append(t["tokens"])
             if all(isinstance(x, list) and len(x) == 1 for x in ids):
                 found = (int(ids[0][0]), int(ids[1][0]))
-        except (ExactError, aiohttp.ClientError, OSError, asyncio.TimeoutError, KeyError, TypeError, ValueError):
-            found = None
+            if found is not None:
+                # what does this server's parser make of text without markers? (one derender, once)
+                ok = (await self._call(base_url + "/tokenize", {"model": model, "prompt": "ok", "add_special_tokens": False},
+                                       timeout, headers))["tokens"]
+                probe = await self._call(base_url + DERENDER_PATH, {
+                    "model": model, "prompt_token_ids": [found[1]],
+                    "generate_response": {"request_id": "polar-probe", "prompt_token_ids": [found[1]], "choices": [
+                        {"index": 0, "token_ids": ok, "finish_reason": "length", "stop_reason": None}]},
+                    "chat_request": {"model": model, "messages": [{"role": "user", "content": "ok"}], "stream": False}},
+                    timeout, headers)
+                msg = (probe.get("choices") or [{}])[0].get("message") or {}
+                self.unmarked_reasoning[base_url] = bool(msg.get("reasoning") or msg.get("reasoning_content")) \
+                    and not msg.get("content")
+        except (ExactError, aiohttp.ClientError, OSError, asyncio.TimeoutError, KeyError, TypeError, ValueError,
+                IndexError, AttributeError):
+            pass
         self.think_ids[base_url] = found
 
     # -- the ledger ------------------------------------------------------------------------------
@@ -464,10 +481,13 @@ class _Ctx:
         return b"data: " + jsonutil.dumps(d) + b"\n\n"
 
     def opened_think(self) -> bool:
-        """Whether the prompt ends inside a think block (the template opened it for the model)."""
+        """Whether the answer starts inside a think block: the template opened it in the prompt, or
+        the server's parser takes unmarked text as reasoning (then it is reasoning until ``</think>``)."""
         think = self.owner.think_ids.get(self.base_url)
         if not think:
             return False
+        if self.owner.unmarked_reasoning.get(self.base_url):
+            return True
         open_id, close_id = think
         tail = self.ids[-DERENDER_PROMPT_TAIL:]
         last_open = max((i for i, t in enumerate(tail) if t == open_id), default=-1)
@@ -581,15 +601,15 @@ def stream_view(text: str, *, opened: bool, tools: bool) -> tuple[str, str]:
     appending as text arrives; what might still change role (text that may be reasoning, a marker
     or tool call beginning, whitespace a parser may strip) is held back. ``opened``: the prompt
     ended inside a think block, so the text is reasoning until ``</think>``."""
-    if opened:
+    lead = text.lstrip()
+    if THINK_OPEN.startswith(lead):
+        return "", ""  # nothing yet, or the start of "<think>": may become reasoning
+    if lead.startswith(THINK_OPEN):
+        body = lead[len(THINK_OPEN):]  # the model opened the block (parsers drop the marker)
+    elif opened:
         body = text
     else:
-        lead = text.lstrip()
-        if THINK_OPEN.startswith(lead):
-            return "", ""  # nothing yet, or the start of "<think>": may become reasoning
-        if not lead.startswith(THINK_OPEN):
-            return "", _content_view(text, tools)
-        body = lead[len(THINK_OPEN):]
+        return "", _content_view(text, tools)
     end = body.find(THINK_CLOSE)
     if end < 0:
         return _trim(body[: _cut(body, (THINK_CLOSE,))]), ""

@@ -48,6 +48,7 @@ class _Owner:
     def __init__(self, message: dict[str, Any], out: FeedReader):
         self.message, self.out = message, out
         self.think_ids = {BASE: (OPEN, CLOSE)}
+        self.unmarked_reasoning: dict[str, bool] = {}
         self.pending: dict[str, Pending] = {}
         self.stats = {"derender_ms": 0.0}
         self.before_derender: ChatAccumulator | None = None
@@ -68,9 +69,10 @@ def _accumulate(raw: bytes) -> ChatAccumulator:
 
 
 def _run(prompt: list[int], pieces: list[tuple[str, list[int]]], message: dict[str, Any],
-         tools: bool = False) -> tuple[ChatAccumulator, _Owner, Any]:
+         tools: bool = False, unmarked_reasoning: bool = False) -> tuple[ChatAccumulator, _Owner, Any]:
     out = FeedReader()
     owner = _Owner(message, out)
+    owner.unmarked_reasoning[BASE] = unmarked_reasoning
     rec = SimpleNamespace(call_id="c1", translation_notes=[])
     owner.pending["c1"] = Pending(b"", [], prompt)
     chat = {"model": "m", "messages": [{"role": "user", "content": "2+2?"}]}
@@ -127,6 +129,17 @@ def test_a_parser_that_disagrees_still_gets_the_answer_through_and_the_call_is_n
     acc, owner, rec = _run(prompt, [("Four", [65]), (".", [66])], {"reasoning": None, "content": "Four."})
     assert "".join(acc.reasoning) == "Four." and "".join(acc.content) == "Four."
     assert owner.pending["c1"].delivered_differs and "sent whole" in rec.translation_notes[0]
+
+
+def test_a_parser_that_takes_unmarked_text_as_reasoning_streams_it_as_reasoning() -> None:
+    # vLLM's deepseek_r1 parser: text before </think> is reasoning whether or not <think> was written
+    # (the proxy asks the server once per upstream); the R1 distill's template leaves <think> to the model
+    for first in ("Hmm", "<think>\nHmm"):
+        pieces = [(first, [70]), (", four.", [71]), ("</think>", [CLOSE]), ("Four.", [72])]
+        derendered = {"reasoning": first.removeprefix("<think>") + ", four.", "content": "Four."}
+        acc, owner, rec = _run([1, 2], pieces, derendered, unmarked_reasoning=True)
+        assert "".join(owner.before_derender.reasoning) == derendered["reasoning"]
+        assert "".join(acc.content) == "Four." and not rec.translation_notes, rec.translation_notes
 
 
 def test_stream_view_holds_what_may_still_change_role() -> None:
