@@ -133,6 +133,9 @@ class Tokenizer:
             self.hf = directory
         self._cache: OrderedDict[bytes, list[int]] = OrderedDict()
         self.eos_id = CHEAP_EOS_ID
+        #: the cheap template renders a system message with this (when > 0): a template whose
+        #: rendering of an old history changes (a date in the system prompt, as Llama 3's does)
+        self.epoch = 0
         if self.hf is not None:
             eos = self.hf.convert_tokens_to_ids(EOS_TEXT)
             self.eos_id = eos if isinstance(eos, int) and eos >= 0 else self.hf.eos_token_id
@@ -153,14 +156,21 @@ class Tokenizer:
         if tools:
             out += self._cached(orjson.dumps(tools, option=orjson.OPT_SORT_KEYS))
         for m in messages:  # <|im_start|> role ... <|im_end|>, like ChatML
-            out += [CHEAP_SPECIAL["<|im_start|>"], _cheap_id(str(m.get("role")))]
-            if isinstance(m.get("content"), str) and set(m) <= {"role", "content"}:  # plain text: its words
-                out += [p.token_id for p in self.pieces(m["content"], "content")]
-            else:
-                out += self._cached(orjson.dumps(m, option=orjson.OPT_SORT_KEYS))
-            out.append(CHEAP_SPECIAL["<|im_end|>"])
+            out += self.message_ids(m)
         if add_generation_prompt:
             out += [CHEAP_SPECIAL["<|im_start|>"], _cheap_id("assistant")]
+        return out
+
+    def message_ids(self, m: dict[str, Any]) -> list[int]:
+        """The cheap template's ids of one message (the cheap rendering is their concatenation)."""
+        out = [CHEAP_SPECIAL["<|im_start|>"], _cheap_id(str(m.get("role")))]
+        if self.epoch and m.get("role") == "system":
+            out.append(_cheap_id(f"epoch:{self.epoch}"))
+        if isinstance(m.get("content"), str) and set(m) <= {"role", "content"}:  # plain text: its words
+            out += [p.token_id for p in self.pieces(m["content"], "content")]
+        else:
+            out += self._cached(orjson.dumps(m, option=orjson.OPT_SORT_KEYS))
+        out.append(CHEAP_SPECIAL["<|im_end|>"])
         return out
 
     def _cached(self, key: bytes) -> list[int]:
@@ -305,6 +315,14 @@ class ScriptedUpstream:
         self.rendered: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.generated: OrderedDict[tuple[int, ...], Reply] = OrderedDict()
         self.generate_requests: deque[dict[str, Any]] = deque(maxlen=log_size)
+        # The exact prompt each generate should get, worked out here from what this upstream sampled
+        # (not from the proxy's ledger): every re-sent answer whose history is the one it was
+        # sampled for, whose text, tool calls and reasoning are those sampled, and whose template
+        # rendering has not changed since, stands as [<|im_start|>, assistant] + its sampled ids (+
+        # the end of turn closing a cut one); every other message as the template renders it.
+        # Tests compare whole: ``prompt_checks`` (cheap tokenizer only; None with a real template).
+        self.answers: OrderedDict[bytes, dict[str, Any]] = OrderedDict()
+        self.prompt_checks: deque[dict[str, Any]] = deque(maxlen=4096)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
@@ -352,6 +370,7 @@ class ScriptedUpstream:
         self.requests.clear()
         self.responses.clear()
         self.generate_requests.clear()
+        self.prompt_checks.clear()
         self.count = 0
         return _json({"ok": True})
 
@@ -453,7 +472,9 @@ class ScriptedUpstream:
         ids = self.tok.prompt_ids(messages, body.get("tools"), bool(body.get("add_generation_prompt", True)))
         rid = f"chatcmpl-{body.get('request_id') or uuid.uuid4().hex}"
         self.rendered[rid] = {"messages": messages, "session": request.headers.get("x-polar-session"),
-                              "directives": dict(_DIRECTIVE_RE.findall(_last_user_text(messages)))}
+                              "directives": dict(_DIRECTIVE_RE.findall(_last_user_text(messages))),
+                              "context": _context(body), "ids": ids, "epoch": self.tok.epoch,
+                              "generation_prompt": bool(body.get("add_generation_prompt", True))}
         while len(self.rendered) > 4096:
             self.rendered.popitem(last=False)
         params = dict(SAMPLING_DEFAULTS)
@@ -501,6 +522,11 @@ class ScriptedUpstream:
         if finish != "length":
             finish = "stop"  # the engine knows no tool calls: the derender does
         sampled = [p.token_id for p in pieces]
+        if info.get("context") is not None:
+            self.prompt_checks.append({"session": info["session"], "request_id": body.get("request_id"),
+                                       "received": list(ids), "expected": self.expected_prompt(info),
+                                       "rendered": info["ids"]})
+            self._keep_answer(info, reply, pieces)
         self.generated[tuple(sampled)] = reply
         if sampled and pieces[-1].kind == "eos":
             self.generated[tuple(sampled[:-1])] = reply
@@ -597,6 +623,54 @@ class ScriptedUpstream:
                       "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n_out,
                                 "completion_tokens": n_out, "prompt_tokens_details": None},
                       "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None, "metrics": None})
+
+    # -- the exact prompt, worked out independently of the proxy ------------------------------------
+    def _answer_key(self, session: Any, context: bytes, messages: list[dict[str, Any]]) -> bytes:
+        return _blake(orjson.dumps([session, context.decode(), messages], option=orjson.OPT_SORT_KEYS))
+
+    def _keep_answer(self, info: dict[str, Any], reply: Reply, pieces: list[Piece]) -> None:
+        n = len(pieces)
+        calls = [(tc["function"]["name"], orjson.loads(tc["function"]["arguments"]))
+                 for tc, end in zip(reply.tool_calls, reply.tool_ends) if end < n]
+        self.answers[self._answer_key(info["session"], info["context"], info["messages"])] = {
+            "sampled": [p.token_id for p in pieces], "epoch": info["epoch"], "calls": calls,
+            "content": "".join(p.text for p in pieces if p.kind == "content"),
+            "reasoning": "".join(p.text for p in pieces if p.kind == "reasoning")}
+        while len(self.answers) > 8192:
+            self.answers.popitem(last=False)
+
+    def expected_prompt(self, info: dict[str, Any]) -> list[int] | None:
+        """The exact prompt for a rendered request (see ``prompt_checks``); None with a real template."""
+        if self.tok.hf is not None:
+            return None
+        messages, context = info["messages"], info["context"]
+        tools = orjson.loads(context).get("tools")
+        out: list[int] = list(self.tok._cached(orjson.dumps(tools, option=orjson.OPT_SORT_KEYS))) if tools else []
+        im_start, im_end = CHEAP_SPECIAL["<|im_start|>"], CHEAP_SPECIAL["<|im_end|>"]
+        for i, m in enumerate(messages):
+            a = self.answers.get(self._answer_key(info["session"], context, messages[:i])) \
+                if m.get("role") == "assistant" else None
+            if a is not None and a["epoch"] == self.tok.epoch and _same_answer(a, m):
+                close = [] if a["sampled"] and a["sampled"][-1] == self.tok.eos_id else [im_end]
+                out += [im_start, _cheap_id("assistant")] + a["sampled"] + close
+            else:
+                out += self.tok.message_ids(m)
+        if info["generation_prompt"]:
+            out += [im_start, _cheap_id("assistant")]
+        return out
+
+    def check_prompts(self, session: str) -> list[dict[str, Any]]:
+        """This session's generate calls; raises AssertionError naming the first whose prompt ids
+        are not the exact prompt (the first differing position, both ids there)."""
+        checks = [c for c in self.prompt_checks if c["session"] == session]
+        for i, c in enumerate(checks):
+            got, want = c["received"], c["expected"]
+            if want is not None and got != want:
+                at = next((j for j, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+                raise AssertionError(f"generate call {i} of session {session}: prompt ids differ from the exact "
+                                     f"prompt at {at} of {len(want)} (got {got[at:at + 4]}, want {want[at:at + 4]}; "
+                                     f"{len(got)} ids received; rendered == received: {c['rendered'] == got})")
+        return checks
 
     def build_reply(self, turn: dict[str, Any]) -> Reply:
         key = orjson.dumps(turn, option=orjson.OPT_SORT_KEYS)
@@ -796,6 +870,50 @@ def _call_json(pieces: list[Piece]) -> str:
     """The JSON text after ``<tool_call>`` in the pieces of one (maybe cut) call."""
     text = "".join(p.text for p in pieces)
     return text.split("<tool_call>", 1)[-1].lstrip("\n").split("\n", 1)[0]
+
+
+#: request fields besides the messages that change a rendering (as the proxy's ledger keys them)
+_CONTEXT_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "documents", "reasoning_effort",
+                   "add_special_tokens")
+
+
+def _context(body: dict[str, Any]) -> bytes:
+    return orjson.dumps({k: body.get(k) for k in _CONTEXT_FIELDS if body.get(k) not in (None, [], {})},
+                        option=orjson.OPT_SORT_KEYS)
+
+
+def _blake(data: bytes) -> bytes:
+    import hashlib
+
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _plain_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(p.get("text", "") for p in value if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def _same_answer(a: dict[str, Any], m: dict[str, Any]) -> bool:
+    """Whether the re-sent assistant message ``m`` is the sampled answer ``a``: text, tool calls
+    (name, parsed arguments; ids aside) and, when re-sent at all, reasoning."""
+    if _plain_text(m.get("content")).strip() != a["content"].strip():
+        return False
+    calls = []
+    for tc in m.get("tool_calls") or ():
+        fn = tc.get("function") or {}
+        args = fn.get("arguments")
+        try:
+            args = orjson.loads(args) if isinstance(args, str) else args
+        except orjson.JSONDecodeError:
+            pass
+        calls.append((fn.get("name"), args))
+    if calls != a["calls"]:
+        return False
+    reasoning = _plain_text(m.get("reasoning") or m.get("reasoning_content")).strip()
+    return not reasoning or reasoning == a["reasoning"].strip()
 
 
 def _lp_entry(token: str, token_id: int, position: int) -> dict[str, Any]:

@@ -61,7 +61,7 @@ def _tool_results(msg: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_resent_answers_are_spliced_as_sampled(helpers, exact_proxy, session_id, stream) -> None:
+def test_resent_answers_are_spliced_as_sampled(helpers, scripted, exact_proxy, session_id, stream) -> None:
     h = Harness(helpers, exact_proxy, session_id, stream)
     h.messages.append({"role": "user", "content": "make hello.txt #scenario:tools2"})
     first = h.ask()
@@ -84,6 +84,7 @@ def test_resent_answers_are_spliced_as_sampled(helpers, exact_proxy, session_id,
     assert r1["rendered_prompt_diff"] is None
     assert r2["sampled_logprobs"] and len(r2["sampled_logprobs"]) == len(r2["sampled_token_ids"])
     assert r3["finish_reason"] == "tool_calls"
+    _prompts_exact(scripted, session_id, 3)
 
 
 def test_ledger_is_rebuilt_from_the_capture_after_kill_9(helpers, scripted, confdir, tmp_path, session_id) -> None:
@@ -121,7 +122,7 @@ def test_ledger_is_rebuilt_from_the_capture_after_kill_9(helpers, scripted, conf
         proxy.stop()
 
 
-def test_edited_history_falls_back_and_says_why(helpers, exact_proxy, session_id) -> None:
+def test_edited_history_falls_back_and_says_why(helpers, scripted, exact_proxy, session_id) -> None:
     h = Harness(helpers, exact_proxy, session_id)
     h.messages.append({"role": "user", "content": "first #scenario:text"})
     a1 = h.ask()
@@ -144,9 +145,10 @@ def test_edited_history_falls_back_and_says_why(helpers, exact_proxy, session_id
         ("rendered", "answer_dropped")]
     for r in recs[2:]:
         assert r["rendered_prompt_diff"] is None  # rendered: what vLLM got is the template's rendering
+    _prompts_exact(scripted, session_id, 5, spliced=False)  # text answers: the cheap template's ids
 
 
-def test_changed_tool_arguments_are_not_spliced(helpers, exact_proxy, session_id) -> None:
+def test_changed_tool_arguments_are_not_spliced(helpers, scripted, exact_proxy, session_id) -> None:
     h = Harness(helpers, exact_proxy, session_id)
     h.messages.append({"role": "user", "content": "do it #scenario:tool"})
     a1 = h.ask()
@@ -163,6 +165,7 @@ def test_changed_tool_arguments_are_not_spliced(helpers, exact_proxy, session_id
     assert (recs[1]["history"], recs[1]["history_cause"]) == ("rendered", "answer_changed")
     assert any("tool_arguments" in n for n in recs[1]["translation_notes"])
     assert recs[2]["history"] == "exact"
+    _prompts_exact(scripted, session_id, 3)
 
 
 def test_truncated_turn_is_closed_with_the_end_of_turn_id(helpers, exact_proxy, scripted, session_id) -> None:
@@ -176,9 +179,10 @@ def test_truncated_turn_is_closed_with_the_end_of_turn_id(helpers, exact_proxy, 
     eot = scripted.upstream.tok.eos_id
     lead = r1["prompt_token_ids"] + r1["sampled_token_ids"] + [eot]
     assert r2["history"] == "exact" and r2["prompt_token_ids"][: len(lead)] == lead
+    _prompts_exact(scripted, session_id, 2)
 
 
-def test_interleaved_sub_agents_each_continue_their_own_chain(helpers, exact_proxy, session_id) -> None:
+def test_interleaved_sub_agents_each_continue_their_own_chain(helpers, scripted, exact_proxy, session_id) -> None:
     main = Harness(helpers, exact_proxy, session_id)
     sub = Harness(helpers, exact_proxy, session_id)
     sub.messages = [{"role": "system", "content": "You are a sub-agent that reads files."}]
@@ -193,6 +197,7 @@ def test_interleaved_sub_agents_each_continue_their_own_chain(helpers, exact_pro
     assert [r["history"] for r in recs] == ["exact"] * 4
     notes = [next((n for n in r["translation_notes"] if "spliced after" in n), None) for r in recs]
     assert notes == [None, None, "exact history: spliced after call 0", "exact history: spliced after call 1"]
+    _prompts_exact(scripted, session_id, 4)
 
 
 def test_an_upstream_without_the_endpoints_gets_the_normal_path(helpers, proxy_factory, session_id) -> None:
@@ -213,7 +218,7 @@ ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"][
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_anthropic_messages_history_is_spliced(helpers, exact_proxy, session_id, stream) -> None:
+def test_anthropic_messages_history_is_spliced(helpers, scripted, exact_proxy, session_id, stream) -> None:
     """The ledger works on the normalized call: an Anthropic harness re-sending content blocks
     (text, tool_use; thinking left out) gets its own sampled ids back."""
     def ask(messages: list[dict[str, Any]]) -> Any:
@@ -242,6 +247,16 @@ def test_anthropic_messages_history_is_spliced(helpers, exact_proxy, session_id,
     assert [r["history"] for r in recs] == ["exact", "exact", "exact"], [r["history_cause"] for r in recs]
     lead = recs[1]["prompt_token_ids"] + recs[1]["sampled_token_ids"]
     assert recs[2]["prompt_token_ids"][: len(lead)] == lead
+    _prompts_exact(scripted, session_id, 3)
+
+
+def _prompts_exact(scripted: Any, sid: str, n: int, spliced: bool = True) -> None:
+    """Every prompt of the session that reached generate is the exact prompt, compared whole with
+    what the scripted upstream works out from its own answers (not from the proxy's ledger)."""
+    checks = scripted.upstream.check_prompts(sid)
+    assert len(checks) == n
+    if spliced:  # the check compared something: spliced ids, not the template's
+        assert any(c["received"] != c["rendered"] for c in checks)
 
 
 def _fn_tools() -> list[dict[str, Any]]:
@@ -250,7 +265,7 @@ def _fn_tools() -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_responses_and_google_histories_are_spliced(helpers, exact_proxy, session_id, stream) -> None:
+def test_responses_and_google_histories_are_spliced(helpers, scripted, exact_proxy, session_id, stream) -> None:
     """OpenAI Responses (function_call items re-sent) and Google generateContent (functionCall parts)."""
     # Responses
     sid = session_id + "-resp"
@@ -274,6 +289,7 @@ def test_responses_and_google_histories_are_spliced(helpers, exact_proxy, sessio
     ask_responses(items)
     recs = helpers.read_records(exact_proxy.capture_dir, sid)
     assert [r["history"] for r in recs] == ["exact"] * 3, [r["history_cause"] for r in recs]
+    _prompts_exact(scripted, sid, 3)
 
     # Google generateContent
     gsid = session_id + "-google"
@@ -299,6 +315,7 @@ def test_responses_and_google_histories_are_spliced(helpers, exact_proxy, sessio
     ask_google(contents)
     grecs = helpers.read_records(exact_proxy.capture_dir, gsid)
     assert [r["history"] for r in grecs] == ["exact"] * 2, [(r["history_cause"], r["translation_notes"]) for r in grecs]
+    _prompts_exact(scripted, gsid, 2)
 
 
 def test_a_generation_cut_mid_stream_ends_in_an_error_and_keeps_what_was_sampled(helpers, exact_proxy,

@@ -263,7 +263,8 @@ def test_exact_history_flows_keep_the_answer_and_the_spliced_ids(helpers, upstre
     ids; its flow keeps what the harness received and the ids the record has, and says how."""
     flows_file = tmp_path / "flows.mitm"
     proxy = proxy_factory(upstream.url, options={"save_stream_file": str(flows_file), "polar_exact_history": True})
-    messages = [{"role": "user", "content": "answer please #scenario:text"}]
+    # reasoning + text: the harness re-sends the text alone, so the template's ids are not the sampled ones
+    messages = [{"role": "user", "content": "answer please #scenario:reasoning"}]
     got = []
     for _ in range(2):
         body = {"model": "m", "stream": True, "messages": messages}
@@ -273,7 +274,7 @@ def test_exact_history_flows_keep_the_answer_and_the_spliced_ids(helpers, upstre
         text = "".join(e[1]["choices"][0]["delta"].get("content") or "" for e in helpers.sse_events(ans.body)
                        if isinstance(e[1], dict) and e[1].get("choices"))
         messages = messages + [{"role": "assistant", "content": text},
-                               {"role": "user", "content": "again #scenario:text"}]
+                               {"role": "user", "content": "again #scenario:reasoning"}]
     time.sleep(0.2)
     proxy.stop()
     records = sorted(_records(proxy.capture_dir).values(), key=lambda r: r["call_index"])
@@ -284,3 +285,7 @@ def test_exact_history_flows_keep_the_answer_and_the_spliced_ids(helpers, upstre
         assert unpack_tokens(meta)["prompt_token_ids"] == rec["prompt_token_ids"]
         assert (meta["history"], meta["history_cause"]) == (rec["history"], rec["history_cause"])
     assert records[1]["history"] == "exact"
+    # and the ids that reached generate were the exact prompt, as the upstream works it out
+    checks = upstream.upstream.check_prompts("flows-exact")[-2:]
+    assert [c["received"] for c in checks] == [r["prompt_token_ids"] for r in records]
+    assert checks[1]["received"] != checks[1]["rendered"]
