@@ -11,6 +11,11 @@ The handoff is written twice per step, into the run directory (disk, page cache)
 ``/dev/shm`` (tmpfs), and vLLM reloads from each, so both locations are measured on the same
 weights. Every reload is verified by the push check (``weights_push.verify_served``).
 
+Then the same batches with LoRA (``--lora-rank``, 0 to skip; training/lora.py): fit time, peak
+and resident memory, and for both runs the trainer-vs-vLLM logprob gap on the probe after the
+reload (the merged LoRA weights against the trainer's LoRA model; the full weights against the
+trainer's).
+
 Same model, same synthetic rollout batch (``--tokens`` per step, two samples of one group),
 float32 with gradient checkpointing and ``kl_coef 0`` as the demo's CPU run; ``--steps`` steps of
 each path. Writes ``benchmarks/results/train_overhead.json`` and prints the table.
@@ -64,6 +69,17 @@ def reload_and_verify(server, directory: str) -> float:
     return reload_s
 
 
+def probe_gap(server, directory: str) -> dict:
+    """|served - trainer| logprob over the handoff's probe (the trainer-vs-vLLM gap of these weights)."""
+    from polar_training import checkpoint as ckpt
+    from polar_training.weights_push import served_probe_logprobs
+
+    probe = ckpt.read_meta(directory)["probe"]
+    served = served_probe_logprobs(server.base_url, probe["ids"])
+    d = [abs(a - b) for a, b in zip(served, probe["logprobs"])]
+    return {"max": max(d), "mean": sum(d) / len(d)}
+
+
 def old_step(model: str, traj: Path, run: Path, resume: bool) -> dict:
     """One ``python -m polar_training`` invocation as the demo ran it; wall and fit seconds."""
     from polar_training import checkpoint as ckpt
@@ -89,6 +105,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--kv-cache-gib", type=float, default=0.5)
+    ap.add_argument("--lora-rank", type=int, default=16, help="then the same steps with LoRA at this rank (0: skip)")
     args = ap.parse_args()
 
     import torch
@@ -97,6 +114,8 @@ def main() -> None:
     from polar_runtime.demo import servable_dir
     from polar_runtime.serve import VLLMServer
     from polar_training.config import LossConfig, TrainConfig
+    from polar_training.heap import release_freed_memory
+    from polar_training.lora import LoraSettings, trainable_parameters
     from polar_training.session import TrainSession
 
     torch.set_num_threads(os.cpu_count() or 2)
@@ -137,6 +156,7 @@ def main() -> None:
                 r = {"wall_s": wall, "fit_s": out.timings["fit_s"], "handoff_disk_s": out.timings["handoff_s"],
                      "peak_rss_gib": out.peak_rss_gib, "rss_after_gib": out.rss_gib}
                 r["reload_disk_s"] = reload_and_verify(server, out.handoff)
+                r["logprob_gap"] = probe_gap(server, out.handoff)
                 if shm is not None:
                     session.handoff_root = shm
                     t1 = time.perf_counter()
@@ -155,6 +175,30 @@ def main() -> None:
             t0 = time.perf_counter()
             session.close()
             result["session_final_checkpoint_s"] = time.perf_counter() - t0
+            del session
+            release_freed_memory()
+            # LoRA on the same batches: the adapters trained, merged into the handoff, same reload and check
+            if args.lora_rank:
+                server.reload_weights(serve_dir)
+                settings = LoraSettings(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
+                t0 = time.perf_counter()
+                lsession = TrainSession(model_dir, work / "lora", cfg, handoff_root=work / "handoff-lora",
+                                        keep_reference=False, lora=settings)
+                result["lora"] = {"rank": args.lora_rank, "alpha": settings.alpha, "load_s": time.perf_counter() - t0,
+                                  "trainable_params": trainable_parameters(lsession.trainer.model), "steps": []}
+                for s, batch in enumerate(batches):
+                    t0 = time.perf_counter()
+                    out = lsession.step([str(batch)])
+                    r = {"wall_s": time.perf_counter() - t0, "fit_s": out.timings["fit_s"],
+                         "handoff_disk_s": out.timings["handoff_s"], "peak_rss_gib": out.peak_rss_gib,
+                         "rss_after_gib": out.rss_gib}
+                    r["reload_disk_s"] = reload_and_verify(server, out.handoff)
+                    r["logprob_gap"] = probe_gap(server, out.handoff)
+                    result["lora"]["steps"].append(r)
+                    print(f"LoRA step {s}: fit {r['fit_s']:.1f} s, peak RSS {r['peak_rss_gib']:.1f} GiB, resident after "
+                          f"{r['rss_after_gib']:.1f} GiB, handoff {r['handoff_disk_s']:.1f} s, reload {r['reload_disk_s']:.1f} s, "
+                          f"gap max {r['logprob_gap']['max']:.2e}")
+                lsession.close(checkpoint=False)
     finally:
         if shm is not None:
             shutil.rmtree(shm, ignore_errors=True)
@@ -178,6 +222,16 @@ def main() -> None:
         if "overhead_shm_s" in r:
             t.add_row("session, /dev/shm", str(s), "", "", f"{r['handoff_shm_s']:.1f}", f"{r['reload_shm_s']:.1f}",
                       f"{r['overhead_shm_s']:.1f}")
+    Console(width=140).print(t)
+    t = Table(title="full fine-tuning vs LoRA, same batches (float32 CPU)")
+    for c in ("run", "step", "fit s", "peak RSS GiB", "resident after GiB", "handoff s", "reload s", "gap max", "gap mean"):
+        t.add_column(c, justify="left" if c == "run" else "right")
+    runs = [("full", result["session"])] + ([(f"LoRA r{result['lora']['rank']}", result["lora"]["steps"])] if "lora" in result else [])
+    for name, rows in runs:
+        for s, r in enumerate(rows):
+            t.add_row(name, str(s), f"{r['fit_s']:.1f}", f"{r['peak_rss_gib']:.2f}", f"{r['rss_after_gib']:.2f}",
+                      f"{r['handoff_disk_s']:.1f}", f"{r['reload_disk_s']:.1f}", f"{r['logprob_gap']['max']:.2e}",
+                      f"{r['logprob_gap']['mean']:.2e}")
     Console(width=140).print(t)
     print(f"session start (once): {result['session_load_s']:.1f} s; final checkpoint (once): "
           f"{result['session_final_checkpoint_s']:.1f} s; results in {RESULTS.relative_to(REPO)}")
