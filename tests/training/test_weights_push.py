@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -23,6 +24,7 @@ class FakeEndpoints:
         self.served_logprobs: list[float] = []  # what /v1/completions reports for the probe
         self.root = "/nonexistent"
         self.server_dtype: str | None = None  # answered on /server_info (dev mode) when set
+        self.after_reload: list[float] | None = None  # served_logprobs once FakeServer reloads
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
@@ -72,7 +74,8 @@ class FakeEndpoints:
                     return self._send(200, {"ok": True})
                 if name == "/v1/completions":
                     ids = body["prompt"]
-                    plp = [None] + [{str(t): {"logprob": lp}} for t, lp in zip(ids[1:], fake.served_logprobs)]
+                    served = fake.served_logprobs() if callable(fake.served_logprobs) else fake.served_logprobs
+                    plp = [None] + [{str(t): {"logprob": lp}} for t, lp in zip(ids[1:], served)]
                     return self._send(200, {"choices": [{"prompt_logprobs": plp}]})
                 self._send(404, {})
 
@@ -102,6 +105,8 @@ class FakeServer:
             self.fake.events.append(("server.reload", {}))
         if self.reload_error:
             raise self.reload_error
+        if self.fake and self.fake.after_reload is not None:  # what the reloaded weights serve
+            self.fake.served_logprobs = self.fake.after_reload
         return 0.1
 
     def restart(self, model_dir=None, timeout=900.0):
@@ -187,7 +192,7 @@ def test_a_reload_that_changed_nothing_fails_verification(fake, tmp_path):
     fake.served_logprobs = [-1.5, -2.25]
     with pytest.raises(PushError, match="did not move from the previous version"):
         push_weights(ck, FakeServer(fake), None, policy_version=5, allow_restart=False)
-    fake.served_logprobs = [-1.501, -2.249]
+    fake.after_reload = [-1.501, -2.249]
     assert push_weights(ck, FakeServer(fake), None, policy_version=5).method == "reload_weights"
 
 
@@ -220,6 +225,108 @@ def test_bare_url_uses_collective_rpc_and_resets_the_prefix_cache(fake, tmp_path
     (rpc, body), (reset, _) = fake.events
     assert rpc == "/collective_rpc" and body["method"] == "reload_weights"
     assert body["kwargs"] == {"weights_path": str(ck.resolve())} and reset == "/reset_prefix_cache"
+
+
+#: Per-token serving noise the fakes add: float32 as measured (trainer vs vLLM on CPU, ~1e-5);
+#: bf16 as in the issue's counterexample (old weights plus 0.05 noise passed after a 0.005 update).
+SERVING_NOISE = {"float32": 1e-5, "bfloat16": 0.05}
+#: The update's per-token probe change: under each dtype's tolerance of |served - new| (PROBE_TOL),
+#: so only the comparison with the previous weights can tell.
+UPDATE = {"float32": 5e-4, "bfloat16": 0.005}
+
+
+def _probe_case(update: float, n: int = 48, seed: int = 0):
+    rng = random.Random(seed)
+    old = [-rng.uniform(0.1, 6.0) for _ in range(n - 1)]
+    new = [o + rng.gauss(0.0, update) for o in old]
+    return list(range(100, 100 + n)), old, new
+
+
+def _plus(xs, sd, rng):
+    return [x + rng.gauss(0.0, sd) for x in xs]
+
+
+def _resumes(fake) -> list[dict]:
+    return [body for name, body in fake.events if name == "/_polar/resume"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("noise_kind", ["fixed", "fresh"])
+def test_old_weights_plus_noise_fail_the_push_check(fake, tmp_path, dtype, noise_kind):
+    """A reload (and a restart) after which the server still serves the previous weights plus its
+    dtype's noise, after an update below the dtype's tolerance (0.005 nats in bf16): the push fails and the gate is never reopened under
+    the new version. "fixed": the same noise on every query (deterministic kernels); "fresh": new
+    noise on each query. The old check passed the bf16 case (tolerance 0.3, the move check skipped
+    below a 0.015 mean change) and sent /_polar/resume {"policy_version": 2}."""
+    ids, old, new = _probe_case(update=UPDATE[dtype])
+    ck = make_checkpoint(tmp_path / "c", probe=(ids, new), before=old, compute_dtype=dtype)
+    fake.server_dtype = dtype
+    rng = random.Random(1)
+    sd = SERVING_NOISE[dtype]
+    fixed = _plus(old, sd, rng)
+    fake.served_logprobs = fixed if noise_kind == "fixed" else (lambda: _plus(old, sd, rng))
+    with pytest.raises(PushError, match="did not move from the previous version|gate stays closed"):
+        push_weights(ck, FakeServer(fake), fake.url, policy_version=2)
+    assert all("policy_version" not in body for body in _resumes(fake))
+    if noise_kind == "fixed":  # provably the previous weights: reopened without a new version
+        assert _resumes(fake) == [{}]
+    # and without a baseline measured on the server (a stopped server), the same answer
+    from polar_training.weights_push import probe_verdict
+
+    assert probe_verdict(fixed, new, old, dtype).state != "new"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_new_weights_pass_the_push_check(fake, tmp_path, dtype):
+    """The server serves the new weights: their logprobs plus the same systematic kernel error as
+    before the reload (the dtype's noise, 0.05 nats in bf16: ten times the update) plus a small
+    change of that error with the weights. Verified as the new version; the gate reopens under it."""
+    ids, old, new = _probe_case(update=UPDATE[dtype])
+    ck = make_checkpoint(tmp_path / "c", probe=(ids, new), before=old, compute_dtype=dtype)
+    fake.server_dtype = dtype
+    rng = random.Random(2)
+    sd = SERVING_NOISE[dtype]
+    error = [rng.gauss(0.0, sd) for _ in old]
+    fake.served_logprobs = [a + e for a, e in zip(old, error)]
+    fake.after_reload = [a + e + rng.gauss(0.0, UPDATE[dtype] / 10) for a, e in zip(new, error)]
+    res = push_weights(ck, FakeServer(fake), fake.url, policy_version=2)
+    assert res.method == "reload_weights", res.notes
+    assert _resumes(fake) == [{"policy_version": 2}]
+    from polar_training.weights_push import ServedBefore, probe_verdict
+
+    served_before = [a + e for a, e in zip(old, error)]
+    verdict = probe_verdict(fake.after_reload, new, old, dtype, ServedBefore(served_before))
+    print(f"{dtype}: {verdict.describe()}")
+    assert verdict.state == "new" and abs(verdict.alpha - 1) < 0.2
+
+
+def test_served_version_after_a_failed_push_is_decided_not_a_coin_flip(fake, tmp_path):
+    """bf16, a 0.005-nat update under 0.05 noise: the old state said ``previous`` or ``new`` by which
+    of two nearly equal distances was smaller. Without a baseline the answer is ``unknown`` (the gate
+    stays closed) on every draw; with the baseline measured before the reload it is ``previous``
+    when nothing changed, and ``new`` only for the new weights."""
+    from polar_training.weights_push import served_version_state
+
+    ids, old, new = _probe_case(update=0.005)
+    ck = make_checkpoint(tmp_path / "c", probe=(ids, new), before=old, compute_dtype="bfloat16")
+    fake.server_dtype = "bfloat16"
+    states = set()
+    for seed in range(20):
+        rng = random.Random(seed)
+        fake.served_logprobs = _plus(old if seed % 2 else new, 0.05, rng)
+        states.add(served_version_state(fake.url, str(ck)))
+    assert states == {"unknown"}
+    from polar_training.weights_push import ServedBefore
+
+    rng = random.Random(3)
+    error = [rng.gauss(0.0, 0.05) for _ in old]
+    served_old = [a + e for a, e in zip(old, error)]
+    fake.served_logprobs = served_old
+    assert served_version_state(fake.url, str(ck), before=ServedBefore(served_old)) == "previous"
+    fake.served_logprobs = [a + e for a, e in zip(new, error)]
+    assert served_version_state(fake.url, str(ck), before=ServedBefore(served_old)) == "new"
+    fake.served_logprobs = [a + e + 0.5 * (b - a) for a, b, e in zip(old, new, error)]  # half loaded
+    assert served_version_state(fake.url, str(ck), before=ServedBefore(served_old)) == "unknown"
 
 
 # ---- the real thing ----------------------------------------------------------------------------
