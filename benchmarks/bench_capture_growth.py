@@ -51,11 +51,15 @@ def session(sid: str, n: int, seed: int = 0) -> list[Any]:
     from polar_core.schema import CallRecord
 
     rng = np.random.default_rng(seed)
+
+    def text(n: int) -> str:  # random letters and spaces: as incompressible as real text, or more
+        return rng.integers(96, 123, n).astype(np.uint8).tobytes().decode().replace("`", " ")
+
     grow = (FINAL_PROMPT - FIRST_PROMPT) // max(1, n - 1) - SAMPLED
     prompt = rng.integers(0, 150_000, FIRST_PROMPT).tolist()
-    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "d" * 900,
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "Run a tool. " * 75,
                                                "parameters": {"type": "object", "properties": {}}}} for i in range(8)]
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "s" * 4 * (FIRST_PROMPT // 2)},
+    messages: list[dict[str, Any]] = [{"role": "system", "content": text(4 * (FIRST_PROMPT // 2))},
                                       {"role": "user", "content": "Fix the failing test."}]
     out = []
     for i in range(n):
@@ -66,14 +70,14 @@ def session(sid: str, n: int, seed: int = 0) -> list[Any]:
             call_id=f"{sid}-{i:04d}{'0' * 24}", session_id=sid, call_index=i, provider="openai_chat", harness="pi",
             status="ok", finish_reason="tool_calls", native_request=native, normalized_request=chat,
             prompt_token_ids=list(prompt), sampled_token_ids=sampled,
-            sampled_logprobs=(-rng.random(SAMPLED) * 3).round(6).tolist(), output_text="x" * (4 * SAMPLED),
+            sampled_logprobs=(-rng.random(SAMPLED) * 3).round(6).tolist(), output_text=text(4 * SAMPLED),
             prompt_tokens=len(prompt), completion_tokens=SAMPLED, t_request_in=1e9 + i, t_response_out=1e9 + i + 0.5,
             sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
                       "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": None,
                       "logprobs_mode": "processed_logprobs", "defaults_from": "vllm"},
         ))
-        messages = messages + [{"role": "assistant", "content": "x" * (4 * SAMPLED)},
-                               {"role": "tool", "tool_call_id": f"c{i}", "content": "r" * (4 * grow)}]
+        messages = messages + [{"role": "assistant", "content": out[-1].output_text},
+                               {"role": "tool", "tool_call_id": f"c{i}", "content": text(4 * grow)}]
         prompt = prompt + sampled + rng.integers(0, 150_000, max(0, grow)).tolist()
     return out
 
@@ -94,6 +98,37 @@ def write(capture: Path, recs: list[Any], delta: bool) -> tuple[int, float]:
     dt = time.perf_counter() - t0
     w.close()
     return w.bytes, dt
+
+
+def flows_bytes(recs: list[Any], body_limit: int = 4 << 20) -> dict[str, int]:
+    """What ``flows.mitm`` holds for the same session: one saved flow per call as the proxy
+    annotates it (the harness's request body, the answer's body up to ``polar_flow_body_limit``,
+    ``flow.metadata["polar"]`` with the token ids and logprobs as JSON bytes), written with
+    mitmproxy's own FlowWriter; and the same file compressed (zstd -3), what rotating and
+    compressing saved flows would keep."""
+    import io
+
+    import zstandard
+    from mitmproxy import io as mio
+    from mitmproxy.test import tflow
+
+    from polar_core.flowmeta import META_KEY, TOKENS_KEY, pack_tokens
+
+    buf = io.BytesIO()
+    w = mio.FlowWriter(buf)
+    parts = {"request_bodies": 0, "prompt_ids_meta": 0}
+    for r in recs:
+        f = tflow.tflow(resp=True)
+        f.request.content = orjson.dumps(r.native_request)
+        f.response.content = orjson.dumps({"choices": [{"message": {"content": r.output_text}}]})[:body_limit]
+        tokens = pack_tokens(r.prompt_token_ids, r.sampled_token_ids, r.sampled_logprobs)
+        f.metadata[META_KEY] = {"session": r.session_id, "call_index": r.call_index, "call_id": r.call_id,
+                                TOKENS_KEY: tokens, "output_text": r.output_text}
+        parts["request_bodies"] += len(f.request.content)
+        parts["prompt_ids_meta"] += len(tokens["prompt_token_ids"])
+        w.add(f)
+    data = buf.getvalue()
+    return {"flows_bytes": len(data), "flows_zstd_bytes": len(zstandard.ZstdCompressor(level=3).compress(data)), **parts}
 
 
 READER = r"""
@@ -135,20 +170,23 @@ def main(
             old, t_old = write(Path(tmp) / f"old{n}", recs, False)
             new, t_new = write(Path(tmp) / f"new{n}", recs, True)
             fl = floor_bytes(recs)
-            rows.append({"calls": n, "final_prompt_ids": len(recs[-1].prompt_token_ids),
+            fb = flows_bytes(recs)
+            rows.append({**fb, "calls": n, "final_prompt_ids": len(recs[-1].prompt_token_ids),
                          "prompt_ids_in_records": sum(len(r.prompt_token_ids) for r in recs),
                          "old_bytes": old, "new_bytes": new, "floor_bytes": fl, "old_over_floor": old / fl,
                          "new_over_floor": new / fl, "old_write_ms_per_call": t_old / n * 1e3,
                          "new_write_ms_per_call": t_new / n * 1e3})
         t = Table(title="Bytes per session: full records (schema 2) vs deltas (schema 3)")
         for col in ("calls", "final prompt ids", "old MB", "new MB", "floor MB", "old / floor", "new / floor",
-                    "write ms/call old", "new"):
+                    "write ms/call old", "new", "flows.mitm MB", "of it requests", "prompt ids", "zstd MB"):
             t.add_column(col, justify="right")
         for r in rows:
             t.add_row(str(r["calls"]), f"{r['final_prompt_ids']:,}", f"{r['old_bytes'] / 1e6:.2f}",
                       f"{r['new_bytes'] / 1e6:.2f}", f"{r['floor_bytes'] / 1e6:.2f}", f"{r['old_over_floor']:.1f}",
                       f"{r['new_over_floor']:.2f}", f"{r['old_write_ms_per_call']:.2f}",
-                      f"{r['new_write_ms_per_call']:.2f}")
+                      f"{r['new_write_ms_per_call']:.2f}", f"{r['flows_bytes'] / 1e6:.2f}",
+                      f"{r['request_bodies'] / 1e6:.2f}", f"{r['prompt_ids_meta'] / 1e6:.2f}",
+                      f"{r['flows_zstd_bytes'] / 1e6:.2f}")
         console.print(t)
         ok = all(r["new_over_floor"] <= 3 for r in rows)
         console.print("new format within 3x of the floor at every length: " + ("[green]PASS[/]" if ok else "[red]FAIL[/]"))

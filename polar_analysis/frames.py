@@ -130,6 +130,8 @@ class InvalidRecord(ValueError):
 def _check_ints(name: str, value: Any) -> np.ndarray:
     if value is None:
         return np.zeros(0, dtype=np.int32)
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype == np.int32:
+        return value  # from the expander, already checked
     if not isinstance(value, list):
         raise InvalidRecord(f"{name} is not a list")
     try:
@@ -346,7 +348,7 @@ def _convert_range(path: Path, start: int, stats: FileStats, expander: Expander 
                    arena: _Arena | None = None) -> tuple[pl.DataFrame, int]:
     """Parse complete lines of ``path`` from byte ``start``; returns (frame, new consumed offset).
     ``expander``: the records before ``start`` a delta may refer to (a fresh one from the start)."""
-    expander = expander or Expander()
+    expander = expander or Expander(arrays=True)
     with open(path, "rb") as fh:
         fh.seek(start)
         data = fh.read()
@@ -481,7 +483,7 @@ def sync_file(jsonl: Path, cache_dir: Path) -> tuple[list[Path], FileStats, str]
 def _seeded_expander(parts: list[Path]) -> Expander:
     """An expander that knows the last records already converted (the ones a delta appended since
     may refer to), read back from the cache's parts."""
-    ex = Expander()
+    ex = Expander(arrays=True)
     if not parts:
         return ex
     lf = scan_parts(parts).with_row_index("_i")

@@ -169,6 +169,8 @@ def lcp(a: np.ndarray, b: np.ndarray) -> int:
 def _as_ids(ids: Any) -> np.ndarray | None:
     if ids is None:
         return np.zeros(0, np.int32)
+    if isinstance(ids, list) and ids and any(isinstance(v, (bool, float)) for v in (ids[0], ids[-1])):
+        return None  # fromiter would truncate them silently
     try:  # fromiter: half the time of asarray on a 30k-id list
         arr = np.fromiter(ids, dtype=np.int64, count=len(ids)) if isinstance(ids, list) else np.asarray(ids, np.int64)
     except (TypeError, ValueError, OverflowError):
@@ -254,8 +256,11 @@ class Expander:
     """Expands delta records back to full records, file order, keeping per session the last
     ``window`` records (their prompt ids as int32 arrays, their requests as parsed objects)."""
 
-    def __init__(self, window: int = READ_WINDOW):
+    def __init__(self, window: int = READ_WINDOW, *, arrays: bool = False):
         self.window = window
+        #: prompt ids as int32 arrays in the records it returns (the analysis cache: no list round
+        #: trip, 1.2 s of a 200-call session's 5 s conversion); lists otherwise
+        self.arrays = arrays
         self._sessions: dict[tuple[str, Any], OrderedDict[str, _Expanded]] = {}
         self.expanded = 0
 
@@ -289,7 +294,13 @@ class Expander:
                 n, new = delta["prompt_shared"], delta.get("prompt_new") or []
                 if not isinstance(n, int) or not 0 <= n <= ref.prompt.size or not isinstance(new, list):
                     raise DeltaError(f"prompt delta shares {n!r} ids of a {ref.prompt.size}-id prompt")
-                rec["prompt_token_ids"] = ref.prompt[:n].tolist() + new
+                if self.arrays:
+                    tail = _as_ids(new)
+                    if tail is None:
+                        raise DeltaError("prompt delta holds values that are not token ids")
+                    rec["prompt_token_ids"] = np.concatenate([ref.prompt[:n], tail])
+                else:
+                    rec["prompt_token_ids"] = ref.prompt[:n].tolist() + new
             for f in REQUEST_FIELDS:
                 if f in delta:
                     rec[f] = apply_request_delta(ref.requests.get(f), delta[f])
@@ -305,10 +316,14 @@ class Expander:
         self._keep(self._past({"session_id": rec.get("session_id"), DELTA_KEY: {"writer": writer}}), rec)
 
     def _keep(self, past: OrderedDict[str, _Expanded], rec: dict[str, Any]) -> None:
+        prompt = rec.get("prompt_token_ids")
+        if not isinstance(prompt, np.ndarray):
+            prompt = _as_ids(prompt)
+            if self.arrays and prompt is not None:
+                rec["prompt_token_ids"] = prompt
         cid = rec.get("call_id")
         if not cid:
             return
-        prompt = _as_ids(rec.get("prompt_token_ids"))
         past[cid] = _Expanded(prompt if prompt is not None else np.zeros(0, np.int32),
                               {f: rec.get(f) for f in REQUEST_FIELDS})
         past.move_to_end(cid)
