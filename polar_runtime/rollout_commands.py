@@ -30,6 +30,10 @@ ModelNameOpt = Annotated[Optional[str], typer.Option(help="Model name the harnes
 CommandOpt = Annotated[Optional[str], typer.Option("--command", help="Generic harness: a shell command template.")]
 MaxTokensOpt = Annotated[int, typer.Option(help="Cap max_tokens of every call (proxy option; 0: no cap).")]
 CaCertOpt = Annotated[Optional[Path], typer.Option(resolve_path=True, help="CA of a running --proxy (default $POLAR_HOME/mitmproxy).")]
+SandboxOpt = Annotated[str, typer.Option(help="Sandbox of every phase: auto (bubblewrap, else docker), bubblewrap, docker, "
+                                              "or host (NO isolation: the harness runs as you, on the host).")]
+TasksHelp = ("A Harbor task directory, a dataset (a directory of them), a JSONL file of the shorthand, "
+             "or a built-in set (coding, followups).")
 
 
 def _check_mode(mode: str) -> str:
@@ -63,6 +67,8 @@ def harness_list() -> None:
         pkg = h.PACKAGES[p.package]  # type: ignore[index]
         table.add_row(name, pkg.spec, p.wire, "yes" if pkg.installed() else "[red]no[/red]")
     table.add_row("generic", "--command 'my-agent {task}'", "any", "-")
+    for name, cls in h.NO_MODEL_PRESETS.items():
+        table.add_row(name, f"({cls.description})", "none", "-")
     console.print(table)
     console.print("trimming (on by default, --no-trim to turn off):")
     for name, p in h.presets().items():
@@ -112,7 +118,9 @@ def harness_install(
 @harness_app.command("run")
 def harness_run(
     name: Annotated[str, typer.Argument(help="Preset (see `polar harness list`) or 'generic'.")],
-    task: Annotated[str, typer.Option(help="The instruction given to the harness.")],
+    task: Annotated[Optional[str], typer.Option(help="The instruction given to the harness (an ad-hoc task).")] = None,
+    tasks: Annotated[Optional[str], typer.Option(help=TasksHelp + " Runs its first task (or --task-id).")] = None,
+    task_id: Annotated[Optional[str], typer.Option(help="With --tasks: the task to run.")] = None,
     followup: Annotated[Optional[list[str]], typer.Option(
         help="A later user turn (repeatable): the harness is started again on it, continuing its conversation.")] = None,
     mode: Mode = "base_url",
@@ -127,16 +135,32 @@ def harness_run(
     trim: Annotated[bool, typer.Option(help="Trim tools/system prompt through the harness's own flags.")] = True,
     max_tokens: MaxTokensOpt = 0,
     ca_cert: CaCertOpt = None,
+    sandbox: SandboxOpt = "auto",
 ) -> None:
-    """Run one harness once on an ad-hoc task through the proxy and show what was captured."""
+    """Run one harness once on a task (ad hoc, or one of --tasks) through the proxy and show what was captured."""
     _check_mode(mode)
     preset = _preset(name, command)
-    t = r.Task(id=f"adhoc-{time.strftime('%Y%m%d-%H%M%S')}", instruction=task, evaluator=evaluator,
-               followups=list(followup or []))
-    with r.open_stack(mode=mode, capture_dir=None if proxy else capture_dir, proxy=proxy, upstream=upstream,
-                      model=model, max_tokens_cap=max_tokens, ca_cert=ca_cert, log=console.print) as stack:
+    if (task is None) == (tasks is None):
+        raise typer.BadParameter("give either --task TEXT or --tasks PATH")
+    if tasks is not None:
+        try:
+            found = r.load_tasks(tasks)
+        except (ValueError, FileNotFoundError) as exc:
+            raise typer.BadParameter(str(exc)) from None
+        chosen = [x for x in found if x.id == task_id] if task_id else found[:1]
+        if not chosen:
+            raise typer.BadParameter(f"no task {task_id!r} in {tasks}")
+        t = chosen[0]
+        t.followups = [*t.followups, *(followup or [])]
+    else:
+        t = r.Task(id=f"adhoc-{time.strftime('%Y%m%d-%H%M%S')}", instruction=task or "", evaluator=evaluator,
+                   followups=list(followup or []))
+    with r.open_stack(mode=mode, capture_dir=None if proxy or not preset.needs_model else capture_dir, proxy=proxy,
+                      upstream=upstream, model=model, max_tokens_cap=max_tokens, ca_cert=ca_cert,
+                      log=console.print) if preset.needs_model else _no_model_stack(capture_dir) as stack:
         cfg = r.RolloutConfig(tasks=[t], preset=preset, endpoint=stack.endpoint, capture_dir=stack.capture_dir,
-                              model=model_name or stack.served_model, samples=1, timeout=timeout, trim=trim)
+                              model=model_name or stack.served_model, samples=1, timeout=timeout, trim=trim,
+                              sandbox=sandbox)
         console.print(f"running {preset.name} ({mode}) as session {r.session_id_for(t.id, 0, 0)} ...")
         df = r.run_rollout(cfg, control=stack.control)
     row = df.row(0, named=True)
@@ -146,6 +170,14 @@ def harness_run(
     if row["status"] != "ok":
         console.print(f"[red]{r.failure_summary([row], preset.name) or row['error']}[/red]")
         raise typer.Exit(1)
+
+
+def _no_model_stack(capture_dir: Path) -> Any:
+    """The oracle and nop need no model server: no vLLM, no proxy."""
+    import contextlib
+
+    ep = h.Endpoint(mode="base_url", base_url="http://127.0.0.1:9")
+    return contextlib.nullcontext(r.Stack(ep, h.paths.absolute(capture_dir), "-", ""))
 
 
 def register(app: typer.Typer) -> None:
@@ -161,7 +193,7 @@ def register(app: typer.Typer) -> None:
 
 
 def rollout_command(
-    tasks: Annotated[str, typer.Option(help="Tasks JSONL file, or a built-in set (coding).")] = "coding",
+    tasks: Annotated[str, typer.Option(help=TasksHelp)] = "coding",
     harness: Annotated[str, typer.Option(help="Preset (see `polar harness list`) or 'generic'.")] = "pi-chat",
     samples: Annotated[int, typer.Option(help="Samples per task (one GRPO group).")] = 4,
     concurrency: Annotated[int, typer.Option(help="Harness runs at once.")] = 1,
@@ -189,6 +221,7 @@ def rollout_command(
     exact_history: Annotated[bool, typer.Option(
         help="Proxy option polar_exact_history: prompt the model with its own sampled ids for every answer "
              "the harness re-sends (needs vLLM with --enable-scale-out; otherwise the normal path).")] = True,
+    sandbox: SandboxOpt = "auto",
 ) -> None:
     """Run a harness N times per task through the proxy; evaluate; write <capture_dir>/rollouts.parquet.
 
@@ -215,11 +248,12 @@ def rollout_command(
         with interruptible():
             with r.open_stack(mode=mode, capture_dir=None if proxy else capture_dir, proxy=proxy, upstream=upstream,
                               model=model, max_tokens_cap=max_tokens, ca_cert=ca_cert, sampling=sampling,
-                              exact_history=exact_history, log=console.print) as stack:
+                              exact_history=exact_history, log=console.print) \
+                    if preset.needs_model else _no_model_stack(capture_dir) as stack:
                 cfg = r.RolloutConfig(
                     tasks=task_list, preset=preset, endpoint=stack.endpoint, capture_dir=stack.capture_dir,
                     model=model_name or stack.served_model, samples=samples, concurrency=concurrency, timeout=timeout,
-                    eval_timeout=eval_timeout, step=step, trim=trim, rerun=_statuses(rerun),
+                    eval_timeout=eval_timeout, step=step, trim=trim, rerun=_statuses(rerun), sandbox=sandbox,
                 )
                 console.print(f"{len(task_list)} tasks x {samples} samples, harness {preset.name} ({mode}), "
                               f"model {cfg.model}, captures in {stack.capture_dir}"
@@ -255,7 +289,7 @@ def rollout_command(
         table.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row])
     console.print(table)
     console.print(f"wrote {stack.capture_dir / r.ROLLOUTS_FILE} ({df.height} rows) in {time.monotonic() - t0:.0f} s")
-    problem = r.failure_summary(df.filter(pl.col("step") == step).to_dicts(), preset.name)
+    problem = r.failure_summary(df.filter(pl.col("step") == step).to_dicts(), preset.name) if preset.needs_model else None
     if problem:
         console.print(f"[red]rollout produced nothing to learn from: {problem}[/red]")
         raise typer.Exit(1)
