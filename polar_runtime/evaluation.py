@@ -205,6 +205,14 @@ def _check_settings(out: Path, settings: dict[str, Any]) -> None:
     path.write_text(json.dumps(settings, indent=2))
 
 
+def _capped(task: Any, timeout: float) -> Any:
+    import copy
+
+    task = copy.copy(task)
+    task.timeout = min(task.timeout or timeout, timeout)
+    return task
+
+
 def _parse_ks(spec: str | None) -> list[int] | None:
     if not spec:
         return None
@@ -234,7 +242,9 @@ def eval_command(
     out: Annotated[Optional[Path], typer.Option(resolve_path=True, help="Run directory (default runs/eval-<harness>; "
                    "with --rollouts, its folder).")] = None,
     concurrency: Annotated[int, typer.Option(help="Harness runs at once.")] = 1,
-    timeout: Annotated[float, typer.Option(help="Hard timeout per harness run, seconds.")] = 600.0,
+    timeout: Annotated[Optional[float], typer.Option(help="Hard timeout per harness run, seconds: the same limit for "
+                       "every task (a task's own, e.g. task.toml's [agent] timeout_sec, is lowered to it). Default: "
+                       "each task's own, else 600.")] = None,
     max_tokens: Annotated[int, typer.Option(help="Cap max_tokens of every call (0: no cap).")] = 0,
     limit: Annotated[int, typer.Option(help="Only the first N tasks (0: all).")] = 0,
     upstream: Annotated[Optional[str], typer.Option(help="Use a running inference server (else vLLM is started).")] = None,
@@ -284,6 +294,8 @@ def eval_command(
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None
     task_list = task_list[:limit] if limit else task_list
+    if timeout is not None:  # one limit for all: an evaluation compares tasks under the same budget
+        task_list = [_capped(t, timeout) for t in task_list]
     out = h.paths.absolute(out or Path("runs") / f"eval-{preset.name}")
     seed = None if seed is None or seed < 0 else seed
     temp = 0.0 if greedy else temperature
@@ -299,7 +311,7 @@ def eval_command(
                                            log=console.print) as stack:
             cfg = r.RolloutConfig(tasks=task_list, preset=preset, endpoint=stack.endpoint, capture_dir=stack.capture_dir,
                                   model=model_name or stack.served_model, samples=samples, concurrency=concurrency,
-                                  timeout=timeout)
+                                  timeout=timeout or 600.0)
             console.print(f"evaluating {preset.name} with {cfg.model}: {len(task_list)} tasks x {samples} samples, "
                           f"{'greedy' if greedy else f'temperature {temp:g}'}, run dir {out}")
 

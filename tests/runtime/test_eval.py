@@ -183,3 +183,10 @@ def test_demo_eval_step_goes_under_eval_ids_and_into_the_report(tmp_path, monkey
     buf = io.StringIO()
     ev.print_evaluations([entry], Console(file=buf, width=200))
     assert "v1" in buf.getvalue() and "0.333 ±" in buf.getvalue()
+
+
+def test_eval_timeout_is_one_limit_for_every_task():
+    # task.toml's [agent] timeout_sec (600 on the built-in tasks) would otherwise override --timeout
+    tasks = [r.Task("a", "x", timeout=600.0), r.Task("b", "y"), r.Task("c", "z", timeout=100.0)]
+    assert [ev._capped(t, 300.0).timeout for t in tasks] == [300.0, 300.0, 100.0]
+    assert tasks[0].timeout == 600.0  # the loaded tasks are not changed
