@@ -267,6 +267,12 @@ class ExactHistory:
             probed = await self._probe_eot(base_url, chat.get("model"), timeout, headers)
             if probed is not None and probed != eot:
                 sp = splice(match, messages, rendered, probed)
+        await self._probe_think(base_url, chat.get("model"), timeout, headers)
+        think = self.think_ids.get(base_url)
+        dropped = None
+        if sp.matched_call is not None and match.entry is not None and match.entry.answer.reasoning:
+            dropped = await self._drops_reasoning(base_url, chat, match.entry, timeout, headers)
+        sp = follow_template(sp, match.entry, rendered, think, dropped)
         rec.history, rec.history_cause = sp.history, sp.cause
         if sp.detail:
             rec.translation_notes.append(f"exact history: {sp.cause} ({sp.detail})")
@@ -275,7 +281,7 @@ class ExactHistory:
         rec.rendered_prompt_diff = rendered_diff(sp.ids, rendered)
         key = "exact" if sp.history == "exact" else "rendered" if sp.history == "rendered" else "spliced"
         self.stats[key] += 1
-        self.pending[rec.call_id] = Pending(context, digests, rendered)
+        self.pending[rec.call_id] = Pending(context, digests, without_empty_think(rendered, think))
         self.bases[rec.call_id] = (match.entry if sp.matched_call is not None else None, str(chat.get("model") or ""))
 
         params = dict(rendered_req["sampling_params"])
@@ -301,8 +307,6 @@ class ExactHistory:
             gen["stream_options"] = {"include_usage": True}
         else:
             gen.pop("stream_options", None)
-        if stream:
-            await self._probe_think(base_url, chat.get("model"), timeout, headers)
         ctx = _Ctx(self, base_url, chat, rec, sp.ids, timeout, headers)
         if not stream:
             answer = await self._call(base_url + GENERATE_PATH, gen, timeout, headers)
@@ -344,6 +348,20 @@ class ExactHistory:
             eot = None
         self.probed_eot[base_url] = eot
         return eot
+
+    async def _drops_reasoning(self, base_url: str, chat: dict[str, Any], entry: Any, timeout: Any,
+                               headers: dict[str, str]) -> bool:
+        """Whether the template renders the re-sent answer the same with and without its reasoning
+        (it drops it there): two renders of the conversation, only for answers that reasoned."""
+        messages = chat.get("messages") or []
+        k = entry.n_messages
+        bare = {key: v for key, v in messages[k].items() if key not in ("reasoning", "reasoning_content")}
+        bodies = [{**chat, "stream": False, "messages": [*messages[:k], m, *messages[k + 1:]]}
+                  for m in (bare, {**bare, "reasoning_content": entry.answer.reasoning})]
+        for b in bodies:
+            b.pop("stream_options", None)
+        a, b = await asyncio.gather(*(self._call(base_url + RENDER_PATH, body, timeout, headers) for body in bodies))
+        return a["token_ids"] == b["token_ids"]
 
     async def _probe_think(self, base_url: str, model: Any, timeout: Any, headers: dict[str, str]) -> None:
         """The ids of ``<think>`` and ``</think>`` (once per upstream): a stream must know whether its
@@ -594,6 +612,45 @@ class _Ctx:
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+#: the cause a record names when the template renders an answer without the reasoning it sampled
+TEMPLATE_DROPPED_REASONING = "template_dropped_reasoning"
+
+
+def follow_template(sp: Splice, entry: Any, rendered: list[int], think: tuple[int, int] | None,
+                    dropped: bool | None = None) -> Splice:
+    """Exact history follows the template about reasoning. Where the template keeps a re-sent
+    answer's reasoning, the sampled ids are spliced (``sp`` as it is). Where it drops it (the
+    DeepSeek-R1 distills drop every earlier turn's; Qwen3 those before the last user message), the
+    model is trained and served on the template's rendering: the answer is taken as rendered, after
+    the matched call's own prompt ids, and the record says ``template_dropped_reasoning``; a prefix
+    check that failed because the template now drops reasoning it had kept says so too.
+    ``dropped``: the template renders the answer the same without its reasoning (asked of the
+    server by rendering it both ways, ``ExactHistory._drops_reasoning``)."""
+    if entry is None:
+        return sp
+    if sp.matched_call is not None and entry.answer.reasoning:
+        if dropped:
+            return Splice(list(entry.prompt_ids) + rendered[entry.rendered_len:], f"spliced_at={entry.n_messages}",
+                          TEMPLATE_DROPPED_REASONING, f"call {entry.call_index}", matched_call=entry.call_index)
+        return sp
+    if think is not None and sp.cause == TEMPLATE_NOT_PREFIX and sp.matched_call is None:
+        if rendered.count(think[1]) < entry.prompt_ids.count(think[1]):
+            return Splice(sp.ids, sp.history, TEMPLATE_DROPPED_REASONING, sp.detail)
+    return sp
+
+
+def without_empty_think(rendered: list[int], think: tuple[int, int] | None) -> list[int]:
+    """The rendered prompt without an empty think block its generation prompt ends with (Qwen3 with
+    ``enable_thinking=false``: ``<think>\\n\\n</think>\\n\\n``). The template re-renders the answer without
+    it, so the next call's prefix check compares what precedes it (it failed on every call)."""
+    if think is None:
+        return rendered
+    tail = rendered[-6:]
+    if think[0] in tail:
+        i = len(rendered) - len(tail) + tail.index(think[0])
+        if think[1] in rendered[i + 1:]:
+            return rendered[:i]
+    return rendered
 
 
 def stream_view(text: str, *, opened: bool, tools: bool) -> tuple[str, str]:
