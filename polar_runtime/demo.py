@@ -101,6 +101,7 @@ class DemoConfig:
     notebooks: bool = True
     keep: bool = False  # keep an existing run directory instead of replacing it
     checkpoint_every: int = 0  # full trainer checkpoints every N optimizer steps (0: at the end only)
+    lora_rank: int = 0  # LoRA adapters of this rank (alpha = 2 x rank), merged before each push; 0: full fine-tuning
     eval_every: int = 0  # evaluate the served policy every N rollout steps and at the end (0: off)
     eval_samples: int = 4  # samples per task of each evaluation (the n of pass@k)
 
@@ -335,7 +336,7 @@ def count_params(model_dir: Path) -> int:
     return n
 
 
-def train_memory_estimate(model_dir: Path, dtype_bytes: int = 4) -> int:
+def train_memory_estimate(model_dir: Path, dtype_bytes: int = 4, lora: bool = False) -> int:
     """Peak bytes of one AdamW step: weights, gradients and two moments, plus activations with
     gradient checkpointing and the trainer's other buffers.
 
@@ -346,6 +347,8 @@ def train_memory_estimate(model_dir: Path, dtype_bytes: int = 4) -> int:
     tokens in two 8k bins) peaked at 10.4 GiB RSS, where it took 18.4 GiB with the reference kept
     and glibc's default heap; this gives 11.9 GiB."""
     params = count_params(model_dir)
+    if lora:  # frozen weights only: the adapters' gradients and AdamW moments are ~1% of them
+        return params * dtype_bytes + int(2.5 * 2**30)
     return params * dtype_bytes * 4 + int(2.5 * 2**30)
 
 
@@ -389,7 +392,13 @@ def start_trainer(cfg: DemoConfig, model_dir: Path) -> Any:
 
     run = cfg.out / "train"
     resume = "auto" if run.exists() and ckpt.latest_checkpoint(run) is not None else None
-    return TrainerProcess(model_dir, run, train_config(cfg), resume=resume, checkpoint_every=cfg.checkpoint_every).start()
+    lora = None
+    if cfg.lora_rank:
+        from polar_training.lora import LoraSettings
+
+        lora = LoraSettings(rank=cfg.lora_rank, alpha=2.0 * cfg.lora_rank)
+    return TrainerProcess(model_dir, run, train_config(cfg), resume=resume, checkpoint_every=cfg.checkpoint_every,
+                          lora=lora).start()
 
 
 def train_step(trainer: Any, trajectories: Path) -> TrainResult:
@@ -710,7 +719,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             # The trainer that stays up already holds its weights and AdamW moments: only the rest of
             # the step's peak is new memory.
             held = int(trainer.rss_gib * 2**30) if trainer is not None else 0
-            need = 0 if cfg.gpu else max(train_memory_estimate(model_dir) - held, 0)
+            need = 0 if cfg.gpu else max(train_memory_estimate(model_dir, lora=cfg.lora_rank > 0) - held, 0)
             stop_server = cfg.server_during_train == "stop" or (
                 cfg.server_during_train == "auto" and not cfg.gpu and mem_available() < need)
             if stop_server:
@@ -837,6 +846,9 @@ def demo_command(
     checkpoint_every: Annotated[int, typer.Option(
         help="Full trainer checkpoints (weights + AdamW state, resumable) every N optimizer steps; 0: only at the end. "
              "vLLM gets each step's weights either way.")] = DemoConfig.checkpoint_every,
+    lora_rank: Annotated[int, typer.Option(
+        help="Train LoRA adapters of this rank on every projection (peft; merged into the weights before each push) "
+             "instead of all weights; 0: full fine-tuning. LoRA wants a larger --lr (e.g. 1e-5).")] = DemoConfig.lora_rank,
     exact_history: Annotated[bool, typer.Option(
         help="Exact multi-turn history (proxy option polar_exact_history): the model is prompted with its own "
              "sampled ids for every answer the harness re-sends.")] = DemoConfig.exact_history,
@@ -854,7 +866,7 @@ def demo_command(
                      timeout=timeout, concurrency=concurrency, lr=lr,
                      kl_coef=kl_coef if kl_coef is not None else (DemoConfig.kl_coef if iterations > 1 or on_gpu else 0.0), max_model_len=max_model_len,
                      tool_parser=tool_parser, server_during_train=server_during_train, gpu=on_gpu, notebooks=notebooks, keep=keep,
-                     checkpoint_every=checkpoint_every,
+                     checkpoint_every=checkpoint_every, lora_rank=lora_rank,
                      exact_history=exact_history, eval_every=eval_every, eval_samples=eval_samples)
     if eval_every < 0 or eval_samples < 1:
         raise typer.BadParameter("--eval-every must be >= 0 and --eval-samples >= 1")
