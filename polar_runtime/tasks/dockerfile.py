@@ -167,6 +167,8 @@ def parse(dockerfile: Path, base_env: dict[str, str] | None = None) -> Environme
             if not eq:
                 raise fail(n, src, "ARG without a default: the local mode passes no build arguments")
             variables.setdefault(name.strip(), _subst(default.strip().strip('"'), variables))
+            # as in docker build: visible to later RUN steps, not to the running container
+            env_out.steps.append(Step("arg", dest=name.strip(), text=variables[name.strip()], line=n, source=src))
         elif instr == "RUN":
             if rest.startswith("--"):
                 raise fail(n, src, "RUN flags (--mount, --network) are not supported by the local mode")

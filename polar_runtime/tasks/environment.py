@@ -19,10 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_core.processes import file_lock
-from polar_runtime.tasks.model import DEFAULT_BUILD_TIMEOUT, Task
-
-#: PATH inside when neither the caller nor the Dockerfile sets one.
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+from polar_runtime.tasks.model import DEFAULT_BUILD_TIMEOUT, DEFAULT_PATH, Task
 
 
 class BuildError(RuntimeError):
@@ -59,7 +56,7 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path) -> 
     log_dir.mkdir(parents=True, exist_ok=True)
     for i, step in enumerate(env_plan.steps):
         where = f"line {step.line} `{step.source[:100]}`" if step.line else (step.source[:100] or step.kind)
-        if step.kind == "env":
+        if step.kind in ("env", "arg"):
             env[step.dest] = step.text
         elif step.kind == "write":
             target = (workdir_host / step.dest).resolve()

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_runtime.tasks.dockerfile import DockerfileError, parse
-from polar_runtime.tasks.model import Task
+from polar_runtime.tasks.model import DEFAULT_PATH, Task
 
 KNOWN = {
     "agent": {"timeout_sec", "user"},
@@ -116,7 +116,7 @@ def load_task_dir(root: Path) -> Task:
     dockerfile = root / "environment" / "Dockerfile"
     if dockerfile.is_file():
         try:
-            task.environment = parse(dockerfile)
+            task.environment = parse(dockerfile, {"PATH": DEFAULT_PATH})
         except DockerfileError:
             raise
     elif envc.get("docker_image"):

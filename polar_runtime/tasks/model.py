@@ -22,6 +22,8 @@ DEFAULT_WORKDIR = "/app"
 DEFAULT_AGENT_TIMEOUT = 600.0
 DEFAULT_VERIFIER_TIMEOUT = 120.0
 DEFAULT_BUILD_TIMEOUT = 600.0
+#: PATH inside when neither the caller nor the Dockerfile sets one (what $PATH means in an ENV line).
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 @dataclass
@@ -29,8 +31,8 @@ class Step:
     """One build step of the environment, in order.
 
     ``kind``: ``copy`` (``src`` under the build context -> ``dest`` inside the work dir), ``write``
-    (``text`` -> ``dest``), ``run`` (``text`` is a shell command run inside the sandbox) or ``env``
-    (``dest`` = name, ``text`` = value). ``line`` is the Dockerfile line it came from (errors name it).
+    (``text`` -> ``dest``), ``run`` (``text`` is a shell command run inside the sandbox), ``env``
+    (``dest`` = name, ``text`` = value) or ``arg`` (the same, for later RUN steps only). ``line`` is the Dockerfile line it came from (errors name it).
     """
 
     kind: str
