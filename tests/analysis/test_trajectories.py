@@ -277,7 +277,8 @@ def test_error_calls_are_counted_not_merged(tmp_path, renderer, template, pi_cha
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     script=st.lists(
-        st.sampled_from(["tool", "tool_compact", "say", "fish", "sub", "error", "length", "fork"]), min_size=1, max_size=7
+        st.sampled_from(["tool", "tool_compact", "say", "fish", "sub", "error", "length", "fork", "rewrite", "rewrite",
+                         "drop"]), min_size=1, max_size=8
     ),
     strict=st.booleans(),
 )
@@ -285,7 +286,23 @@ def test_random_sessions_never_lose_a_sampled_id(tmp_path_factory, renderer, tem
     main = SyntheticSession(renderer, "h", system="You are terse.", tools=[{"type": "function", "function": {"name": "sh", "parameters": {"type": "object"}}}]).user("start")
     sub = SyntheticSession(renderer, "h", system="You are a sub-agent.").user("sub task")
     records = []
+    # prefix breaks made on purpose: the harness rewrites its first user message (its history
+    # no longer starts as the last prompt did) or drops the answer it got; the next call must start
+    # a sequence (a new segment of its chain, or a new chain), never be merged into the last one
+    after_break, broken, answered = set(), False, False
     for i, op in enumerate(script):
+        if op in ("rewrite", "drop"):
+            if op == "rewrite":
+                main.messages[1] = {"role": "user", "content": f"start over {i}"}
+            elif main.messages[-1]["role"] == "user" and main.messages[-2]["role"] == "assistant":
+                del main.messages[-2]  # the answer before the last user turn
+            else:
+                continue
+            broken = broken or answered
+            continue
+        starts = op not in ("sub", "error") and broken
+        if op not in ("sub", "error"):
+            answered, broken = True, broken and not starts
         if op in ("tool", "tool_compact"):
             raw = '{"name":"sh","arguments":{"c":%d}}' % i if op == "tool_compact" else None
             main.generate(tool_calls=[("sh", {"c": i}, raw)] if raw else [("sh", {"c": i})])
@@ -309,6 +326,8 @@ def test_random_sessions_never_lose_a_sampled_id(tmp_path_factory, renderer, tem
         elif op == "fork":
             main.generate(content="alt", messages=[dict(m) for m in main.messages], echo=False)
         records.append(main.records[-1])
+        if starts:
+            after_break.add(main.records[-1].call_id)
     for i, r in enumerate(records):
         r.call_index = i
     d = tmp_path_factory.mktemp("prop")
@@ -316,3 +335,6 @@ def test_random_sessions_never_lose_a_sampled_id(tmp_path_factory, renderer, tem
     check(df, stats, records)
     if strict:
         assert all(all(row) for row in df["merge_exact"].to_list())
+    assert sum(stats.break_reasons.values()) == stats.breaks
+    for row in df.iter_rows(named=True):
+        assert not after_break & set(row["call_ids"][1:]), "a call after a prefix break was merged"
