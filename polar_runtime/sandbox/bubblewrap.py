@@ -168,6 +168,8 @@ class BubblewrapSandbox(Sandbox):
                 notes.append(f"timed out after {spec.timeout_s:g} s: the sandbox and every process in it killed{n}")
             if reason:
                 notes.append(reason)
+            if report and not report.get("swept"):
+                notes.append("leftover processes not swept: the sandbox has no PID namespace of its own")
             if report.get("leftovers"):
                 notes.append(f"killed {report['leftovers']} leftover process(es) when the command exited")
             if isinstance(report.get("relay"), str):

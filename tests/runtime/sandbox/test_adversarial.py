@@ -7,8 +7,9 @@ they did on the code before the sandbox):
 
     POLAR_SANDBOX_UNDER_TEST=host .venv/bin/python -m pytest tests/runtime/sandbox/test_adversarial.py
 
-(the real fork bomb and ``kill -9 -1`` are not run against ``host``: they would take the shared
-machine down; the bounded spawner next to it shows the missing process cap instead).
+(the real fork bomb and ``kill -9 -1`` never run outside a PID namespace of their own, nor the bomb
+without an enforced pids cap: they would take the shared machine down; the bounded spawner next to
+it shows a missing process cap instead).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from polar_runtime.sandbox import SandboxSpec, get_sandbox, SandboxUnavailable
 BACKEND = os.environ.get("POLAR_SANDBOX_UNDER_TEST", "bubblewrap")
 REPO = Path(__file__).resolve().parents[3]
 HOST_HOME = Path(os.path.expanduser("~"))
+HOST_PID_NS = os.readlink("/proc/self/ns/pid")
 
 
 @pytest.fixture(scope="module")
@@ -180,13 +182,13 @@ def test_kills_the_proxy(sandbox, sample):
     proxy = subprocess.Popen([sys.executable, "-c", PROXY_SCRIPT], stdout=subprocess.PIPE, text=True)
     try:
         port = int(proxy.stdout.readline())
-        # "kill -9 -1" (every process it may signal) only where the sandbox isolates: on the host
-        # backend it would kill every process on the machine
-        everything = "kill -9 -1" if sandbox.isolates else "true"
+        # "kill -9 -1" (every process it may signal) only in a PID namespace of its own, checked by
+        # the script itself: in the host's (the host backend, or a sandbox broken to share it) it
+        # would kill every process on the machine
         res, _, log = run(sandbox, work, home, f"""
             kill -9 {proxy.pid}
-            {everything}
             echo tried > tried.txt
+            [ "$(readlink /proc/self/ns/pid)" != "{HOST_PID_NS}" ] && kill -9 -1
         """, proxy_port=port)
         assert (work / "tried.txt").exists(), log
         time.sleep(0.2)
@@ -227,11 +229,18 @@ def test_spawning_is_capped_by_the_pids_limit(sandbox, sample):
 def test_fork_bomb_is_contained(sandbox, sample):
     work, home, _ = sample
     tag = f"bomb{uuid.uuid4().hex[:8]}"
+    # never a real bomb where it could reach the host: only with a pids cap enforced and in a PID
+    # namespace of its own (the script checks that itself too)
+    pre, _, _ = run(sandbox, work, home, "true", pids=64, timeout_s=10)
+    if not any("pids limit enforced" in n for n in pre.notes):
+        pytest.fail(f"no pids limit enforced, not running the fork bomb: {pre.notes}")
     t0 = time.monotonic()
     res, wall, log = run(sandbox, work, home, f"""
+        [ "$(readlink /proc/self/ns/pid)" = "{HOST_PID_NS}" ] && exit 99
         {tag}() {{ {tag} | {tag} & }}; {tag}
         sleep 30
     """, pids=64, timeout_s=4)
+    assert res.returncode != 99, "the sandbox shares the host's PID namespace"
     assert wall < 10, f"the run must return (wall {wall:.1f} s)"
     time.sleep(0.3)
     left = [p for p in Path("/proc").glob("[0-9]*/cmdline") if tag.encode() in _read(p)]
