@@ -131,11 +131,6 @@ def connection_session_id(connection_id: str) -> str:
     return f"conn-{cleaned}"
 
 
-def scrub_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """A copy of ``headers`` with every secret value replaced."""
-    return {k: ("<redacted>" if k.lower() in SECRET_HEADERS else v) for k, v in headers.items()}
-
-
 def scrub_query_string(path: str) -> str:
     """``path`` with secret query values (``?key=...``) redacted."""
     base, sep, qs = path.partition("?")

@@ -30,7 +30,6 @@ from polar_proxy.sessions import (
     basic_user,
     harness_name,
     resolve_session,
-    scrub_headers,
     scrub_query_string,
 )
 from polar_proxy.upstreams import UpstreamPool, normalize_url, parse_upstreams, relay_error_event
@@ -95,8 +94,18 @@ def test_basic_user_and_helpers():
     assert harness_name({"user-agent": "QwenCode/0.24.4 (linux; x64)"}) == "qwen-code"
     assert harness_name({"originator": "codex_exec", "user-agent": "x"}) == "codex"
     assert harness_name({"user-agent": "OpenAI/JS 6.26.0", "x-polar-harness": "pi"}) == "pi"
-    assert scrub_headers({"Authorization": "Bearer s", "X-Api-Key": "k", "Accept": "a"}) == \
-        {"Authorization": "<redacted>", "X-Api-Key": "<redacted>", "Accept": "a"}
+    # what the product runs on every flow before it can be saved (httputil.scrub; the dict helper
+    # scrub_headers was never called by the product and is gone)
+    from mitmproxy.test import tflow
+
+    from polar_proxy.httputil import scrub
+
+    f = tflow.tflow()
+    f.request.headers.update({"Authorization": "Bearer s", "X-Api-Key": "k", "Accept": "a"})
+    f.request.path = "/v1beta/m:gen?alt=sse&key=AIzaSECRET"
+    scrub(f)
+    assert "authorization" not in f.request.headers and "x-api-key" not in f.request.headers
+    assert f.request.headers["accept"] == "a" and "AIzaSECRET" not in f.request.path
     assert scrub_query_string("/v1beta/m:gen?alt=sse&key=AIzaSECRET") == "/v1beta/m:gen?alt=sse&key=<redacted>"
 
 
