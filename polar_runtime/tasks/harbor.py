@@ -6,7 +6,7 @@ context, ``tests/test.sh`` (writes /logs/verifier/reward.txt or reward.json) and
 ``solution/solve.sh``. The task id is the directory name. From task.toml Polar reads
 ``[agent] timeout_sec``, ``[verifier] timeout_sec`` and ``env``, ``[solution] env``,
 ``[environment] build_timeout_sec``, ``cpus``, ``memory_mb`` (or ``memory = "2G"``), ``storage_mb``
-(or ``storage``; recorded, not enforced) and ``allow_internet``, and its own ``[polar] followups``
+(or ``storage``: the sandbox's cap on what the agent writes) and ``allow_internet``, and its own ``[polar] followups``
 (later user turns, which Harbor ignores). Other keys are ignored, as Harbor ignores keys it does
 not know; ``[environment] docker_image`` (a prebuilt image) needs a container runtime.
 
