@@ -818,7 +818,7 @@ def demo_command(
     out: Annotated[Path, typer.Option(resolve_path=True, help="Run directory (replaced unless --keep).")] = DemoConfig.out,
     harness: Annotated[str, typer.Option(help="Harness preset (see `polar harness list`).")] = DemoConfig.harness,
     model: Annotated[str, typer.Option(help="Polar model name or a Hugging Face model directory.")] = DemoConfig.model,
-    tasks: Annotated[str, typer.Option(help="Tasks JSONL file or a built-in set (coding).")] = DemoConfig.tasks,
+    tasks: Annotated[str, typer.Option(help="A Harbor task dir or dataset, a JSONL file, or a built-in set (coding).")] = DemoConfig.tasks,
     task: Annotated[Optional[list[str]], typer.Option("--task", help="Only these task ids (repeatable).")] = None,
     n_tasks: Annotated[int, typer.Option("--n-tasks", help="The first N tasks of the file (0: all).")] = DemoConfig.n_tasks,
     samples: Annotated[int, typer.Option(help="Samples per task (one GRPO group).")] = DemoConfig.samples,
