@@ -189,7 +189,8 @@ class ExactHistory:
         #: (vLLM's deepseek_r1 does: "models that may not generate the start token")
         self.unmarked_reasoning: dict[str, bool] = {}
         self.unavailable: dict[str, str] = {}  # upstream URL -> why it has no render/generate/derender  # upstream URL -> its end-of-turn id (None: unknown)
-        self.stats = {"exact": 0, "spliced": 0, "rendered": 0, "render_ms": 0.0, "derender_ms": 0.0}
+        self.stats = {"exact": 0, "spliced": 0, "rendered": 0, "render_ms": 0.0, "derender_ms": 0.0,
+                      "weight_version_mismatch": 0, "media_rendered": 0}
 
     async def ensure_session(self, sid: str) -> None:
         """Hold the session's ledger, rebuilding it from its capture file in a thread when it is not
@@ -273,6 +274,11 @@ class ExactHistory:
         if sp.matched_call is not None and match.entry is not None and match.entry.answer.reasoning:
             dropped = await self._drops_reasoning(base_url, chat, match.entry, timeout, headers)
         sp = follow_template(sp, match.entry, rendered, think, dropped)
+        if rendered_req.get("features") and sp.ids != rendered:
+            # the features' placeholder positions index the rendered ids, and the image goes to
+            # generate with them: a splice would move the placeholders away from the image
+            sp = Splice(list(rendered), "rendered", MEDIA_RENDERED, "image placeholders index the rendered ids")
+            self.stats["media_rendered"] += 1
         rec.history, rec.history_cause = sp.history, sp.cause
         if sp.detail:
             rec.translation_notes.append(f"exact history: {sp.cause} ({sp.detail})")
@@ -301,7 +307,11 @@ class ExactHistory:
                     "type": "BadRequestError", "code": 400}}))
             if params.get("max_tokens") is None or params["max_tokens"] > room:
                 params["max_tokens"] = room
-        gen = {k: v for k, v in rendered_req.items() if k not in ("token_ids", "token_offsets", "features")}
+        # render's features (image hashes, placeholder positions, the processed pixels) go along:
+        # without them generate would see placeholder ids and no image
+        gen = {k: v for k, v in rendered_req.items() if k not in ("token_ids", "token_offsets")}
+        if gen.get("features") is None:
+            gen.pop("features", None)
         gen.update(token_ids=sp.ids, sampling_params=params, output_mode="text", stream=stream)
         if stream:
             gen["stream_options"] = {"include_usage": True}
@@ -465,6 +475,18 @@ class _Ctx:
             return "tool_calls"  # as vLLM's chat endpoint reports an answer with tool calls
         return finish
 
+    def check_versions(self, spans: list[Any]) -> None:
+        """Generate's ``weight_versions`` (which weights sampled which output ids) against the
+        policy_version the call was admitted under: a mismatch is labelled on the record and counted."""
+        expected = getattr(self.rec, "policy_version", None)
+        versions = sorted({str(s.get("version")) for s in spans if isinstance(s, dict) and s.get("version") is not None})
+        if expected is None or not versions or versions == [str(expected)]:
+            return
+        self.rec.translation_notes.append(f"{WEIGHT_VERSION_MISMATCH}: sampled by weights {', '.join(versions)}, "
+                                          f"policy_version {expected}")
+        stats = self.owner.stats
+        stats["weight_version_mismatch"] = stats.get("weight_version_mismatch", 0) + 1
+
     def _note_stop(self, stop_reason: Any) -> None:
         self.rec.stop_reason = stop_reason  # recorded: the ledger reads it back after a restart
         if isinstance(stop_reason, str):  # a stop string: the sampled ids do not end the turn
@@ -477,6 +499,7 @@ class _Ctx:
         sampled = choice.get("token_ids") or []
         finish, stop_reason = choice.get("finish_reason"), choice.get("stop_reason")
         self._note_stop(stop_reason)
+        self.check_versions(choice.get("weight_versions") or [])
         message = await self.derender(sampled, finish, stop_reason)
         message = {"role": "assistant", "content": message.get("content"),
                    "reasoning": message.get("reasoning") or message.get("reasoning_content"),
@@ -521,6 +544,7 @@ class _Ctx:
         sent_r = sent_c = ""  # reasoning and content already sent
         finish = stop_reason = None
         usage = None
+        spans: list[Any] = []  # generate's weight_versions, chunk by chunk
         try:
             out.feed(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                    "finish_reason": None}], prompt_token_ids=self.ids))
@@ -545,6 +569,7 @@ class _Ctx:
                     for c in obj.get("choices") or ():
                         ids = c.get("token_ids") or []
                         sampled.extend(ids)
+                        spans.extend(c.get("weight_versions") or ())
                         text += c.get("text") or ""
                         if c.get("finish_reason"):
                             finish, stop_reason = c["finish_reason"], c.get("stop_reason")
@@ -562,6 +587,7 @@ class _Ctx:
                 if pieces:
                     out.feed(b"".join(pieces))
             self._note_stop(stop_reason)
+            self.check_versions(spans)
             message = await self.derender(sampled, finish, stop_reason)
             tail: list[bytes] = []
             delta = {}
@@ -612,6 +638,10 @@ class _Ctx:
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+#: the label of a record whose ids were sampled by other weights than its policy_version
+WEIGHT_VERSION_MISMATCH = "weight_version_mismatch"
+#: the cause of a record prompted with the rendered ids because an image's placeholders index them
+MEDIA_RENDERED = "media_rendered"
 #: the cause a record names when the template renders an answer without the reasoning it sampled
 TEMPLATE_DROPPED_REASONING = "template_dropped_reasoning"
 
