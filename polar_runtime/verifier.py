@@ -103,7 +103,8 @@ def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, ag
         return Evaluation(None, "error", f"tests could not be copied: {exc}", time.monotonic() - t0)
     spec = SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, home_host=home,
                        rw_binds=[(tests, "/tests"), (vdir, "/logs/verifier")], ro_binds=[(agent_logs, "/logs/agent")],
-                       network=task.allow_internet, cpus=task.cpus, memory_mb=task.memory_mb, timeout_s=limit)
+                       network=task.allow_internet, cpus=task.cpus, memory_mb=task.memory_mb, timeout_s=limit,
+                       image=task.image)
     env = build_env(task, base_path)
     env.update(LANG="C.UTF-8", HOME=sandbox.inside(spec, home), TERM="dumb")
     for k, v in (facts or {}).items():

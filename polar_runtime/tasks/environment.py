@@ -78,7 +78,7 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path) -> 
         elif step.kind == "run":
             spec = SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, env=dict(env),
                                network=task.allow_internet, cpus=task.cpus, memory_mb=task.memory_mb,
-                               timeout_s=task.build_timeout or DEFAULT_BUILD_TIMEOUT)
+                               timeout_s=task.build_timeout or DEFAULT_BUILD_TIMEOUT, image=task.image)
             out_path = log_dir / f"build-step{i}.log"
             with open(out_path, "wb") as out:
                 res = sandbox.run(spec, ["bash", "-c", step.text], stdout=out, stderr=out)

@@ -115,6 +115,12 @@ class Task:
         return self.environment.workdir
 
     @property
+    def image(self) -> str | None:
+        """The image a container backend (docker) runs the phases in: the Dockerfile's base image,
+        with the work dir built by the same local steps bound in (the bubblewrap backend ignores it)."""
+        return (self.environment.base_image if self.environment else "") or None
+
+    @property
     def has_tests(self) -> bool:
         if self.root is not None:
             return (self.root / "tests" / "test.sh").is_file()
