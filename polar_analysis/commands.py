@@ -153,7 +153,8 @@ def register(app: typer.Typer, *, translate=None) -> None:
         lf, report = _load(source, translate=translate)
         out.parent.mkdir(parents=True, exist_ok=True)
         # full prompt ids, not references into the capture's cache: the file stands on its own
-        lf.drop("prompt_arena", "prompt_ids_start", strict=False).sink_parquet(out)
+        lf.drop("prompt_arena", "prompt_ids_start", "native_request_rope", "normalized_request_rope",
+                strict=False).sink_parquet(out)
         n = pl.scan_parquet(out).select(pl.len()).collect().item()
         console.print(f"wrote {n} calls to {out}")
         if report:

@@ -20,6 +20,8 @@ about its final prompt, not the sum of all its prompts (a 200-call session growi
 ``benchmarks/bench_capture_growth.py``). ``prompt_token_ids`` is computed from the arena only
 when a query asks for it (a lazy, row-wise expression; ``n_prompt_ids`` is stored), and the
 trajectory builders read the arena directly (``prompt_views``): numpy views, never a copy per call.
+The two request columns likewise: each a byte file per session where a request that starts as
+the previous one did refers to those bytes and appends the rest (``_Ropes``), expanded lazily.
 
 Frames:
 - ``calls(dir)``: one row per model call; token ids as ``list[i32]``, logprobs ``list[f64]``,
@@ -51,8 +53,9 @@ from polar_core.flowmeta import unpack_tokens
 from polar_core.schema import CALL_FIELDS, JSON_COLUMNS, SESSIONS_SUBDIR, CallRecord, harness_name
 
 #: Bump when the Parquet layout of the cache changes: older caches are converted again.
-#: 3: prompt ids live in one id arena per session file (``_Arena``), not in the parts.
-CACHE_VERSION = 3
+#: 4: prompt ids live in one id arena per session file (``_Arena``), requests in byte ropes
+#: (``_Ropes``), not in the parts.
+CACHE_VERSION = 4
 CACHE_DIRNAME = ".polar-cache"
 
 _STR = pl.String
@@ -295,15 +298,127 @@ def _parse_line(line: bytes, stats: FileStats, expander: Expander | None = None)
 
 #: Columns of the cache parts that place a row's prompt in its file's id arena.
 ARENA_SCHEMA: dict[str, pl.DataType] = {"prompt_arena": _STR, "prompt_ids_start": pl.Int64, "n_prompt_ids": pl.Int64}
-PART_SCHEMA: dict[str, pl.DataType] = {**CALL_SCHEMA, **ARENA_SCHEMA}
+#: Request columns kept as byte ropes (``_Ropes``): each call re-sends the whole conversation.
+ROPE_COLUMNS = ("native_request", "normalized_request")
+ROPE_SCHEMA: dict[str, pl.DataType] = {f"{c}_rope": pl.List(pl.Int64) for c in ROPE_COLUMNS}
+PART_SCHEMA: dict[str, pl.DataType] = {**CALL_SCHEMA, **ARENA_SCHEMA, **ROPE_SCHEMA}
+
+
+def _byte_lcp(a: bytes, b: bytes, *, backwards: bool = False) -> int:
+    """Common prefix (or suffix) length of two byte strings, by numpy blocks."""
+    n = min(len(a), len(b))
+    if not n:
+        return 0
+    if backwards:
+        x, y = np.frombuffer(a, np.uint8)[::-1][:n], np.frombuffer(b, np.uint8)[::-1][:n]
+    else:
+        x, y = np.frombuffer(a, np.uint8, n), np.frombuffer(b, np.uint8, n)
+    start, block = 0, 4096
+    while start < n:
+        end = min(n, start + block)
+        diff = np.flatnonzero(x[start:end] != y[start:end])
+        if diff.size:
+            return start + int(diff[0])
+        start, block = end, block * 4
+    return n
+
+
+class _Ropes:
+    """One request column's JSON texts of a session file, in a byte file: a text sharing its first
+    bytes with the previous row's refers to them where they are (a list of ``start, length``
+    pairs) and appends only the rest. Consecutive requests of a session share everything up to
+    their first new message, so the file grows with the session, not with its square."""
+
+    def __init__(self, path: Path, length: int = 0, prev: list[int] | None = None):
+        self.path = path
+        self.length = length
+        self.pending: list[bytes] = []
+        self.prev_ranges = list(prev or [])
+        self.prev = _read_rope(str(path), self.prev_ranges, {}) if self.prev_ranges else b""
+
+    def place(self, text: str | None) -> list[int] | None:
+        """The ``start, length`` pairs of ``text``: the previous text's common head and tail where
+        they already are (the tools after the messages are not stored again), the middle appended."""
+        if text is None:
+            return None
+        data = text.encode()
+        prev, n = self.prev, _byte_lcp(self.prev, data)
+        m = _byte_lcp(prev[n:], data[n:], backwards=True)
+        ranges = _slice(self.prev_ranges, 0, n)
+        middle = data[n : len(data) - m]
+        if middle:
+            if ranges and ranges[-2] + ranges[-1] == self.length:
+                ranges[-1] += len(middle)
+            else:
+                ranges += [self.length, len(middle)]
+            self.pending.append(middle)
+            self.length += len(middle)
+        for s, ln in zip(*[iter(_slice(self.prev_ranges, len(prev) - m, len(prev)))] * 2):
+            if ranges and ranges[-2] + ranges[-1] == s:
+                ranges[-1] += ln
+            else:
+                ranges += [s, ln]
+        self.prev, self.prev_ranges = data, ranges
+        return ranges
+
+    def flush(self, base: int) -> None:
+        with open(self.path, "r+b" if self.path.exists() else "wb") as fh:
+            fh.truncate(base)
+            fh.seek(base)
+            fh.write(b"".join(self.pending))
+        self.pending = []
+
+
+def _slice(ranges: list[int], a: int, b: int) -> list[int]:
+    """The pairs covering bytes ``a`` to ``b`` of the text that ``ranges`` spell."""
+    out: list[int] = []
+    pos = 0
+    for i in range(0, len(ranges), 2):
+        s, ln = ranges[i], ranges[i + 1]
+        lo, hi = max(a, pos), min(b, pos + ln)
+        if lo < hi:
+            out += [s + lo - pos, hi - lo]
+        pos += ln
+        if pos >= b:
+            break
+    return out
+
+
+def _read_rope(path: str, ranges: list[int], files: dict[str, Any]) -> bytes:
+    mm = files.get(path)
+    if mm is None:
+        mm = files[path] = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) else np.zeros(0, np.uint8)
+    out = b"".join(mm[ranges[i] : ranges[i] + ranges[i + 1]].tobytes() for i in range(0, len(ranges), 2))
+    if len(out) != sum(ranges[1::2]):
+        raise FileNotFoundError(f"bytes missing from {path} (cache changed underneath: delete the .polar-cache directory)")
+    return out
+
+
+def _rope_path(arena: str, column: str) -> str:
+    return arena[: -len(".ids")] + f".{column}.bytes"
+
+
+def _expand_ropes(column: str) -> Callable[[pl.Series], pl.Series]:
+    def expand(s: pl.Series) -> pl.Series:
+        arenas = s.struct.field("prompt_arena").to_list()
+        ropes = s.struct.field(f"{column}_rope").to_list()
+        stored = s.struct.field(column).to_list()
+        files: dict[str, Any] = {}
+        out = [v if r is None or a is None else _read_rope(_rope_path(a, column), r, files).decode()
+               for a, r, v in zip(arenas, ropes, stored)]
+        return pl.Series(column, out, dtype=pl.String)
+
+    return expand
 
 
 class _Arena:
     """The prompt ids of one session file, appended in row order: a prompt that starts with the
     previous row's whole prompt (the ``tip``) shares its ids and only appends the rest."""
 
-    def __init__(self, path: Path, length: int = 0, tip: tuple[int, int] | None = None):
+    def __init__(self, path: Path, length: int = 0, tip: tuple[int, int] | None = None,
+                 ropes: dict[str, "_Ropes"] | None = None):
         self.path = path
+        self.ropes = ropes  # the request columns' byte files, beside it
         self.length = length  # ids already in the file (what the meta recorded)
         self.pending: list[np.ndarray] = []
         self.tip_start, self.tip = 0, np.zeros(0, np.int32)
@@ -343,6 +458,26 @@ class _Arena:
     def tip_meta(self) -> list[int]:
         return [self.tip_start, int(self.tip.size)]
 
+    @classmethod
+    def open(cls, cache_dir: Path, stem: str, meta: dict[str, Any] | None = None) -> "_Arena":
+        """The arena (and request ropes) of one session file: as the meta left them, or new ones
+        (new files, never the old ones cut: views of them may still be mapped; cutting: SIGBUS)."""
+        if meta is None:
+            for p in [cache_dir / f"{stem}.ids", *(cache_dir / f"{stem}.{c}.bytes" for c in ROPE_COLUMNS)]:
+                p.unlink(missing_ok=True)
+            return cls(cache_dir / f"{stem}.ids", ropes={c: _Ropes(cache_dir / f"{stem}.{c}.bytes") for c in ROPE_COLUMNS})
+        ropes = {c: _Ropes(cache_dir / f"{stem}.{c}.bytes", *meta["ropes"][c]) for c in ROPE_COLUMNS}
+        return cls(cache_dir / f"{stem}.ids", meta["arena"][0], tuple(meta["arena"][1]), ropes)
+
+    def flush_all(self, meta: dict[str, Any] | None = None) -> None:
+        self.flush(meta["arena"][0] if meta else 0)
+        for c, r in (self.ropes or {}).items():
+            r.flush(meta["ropes"][c][0] if meta else 0)
+
+    def meta(self) -> dict[str, Any]:
+        return {"arena": [self.length, self.tip_meta],
+                "ropes": {c: [r.length, r.prev_ranges] for c, r in (self.ropes or {}).items()}}
+
 
 def _convert_range(path: Path, start: int, stats: FileStats, expander: Expander | None = None,
                    arena: _Arena | None = None) -> tuple[pl.DataFrame, int]:
@@ -373,10 +508,16 @@ def _convert_range(path: Path, start: int, stats: FileStats, expander: Expander 
         starts.append(arena.place(ids))
         counts.append(int(ids.size))
         row["prompt_token_ids"] = ids[:0]
+    placed = {}
+    for c, ropes in (arena.ropes or {}).items():
+        placed[f"{c}_rope"] = pl.Series([ropes.place(row[c]) for row in rows], dtype=pl.List(pl.Int64))
+        for row in rows:
+            row[c] = None
     df = rows_to_frame(rows).with_columns(
         prompt_arena=pl.lit(arena.path.name, _STR),
         prompt_ids_start=pl.Series(starts, dtype=pl.Int64),
         n_prompt_ids=pl.Series(counts, dtype=pl.Int64),
+        **placed,
     )
     return df, start + end
 
@@ -453,12 +594,12 @@ def sync_file(jsonl: Path, cache_dir: Path) -> tuple[list[Path], FileStats, str]
         if meta["size"] == st.st_size and meta["mtime_ns"] == st.st_mtime_ns:
             return [cache_dir / p for p in meta["parts"]], stats, "cached"
         if st.st_size >= meta["consumed"] and _same_head(jsonl, meta["consumed"], meta["head"]):
-            arena = _Arena(cache_dir / f"{stem}.ids", meta["arena"][0], tuple(meta["arena"][1]))
+            arena = _Arena.open(cache_dir, stem, meta)
             df, consumed = _convert_range(jsonl, meta["consumed"], stats,
                                           _seeded_expander([cache_dir / p for p in meta["parts"]]), arena)
             parts = list(meta["parts"])
             if df.height:
-                arena.flush(meta["arena"][0])
+                arena.flush_all(meta)
                 part = f"{stem}.{len(parts):04d}.parquet"
                 _write_part(df, cache_dir / part)
                 parts.append(part)
@@ -469,11 +610,9 @@ def sync_file(jsonl: Path, cache_dir: Path) -> tuple[list[Path], FileStats, str]
         for p in meta.get("parts", []):
             (cache_dir / p).unlink(missing_ok=True)
     stats = FileStats(path=str(jsonl))
-    # a new file, never the old one cut: views of it may still be mapped (cutting them: SIGBUS)
-    (cache_dir / f"{stem}.ids").unlink(missing_ok=True)
-    arena = _Arena(cache_dir / f"{stem}.ids")
+    arena = _Arena.open(cache_dir, stem)
     df, consumed = _convert_range(jsonl, 0, stats, None, arena)
-    arena.flush(0)
+    arena.flush_all()
     part = f"{stem}.0000.parquet"
     _write_part(df, cache_dir / part)
     _save_meta(meta_path, jsonl, st, consumed, [part], stats, arena)
@@ -508,7 +647,7 @@ def _save_meta(meta_path: Path, jsonl: Path, st: os.stat_result, consumed: int, 
                arena: _Arena) -> None:
     meta = {
         "cache_version": CACHE_VERSION,
-        "arena": [arena.length, arena.tip_meta],
+        **arena.meta(),
         "size": st.st_size,
         "mtime_ns": st.st_mtime_ns,
         "consumed": consumed,
@@ -616,7 +755,9 @@ def scan_parts(parts: Iterable[str | Path]) -> pl.LazyFrame:
     lf = lf.with_columns(prompt_arena=pl.lit(str(parts[0].parent) + os.sep) + pl.col("prompt_arena"))
     return lf.with_columns(
         prompt_token_ids=pl.struct("prompt_arena", "prompt_ids_start", "n_prompt_ids", "prompt_token_ids")
-        .map_batches(_expand_prompts, return_dtype=pl.List(pl.Int32), is_elementwise=True)
+        .map_batches(_expand_prompts, return_dtype=pl.List(pl.Int32), is_elementwise=True),
+        **{c: pl.struct("prompt_arena", f"{c}_rope", c).map_batches(_expand_ropes(c), return_dtype=pl.String,
+                                                                     is_elementwise=True) for c in ROPE_COLUMNS},
     )
 
 

@@ -88,7 +88,7 @@ class Call:
     sampling_json: str | None = None  # CallRecord.sampling (JSON), None on records before schema 2
     has_logprobs: bool = True  # one finite logprob per sampled id (else excluded, counted)
     _request: Any = field(default=None, repr=False)
-    _request_src: Any = field(default=None, repr=False)  # (Series, row): JSON read on first use
+    _request_src: Any = field(default=None, repr=False)  # (Series or _SessionRequests, key): JSON read on first use
 
     @property
     def usable(self) -> bool:
@@ -176,6 +176,29 @@ def trainer_sampling(sampling: dict[str, Any] | None, label: str) -> tuple[float
     return t, top_k, top_p, None
 
 
+class _SessionRequests:
+    """The normalized requests of a capture's calls, read one session at a time when a builder
+    first asks for one (``(session_id, call_id)`` keys). Each call re-sends the whole conversation,
+    so all of them at once cost the square of the session: 24 MB of JSON for a 200-call session
+    with 30k-id prompts, 1.5 GB for 64 of them, where an exact-history session needs none."""
+
+    def __init__(self, calls_lf: pl.LazyFrame, keep: int = 2):
+        self.lf = calls_lf
+        self.keep = keep
+        self._sessions: dict[str, dict[str, str | None]] = {}
+
+    def __getitem__(self, key: tuple[str, str]) -> str | None:
+        sid, call_id = key
+        got = self._sessions.get(sid)
+        if got is None:
+            df = self.lf.filter(pl.col("session_id") == sid).select("call_id", "normalized_request").collect()
+            got = dict(zip(df["call_id"].to_list(), df["normalized_request"].to_list()))
+            self._sessions[sid] = got
+            while len(self._sessions) > self.keep:
+                self._sessions.pop(next(iter(self._sessions)))
+        return got.get(call_id)
+
+
 def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
     """Materialize the columns the builders need, ordered by session, call index, arrival time.
 
@@ -185,8 +208,8 @@ def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
     names = calls_lf.collect_schema().names()
     cols = [c for c in CALL_COLUMNS if c in names]
     arena = all(c in names for c in _ARENA)  # a capture directory's frame: its prompts by reference
-    if arena:
-        cols = [c for c in cols if c != "prompt_token_ids"] + list(_ARENA)
+    if arena:  # requests too are read per session, when a builder first asks (_SessionRequests)
+        cols = [c for c in cols if c not in ("prompt_token_ids", "normalized_request")] + list(_ARENA)
     df = calls_lf.select(cols).collect()
     if arena and df["prompt_arena"].null_count():  # rows not from a capture directory's cache
         arena, cols = False, [c for c in CALL_COLUMNS if c in names]
@@ -206,7 +229,12 @@ def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
         prompts = _list_arrays(df["prompt_token_ids"], np.int32)
     sampled = _list_arrays(df["sampled_token_ids"], np.int32)
     logprobs = _list_arrays(df["sampled_logprobs"], np.float64)
-    requests = df["normalized_request"] if "normalized_request" in df.columns else pl.Series([None] * df.height, dtype=pl.String)
+    if arena and "normalized_request" in names:
+        requests: Any = _SessionRequests(calls_lf)
+        keys: list[Any] = [(s, c) for s, c in zip(df["session_id"].to_list(), df["call_id"].to_list())]
+    else:
+        requests = df["normalized_request"] if "normalized_request" in df.columns else pl.Series([None] * df.height, dtype=pl.String)
+        keys = list(range(df.height))
     get = {c: (df[c].to_list() if c in df.columns else [None] * df.height) for c in _SCALARS}
     out = []
     for i in range(df.height):
@@ -232,7 +260,7 @@ def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
                 output_tool_calls_json=get["output_tool_calls"][i],
                 sampling_json=get["sampling"][i],
                 has_logprobs=has_lp,
-                _request_src=(requests, i),
+                _request_src=(requests, keys[i]),
             )
         )
     return out

@@ -187,8 +187,15 @@ def test_prompts_share_one_arena_and_expand_only_when_asked(tmp_path, monkeypatc
     assert arena.stat().st_size == 4 * len(recs[-1].prompt_token_ids)
     assert lf.filter(pl.col("call_index") == 7).select("prompt_token_ids").collect().item().to_list() == recs[7].prompt_token_ids
     assert sum(expanded) < 30
+    # the requests too: one byte file per column, about the last request's size, read back exactly
+    ropes = tmp_path / ".polar-cache" / "s.normalized_request.bytes"
+    assert ropes.stat().st_size < 1.5 * len(orjson.dumps(recs[-1].normalized_request))
+    got = lf.select("native_request", "normalized_request").collect()
+    assert [frames.decode_json(x) for x in got["native_request"]] == [r.native_request for r in recs]
+    assert [frames.decode_json(x) for x in got["normalized_request"]] == [r.normalized_request for r in recs]
     from polar_analysis.trajectories.common import collect_calls
 
     calls = collect_calls(lf)
     assert [c.prompt.tolist() for c in calls] == [r.prompt_token_ids for r in recs]
     assert np.shares_memory(calls[0].prompt, calls[-1].prompt)
+    assert [c.request for c in calls] == [r.normalized_request for r in recs]  # read per session, when asked
