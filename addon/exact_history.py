@@ -360,18 +360,23 @@ class ExactHistory:
         return eot
 
     async def _drops_reasoning(self, base_url: str, chat: dict[str, Any], entry: Any, timeout: Any,
-                               headers: dict[str, str]) -> bool:
+                               headers: dict[str, str]) -> bool | None:
         """Whether the template renders the re-sent answer the same with and without its reasoning
         (it drops it there): two renders of the conversation, only for answers that reasoned."""
         messages = chat.get("messages") or []
         k = entry.n_messages
         bare = {key: v for key, v in messages[k].items() if key not in ("reasoning", "reasoning_content")}
+        # vLLM reads an assistant message's ``reasoning`` (and hands the template both ``reasoning``
+        # and ``reasoning_content``); ``reasoning_content`` on input is ignored
         bodies = [{**chat, "stream": False, "messages": [*messages[:k], m, *messages[k + 1:]]}
-                  for m in (bare, {**bare, "reasoning_content": entry.answer.reasoning})]
+                  for m in (bare, {**bare, "reasoning": entry.answer.reasoning})]
         for b in bodies:
             b.pop("stream_options", None)
-        a, b = await asyncio.gather(*(self._call(base_url + RENDER_PATH, body, timeout, headers) for body in bodies))
-        return a["token_ids"] == b["token_ids"]
+        try:
+            a, b = await asyncio.gather(*(self._call(base_url + RENDER_PATH, body, timeout, headers) for body in bodies))
+            return a["token_ids"] == b["token_ids"]
+        except (ExactError, KeyError, TypeError):
+            return None  # unknown: the sampled ids stay spliced
 
     async def _probe_think(self, base_url: str, model: Any, timeout: Any, headers: dict[str, str]) -> None:
         """The ids of ``<think>`` and ``</think>`` (once per upstream): a stream must know whether its

@@ -81,3 +81,26 @@ def test_enable_thinking_false_passes_the_prefix_check() -> None:
     match, sp = _next(_ledger(prompt, without_empty_think(prompt, THINK), [60, EOS], answer), msgs, rendered)
     assert sp.history == "exact" and sp.ids == prompt + [60, EOS, U, 11, A, OPEN, NL, CLOSE, NL]
     assert follow_template(sp, match.entry, rendered, THINK) is sp
+
+
+def test_the_server_is_asked_whether_its_template_drops_the_reasoning() -> None:
+    import asyncio
+
+    from polar_proxy.exact_history import ExactError, ExactHistory
+
+    class Server(ExactHistory):
+        def __init__(self, keeps: bool | None):
+            super().__init__(None)  # type: ignore[arg-type]
+            self.keeps = keeps
+
+        async def _call(self, url: str, body, timeout, headers):
+            if self.keeps is None:
+                raise ExactError(400, b"no")
+            answer = body["messages"][1]
+            # like vLLM: the assistant message's "reasoning" reaches the template
+            return {"token_ids": [1, 2] + ([3] if self.keeps and answer.get("reasoning") else [])}
+
+    entry = _ledger([U], [U], [OPEN, 50, CLOSE, 60, EOS], ANSWER).sessions["s"].entries[0]
+    chat = {"model": "m", "messages": [USER, ANSWER, {"role": "user", "content": "more"}]}
+    ask = lambda keeps: asyncio.run(Server(keeps)._drops_reasoning("http://up", chat, entry, None, {}))  # noqa: E731
+    assert ask(True) is False and ask(False) is True and ask(None) is None
