@@ -530,6 +530,8 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
     turns = [task.instruction, *(task.followups if getattr(cfg.preset, "needs_model", True) else [])]
     task_env = {k: v for k, v in build_env(task).items() if k != "PATH" or "PATH" in task.environment.env}  # type: ignore[union-attr]
     extra_env = {**task_env, **cfg.extra_env, **(task.solution_env if solution else {})}
+    if getattr(sandbox, "isolates", True):  # the caller's TMPDIR is not visible inside: the private /tmp is
+        extra_env.setdefault("TMPDIR", "/tmp")
     result = None
     for turn, text in enumerate(turns):
         # a follow-up continues the harness's own conversation (same session, work dir and HOME)
