@@ -97,6 +97,11 @@ class BubblewrapSandbox(Sandbox):
         size = ["--size", str(spec.disk_mb * 1024 * 1024)] if spec.disk_mb else []
         a += ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/tmp", *size, "--tmpfs", "/var/tmp",
               "--tmpfs", "/run", "--ro-bind", str(private), PRIVATE]
+        if spec.network:
+            # a resolv.conf that links into /run (systemd-resolved) must survive the private /run
+            resolv = os.path.realpath("/etc/resolv.conf")
+            if resolv.startswith("/run/") and os.path.exists(resolv):
+                a += ["--ro-bind", resolv, resolv]
         for host, dest, writable in spec.mounts():
             if not host.exists():
                 raise SandboxError(f"sandbox bind source {host} does not exist")
@@ -128,7 +133,8 @@ class BubblewrapSandbox(Sandbox):
                 cfg.update(proxy_port=spec.proxy_port, socket=f"{PRIVATE}/proxy.sock")
             if spec.disk_mb:
                 cfg["fsize"] = spec.disk_mb * 1024 * 1024
-            inner = [PYTHON, f"{PRIVATE}/init.py", json.dumps(cfg), "--", *argv]
+            # -I: the phase's PYTHONPATH/PYTHONHOME (a harness's env) must not reach the init
+            inner = [PYTHON, "-I", f"{PRIVATE}/init.py", json.dumps(cfg), "--", *argv]
             cmd = self.argv(spec, private, inner)
             cg = Cgroup.create(pids=spec.pids, memory_mb=spec.memory_mb, cpus=spec.cpus, notes=notes)
             if cg is not None:
