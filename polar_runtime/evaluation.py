@@ -226,7 +226,7 @@ def _parse_ks(spec: str | None) -> list[int] | None:
 
 
 def eval_command(
-    tasks: Annotated[str, typer.Option(help="Tasks JSONL file, or a built-in set (coding).")] = "coding",
+    tasks: Annotated[str, typer.Option(help="Tasks as `polar rollout --tasks` takes them, e.g. the built-in set coding.")] = "coding",
     harness: Annotated[str, typer.Option(help="Preset (see `polar harness list`) or 'generic'.")] = "pi-chat",
     samples: Annotated[int, typer.Option(help="Samples per task (the n of pass@k).")] = 4,
     greedy: Annotated[bool, typer.Option(help="Greedy decoding (temperature 0) instead of the rollout's sampling.")] = False,
@@ -243,7 +243,7 @@ def eval_command(
                    "with --rollouts, its folder).")] = None,
     concurrency: Annotated[int, typer.Option(help="Harness runs at once.")] = 1,
     timeout: Annotated[Optional[float], typer.Option(help="Hard timeout per harness run, seconds: the same limit for "
-                       "every task (a task's own, e.g. task.toml's [agent] timeout_sec, is lowered to it). Default: "
+                       "every task (a task's own, e.g. task.toml's agent timeout_sec, is lowered to it). Default: "
                        "each task's own, else 600.")] = None,
     max_tokens: Annotated[int, typer.Option(help="Cap max_tokens of every call (0: no cap).")] = 0,
     limit: Annotated[int, typer.Option(help="Only the first N tasks (0: all).")] = 0,
