@@ -16,7 +16,7 @@ printed is kept in ``<sample>/verifier/test-output.txt`` (with whatever test.sh 
 /logs/verifier) and its tail in the rollout row. test.sh sees the task's ENV values, task.toml's
 ``[verifier] env``, and POLAR_SESSION, POLAR_TASK_ID, POLAR_STATUS (the agent phase's outcome),
 POLAR_WORKDIR, POLAR_HARNESS_STDOUT / POLAR_HARNESS_STDERR (the harness's output under
-``/logs/agent``, read-only), POLAR_TESTS_DIR and POLAR_VERIFIER_DIR.
+``/logs/agent``, read-only), POLAR_TESTS_DIR (and TEST_DIR, Terminal-Bench's name) and POLAR_VERIFIER_DIR.
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, ag
     env.update(LANG="C.UTF-8", HOME=sandbox.inside(spec, home), TERM="dumb")
     for k, v in (facts or {}).items():
         env[f"POLAR_{k.upper()}"] = sandbox.inside(spec, v) if k in ("harness_stdout", "harness_stderr") else v
+    env["TEST_DIR"] = sandbox.inside(spec, tests)  # Terminal-Bench's name for it, which many test.sh use
     env.update(POLAR_WORKDIR=sandbox.inside(spec, workdir_host), POLAR_TESTS_DIR=sandbox.inside(spec, tests),
                POLAR_VERIFIER_DIR=sandbox.inside(spec, vdir))
     env.update(task.verifier_env)

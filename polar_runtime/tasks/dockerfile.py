@@ -6,7 +6,8 @@ buildpack-deps images, and Terminal-Bench's python/ubuntu bases: a Debian-like s
 bash, coreutils and python3, which is what this host is), ``WORKDIR`` (one work dir; default
 /app), ``COPY``/``ADD`` of local files of the build context into the work dir, ``ENV``, ``RUN``
 (run inside the sandbox at build time, with the work dir writable and the rest of the system
-read-only), and ``ARG`` with a default. Ignored with a note: ``LABEL``, ``MAINTAINER``, ``EXPOSE``,
+read-only; a RUN that only does ``apt-get update/install`` is skipped when the host has every
+package, and refused naming the missing ones otherwise), and ``ARG`` with a default. Ignored with a note: ``LABEL``, ``MAINTAINER``, ``EXPOSE``,
 ``CMD``, ``ENTRYPOINT``, ``HEALTHCHECK``, ``STOPSIGNAL``, ``USER root``. Refused: other base images
 (alpine, images of other distributions or with preinstalled services), multi-stage builds,
 ``COPY --from``, ``ADD`` of URLs or archives, a destination outside the work dir, ``USER``

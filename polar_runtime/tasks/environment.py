@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+import shlex
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,41 @@ from polar_runtime.tasks.model import DEFAULT_BUILD_TIMEOUT, DEFAULT_PATH, Task
 
 class BuildError(RuntimeError):
     """The environment could not be built; the message names the step (Dockerfile line)."""
+
+
+_APT_NOISE = re.compile(r"^(apt(-get)?\s+(-\S+\s+)*(update|clean|autoremove)\b.*|rm\s+-rf\s+/var/lib/apt/lists/\S*|true)$")
+_APT_INSTALL = re.compile(r"^(DEBIAN_FRONTEND=\S+\s+)?apt(-get)?\s+((-\S+|--\S+)\s+)*install\s+(?P<pkgs>.*)$")
+
+
+def apt_packages(command: str) -> list[str] | None:
+    """The packages of a RUN that only updates/installs with apt (``apt-get update && apt-get
+    install -y curl git && rm -rf /var/lib/apt/lists/*``); None when it does anything else. The
+    local mode cannot install into the read-only host system, but such a step is satisfied when
+    every package is already installed on the host."""
+    pkgs: list[str] = []
+    saw_apt = False
+    for part in re.split(r"\s*(?:&&|;|\|\|)\s*", command.strip()):
+        part = part.strip()
+        if not part or _APT_NOISE.match(part):
+            saw_apt = saw_apt or part.startswith("apt")
+            continue
+        m = _APT_INSTALL.match(part)
+        if not m:
+            return None
+        words = [w for w in shlex.split(m["pkgs"]) if not w.startswith("-")]
+        pkgs += [w.split("=")[0] for w in words]
+        saw_apt = True
+    return pkgs if saw_apt else None
+
+
+def missing_host_packages(pkgs: list[str]) -> list[str]:
+    """Those of ``pkgs`` that dpkg does not list as installed on the host."""
+    missing = []
+    for p in pkgs:
+        proc = subprocess.run(["dpkg-query", "-W", "-f=${Status}", p], capture_output=True, text=True)
+        if proc.returncode != 0 or "install ok installed" not in proc.stdout:
+            missing.append(p)
+    return missing
 
 
 def _copy(src: Path, dest: Path) -> None:
@@ -76,6 +114,14 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path) -> 
                     raise BuildError(f"{where}: destination escapes the work dir")
                 _copy(s, target)
         elif step.kind == "run":
+            pkgs = apt_packages(step.text)
+            if pkgs is not None and shutil.which("dpkg-query"):
+                missing = missing_host_packages(pkgs)
+                if missing:
+                    raise BuildError(f"{where}: the local mode cannot install packages (the host system is "
+                                     f"read-only); not on this host: {' '.join(missing)}")
+                notes.append(f"line {step.line}: apt step skipped, its packages are on the host: {' '.join(pkgs) or '-'}")
+                continue
             spec = SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, env=dict(env),
                                network=task.allow_internet, cpus=task.cpus, memory_mb=task.memory_mb,
                                timeout_s=task.build_timeout or DEFAULT_BUILD_TIMEOUT, image=task.image)

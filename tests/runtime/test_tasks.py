@@ -223,3 +223,20 @@ def test_jsonl_shorthand_is_the_same_task_and_converts_to_a_harbor_dir(tmp_path)
     assert [s.kind for s in h.environment.steps] == ["copy", "run"]
     rows = check_tasks([h], work=tmp_path / "w2")
     assert (rows[0]["oracle"], rows[0]["nop"], rows[0]["verdict"]) == (1.0, 0.0, "ok")
+
+
+def test_apt_steps_are_satisfied_by_the_host_or_refused_by_line(tmp_path):
+    """RUN apt-get install cannot write the read-only host system: such a step is skipped when the
+    host has every package (noted), refused with the line and the missing packages otherwise."""
+    ok = make_task(tmp_path / "ds", "has-bash", dockerfile="FROM debian:12\nWORKDIR /app\n"
+                   "RUN apt-get update && apt-get install -y --no-install-recommends bash coreutils \\\n"
+                   "  && rm -rf /var/lib/apt/lists/*\nRUN apt-get update\n",
+                   test_sh="echo 1 > /logs/verifier/reward.txt\n")
+    missing = make_task(tmp_path / "ds", "needs-pkg", dockerfile="FROM debian:12\nWORKDIR /app\n"
+                        "RUN apt-get install -y bash no-such-package-polar\n")
+    rows = {row["task_id"]: row for row in rollout(tmp_path, load_tasks(ok.parent), "nop")}
+    assert rows["has-bash"]["reward"] == 1.0, rows["has-bash"]["error"]
+    assert "line 3: apt step skipped, its packages are on the host: bash coreutils" in rows["has-bash"]["sandbox_notes"]
+    assert "line 3" in rows["needs-pkg"]["error"] and "not on this host: no-such-package-polar" in rows["needs-pkg"]["error"]
+    assert missing.exists()
+
