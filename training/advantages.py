@@ -18,7 +18,12 @@ Choices (all in :class:`AdvantageConfig`):
 * A sample whose ``group_id`` is null is a group of its own: it has no peers to compare with, so
   its advantage is 0 (ungrouped samples are never pooled into one group).
 * Groups whose participating rewards are all equal (or that have fewer than two participants)
-  have zero advantage everywhere; ``drop_zero_variance`` removes their rows from training.
+  have zero advantage everywhere; ``drop_zero_variance`` (the default) removes their rows from
+  training: they carry no policy-gradient signal, only the KL term, and cost a forward/backward
+  each (minutes per group of long agent sequences on a CPU). They are counted in the metrics.
+
+:func:`filter_stale` drops the samples sampled by weights older than ``max_staleness`` optimizer
+steps (``policy_version``), counted too.
 """
 
 from __future__ import annotations
@@ -140,3 +145,29 @@ def advantage_stats(per_sample: pl.DataFrame) -> dict[str, float]:
         pl.len().alias("n_samples"),
     ).row(0, named=True)
     return {k: (float(v) if v is not None else float("nan")) for k, v in row.items()}
+
+
+def filter_stale(
+    frame: pl.DataFrame, current_version: int, max_staleness: int | None
+) -> tuple[pl.DataFrame, dict[str, float]]:
+    """Drop every sequence of a sample whose oldest call was served by weights more than
+    ``max_staleness`` versions before ``current_version`` (the trainer's step: the version of the
+    weights it is about to update). A sample is kept or dropped whole, so its sequences never
+    split; a sequence with an unknown ``policy_version`` counts as stale. ``None``: no filter.
+    Returns the kept rows and ``{"max_staleness_seen", "n_stale_samples", "n_stale_sequences"}``."""
+    if "policy_version" not in frame.columns or not frame.height:
+        return frame, {}
+    age = pl.lit(current_version) - pl.col("policy_version")
+    per_sample = frame.lazy().group_by(SAMPLE_KEYS).agg(
+        age.max().alias("_age"), pl.col("policy_version").null_count().alias("_unknown")
+    )
+    seen = per_sample.select(pl.col("_age").max()).collect().item()
+    stats: dict[str, float] = {"max_staleness_seen": float(seen) if seen is not None else float("nan")}
+    if max_staleness is None:
+        return frame, stats
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, not {max_staleness}")
+    stale = per_sample.filter((pl.col("_age") > max_staleness) | (pl.col("_unknown") > 0)).select(SAMPLE_KEYS).collect()
+    kept = frame.join(stale, on=list(SAMPLE_KEYS), how="anti", nulls_equal=True, maintain_order="left")
+    stats.update(n_stale_samples=float(stale.height), n_stale_sequences=float(frame.height - kept.height))
+    return kept, stats

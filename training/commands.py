@@ -53,7 +53,12 @@ def train_command(
     failure: Annotated[str, typer.Option(
         help="zero_advantage | zero_reward for failed/timed-out samples")] = _ADV.failure,
     drop_zero_variance: Annotated[bool, typer.Option(
-        "--drop-zero-variance", help="Skip groups with equal rewards.")] = _ADV.drop_zero_variance,
+        "--drop-zero-variance/--keep-zero-variance",
+        help="Leave out groups whose rewards are all equal (no policy-gradient signal; counted in the metrics).")
+    ] = _ADV.drop_zero_variance,
+    max_staleness: Annotated[Optional[int], typer.Option(
+        help="Leave out samples served by weights more than this many versions older than the trainer's "
+             "(policy_version); counted in the metrics. Default: no limit.")] = _TRAIN.max_staleness,
     token_budget: Annotated[int, typer.Option(help="Tokens per packed micro-batch.")] = _TRAIN.token_budget,
     num_minibatches: Annotated[int, typer.Option(
         "--minibatches", help="Optimizer steps per rollout batch.")] = _TRAIN.num_minibatches,

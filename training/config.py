@@ -18,7 +18,8 @@ class AdvantageConfig:
     baseline: Literal["mean", "loo"] = "mean"
     scale_std: bool = True
     failure: Literal["zero_advantage", "zero_reward"] = "zero_advantage"
-    drop_zero_variance: bool = False
+    #: leave out groups whose rewards are all equal (zero advantage everywhere): counted, not trained
+    drop_zero_variance: bool = True
     eps: float = 1e-6
     ok_statuses: tuple[str, ...] = ("ok",)
 
@@ -81,6 +82,9 @@ class TrainConfig:
     #: accumulate locally: less communication, full-size gradients per device) or after "every" one
     grad_sync: Literal["last", "every"] = "last"
     seed: int = 0
+    #: leave out samples served by weights more than this many versions (optimizer steps) older
+    #: than the trainer's (``policy_version``); None: no limit. Counted in the metrics.
+    max_staleness: int | None = None
     adv: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossConfig = field(default_factory=LossConfig)
 
@@ -98,6 +102,8 @@ class TrainConfig:
             raise ValueError(f"compute_dtype must be float32 or bfloat16, not {self.compute_dtype!r}")
         if self.grad_sync not in ("last", "every"):
             raise ValueError(f"grad_sync must be last or every, not {self.grad_sync!r}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 (or None), not {self.max_staleness}")
         if self.token_budget <= 0 or self.num_minibatches <= 0 or self.ppo_epochs <= 0:
             raise ValueError("token_budget, num_minibatches and ppo_epochs must be positive")
 

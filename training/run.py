@@ -77,6 +77,7 @@ def run_training(job: TrainJob, console=None) -> RunResult:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .heap import map_large_allocations
+    from .metrics_log import MetricsLog
     from .plots import plot_metrics
     from .trainer import GRPOTrainer, load_models
 
@@ -104,7 +105,12 @@ def run_training(job: TrainJob, console=None) -> RunResult:
     summary = "; ".join(st.describe() for st in prep.stats)
     if main and console is not None:
         console.print(f"[bold]polar train[/] {model_dir} <- {frame.height} sequences; {summary}")
+        left_out = {k: int(v) for k, v in prep.data_stats.items() if k.startswith("n_") and v}
+        if left_out:
+            console.print("left out: " + ", ".join(f"{k.removeprefix('n_').replace('_', ' ')} {v}" for k, v in left_out.items()))
     metrics_path = out / "metrics.jsonl"
+    # JSONL (what plots.py and the demo read), TensorBoard and, when installed, W&B: see metrics_log.py
+    mlog = MetricsLog(out, config=cfg.to_dict()) if main else None
     total_micro = sum(len(m) for m in prep.minibatches) * cfg.ppo_epochs
 
     progress = Progress(
@@ -130,12 +136,16 @@ def run_training(job: TrainJob, console=None) -> RunResult:
                 info=f"step {m['step']} loss {m['loss']:+.4f} reward {m.get('reward_mean', float('nan')):.3f} "
                 f"kl {m['kl']:.4f} {m['tokens_per_s']:.0f} tok/s",
             )
-            if main:
-                _append_jsonl(metrics_path, m)
+            if mlog is not None:
+                mlog.write(m)
 
         probe_ids = list(frame["input_ids"][0][:PROBE_TOKENS]) if frame.height else None
         probe_before = ckpt.probe_logprobs(trainer.policy, probe_ids) if probe_ids else None  # collective
-        history = trainer.fit(prep, on_micro=on_micro, on_step=on_step, last_batch=True)
+        try:
+            history = trainer.fit(prep, on_micro=on_micro, on_step=on_step, last_batch=True)
+        finally:
+            if mlog is not None:
+                mlog.close()
 
     if not history:  # nothing to learn from (no sampled tokens left): keep the current weights
         if main and console is not None:

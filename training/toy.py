@@ -152,7 +152,12 @@ def run_toy_grpo(
         )
         mean_reward = float(frame["reward"].mean())
         curve.append(mean_reward)
-        metrics = trainer.fit(frame)[-1]
+        history = trainer.fit(frame)
+        if not history:  # every group scored alike: dropped as zero-variance, nothing to learn
+            if log:
+                log(f"iter {it}: reward {mean_reward:.3f}  every group zero-variance: no update")
+            continue
+        metrics = history[-1]
         if log:
             log(
                 f"iter {it}: reward {mean_reward:.3f}  loss {metrics['loss']:+.4f}  kl {metrics['kl']:.4f}  "

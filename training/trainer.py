@@ -25,7 +25,7 @@ import polars as pl
 import torch
 
 from . import distributed as pdist
-from .advantages import advantage_stats, compute_advantages, compute_sample_advantages
+from .advantages import advantage_stats, compute_advantages, compute_sample_advantages, filter_stale
 from .config import TrainConfig
 from .heap import release_freed_memory
 from .loss import grpo_token_loss
@@ -60,6 +60,7 @@ class Prepared:
     per_sample: pl.DataFrame
     minibatches: list[list[MicroBatch]]  # this rank's micro-batches per optimizer step
     stats: list[PackStats]
+    data_stats: dict[str, float] = field(default_factory=dict)  # rows left out (stale, zero variance)
 
 
 @dataclass
@@ -259,8 +260,12 @@ class GRPOTrainer:
     def prepare(self, trajectories: pl.DataFrame | pl.LazyFrame) -> Prepared:
         """Advantages, the mini-batch split (seeded) and packing for this rank."""
         frame = trajectories.collect() if isinstance(trajectories, pl.LazyFrame) else trajectories
+        frame, data_stats = filter_stale(frame, self.step, self.cfg.max_staleness)
         per_sample = compute_sample_advantages(frame, self.cfg.adv)
         with_adv = compute_advantages(frame, self.cfg.adv)
+        if self.cfg.adv.drop_zero_variance:
+            data_stats["n_zero_variance_samples_dropped"] = float(per_sample["zero_variance"].sum())
+            data_stats["n_zero_variance_sequences_dropped"] = float(frame.height - with_adv.height)
         sequences = sequences_from_frame(with_adv)
         sample_keys = list(zip(with_adv["group_id"].to_list(), with_adv["session_id"].to_list()))
         uniq = list(dict.fromkeys(sample_keys))
@@ -273,7 +278,7 @@ class GRPOTrainer:
             mbs, st = build_microbatches(seqs, self.cfg.token_budget, self.cfg.loss.aggregation, self.cfg.attention)
             minibatches.append(pdist.shard_microbatches(mbs, self.rank, self.world))
             stats.append(st)
-        return Prepared(frame=with_adv, per_sample=per_sample, minibatches=minibatches, stats=stats)
+        return Prepared(frame=with_adv, per_sample=per_sample, minibatches=minibatches, stats=stats, data_stats=data_stats)
 
     # ---- one optimizer step ------------------------------------------------------------------
     def autocast(self):
@@ -425,6 +430,7 @@ class GRPOTrainer:
         if last_batch:
             self.release_reference()
         batch_stats = advantage_stats(prep.per_sample)
+        batch_stats.update(prep.data_stats)
         if "policy_version" in prep.frame.columns and prep.frame.height:
             batch_stats["data_policy_version"] = float(prep.frame["policy_version"].min() or 0)
         history = []

@@ -85,10 +85,10 @@ def test_zero_variance_groups_are_zero_and_can_be_dropped():
         + [("solo", "z", 1.0, "ok")]
         + [("var", "x", 1.0, "ok"), ("var", "y", 0.0, "ok")]
     )
-    kept = compute_advantages(df, AdvantageConfig())
+    kept = compute_advantages(df, AdvantageConfig(drop_zero_variance=False))  # --keep-zero-variance
     assert adv_of(kept)["a"] == 0.0 and adv_of(kept)["z"] == 0.0
     assert set(kept["group_id"]) == {"flat", "solo", "var"}
-    dropped = compute_advantages(df, AdvantageConfig(drop_zero_variance=True))
+    dropped = compute_advantages(df, AdvantageConfig())  # the default
     assert set(dropped["group_id"]) == {"var"} and dropped.height == 2
 
 

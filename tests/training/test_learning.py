@@ -38,4 +38,4 @@ def test_reward_improves_on_a_toy_task(tiny_qwen_dir, capsys):
     assert curve[0] < 0.4
     assert max(curve[-2:]) >= 0.75
     assert sum(curve[-3:]) / 3 > sum(curve[:3]) / 3 + 0.3
-    assert trainer.step == 7
+    assert 1 <= trainer.step <= 7  # an iteration whose groups all scored alike makes no update (zero variance)

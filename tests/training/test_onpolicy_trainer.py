@@ -82,10 +82,11 @@ def test_packing_carries_each_sequences_distribution_and_refuses_naming_the_call
 def test_a_sample_without_group_is_its_own_group(make_frame):
     frame = make_frame(groups=1, samples=2).with_columns(group_id=pl.lit(None, dtype=pl.String),
                                                           reward=pl.Series([0.0, 1.0]))
-    out = compute_advantages(frame, AdvantageConfig())
+    out = compute_advantages(frame, AdvantageConfig(drop_zero_variance=False))  # kept: a group of one has advantage 0
+    assert compute_advantages(frame, AdvantageConfig()).height == 0  # dropped by default (zero variance)
     assert out["advantage"].to_list() == [0.0, 0.0] and out["group_size"].to_list() == [1, 1]
     mixed = pl.concat([frame, make_frame(groups=1, samples=2, seed=1).with_columns(reward=pl.Series([0.0, 1.0]))])
-    adv = compute_advantages(mixed, AdvantageConfig(scale_std=False))["advantage"].to_list()
+    adv = compute_advantages(mixed, AdvantageConfig(scale_std=False, drop_zero_variance=False))["advantage"].to_list()
     assert adv == [0.0, 0.0, -0.5, 0.5]
 
 
