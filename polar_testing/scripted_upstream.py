@@ -781,6 +781,15 @@ class ScriptedUpstream:
         ends = {e: i for i, e in enumerate(reply.tool_ends)}
         n = len(pieces)
         cut_at = n // 2 if fault == "cut" else -1
+        # logged before the stream's first token leaves (a cut stream logs what it sent): a client
+        # that has read the whole stream (a test comparing the capture with this log) must find it.
+        # Logged after ``write_eof``, a loaded machine let the proxy finish and the test read the
+        # previous response (the flake of test_two_turns_exact_tokens[openai_chat-stream-reverse]:
+        # "14 more sampled ids than the upstream returned": the capture was right).
+        if cut_at < 0:
+            self.responses.append({"prompt_token_ids": prompt_ids, "token_ids": [p.token_id for p in pieces],
+                                   "logprobs": [token_logprob(p.token_id, i) for i, p in enumerate(pieces)],
+                                   "finish_reason": finish})
         open_call: int | None = None
         for i, p in enumerate(pieces):
             if i == cut_at:
@@ -831,9 +840,6 @@ class ScriptedUpstream:
             await resp.write(chunk([], usage=usage, system_fingerprint=SYSTEM_FINGERPRINT))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
-        self.responses.append({"prompt_token_ids": prompt_ids, "token_ids": [p.token_id for p in pieces],
-                               "logprobs": [token_logprob(p.token_id, i) for i, p in enumerate(pieces)],
-                               "finish_reason": finish})
         return resp.response() if burst else resp
 
 
