@@ -136,6 +136,7 @@ import json, resource, sys, time
 t0 = time.perf_counter()
 from polar_analysis import frames, trajectories
 t_import = time.perf_counter() - t0
+rss_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 t0 = time.perf_counter()
 lf = frames.calls(sys.argv[1], cache_dir=sys.argv[2], rewards=None)
 lf.select("call_id").collect()
@@ -145,7 +146,8 @@ df, stats = trajectories.build(lf, "prefix-merge")
 t_build = time.perf_counter() - t1
 print(json.dumps({"frame_s": t_frame, "build_s": t_build, "total_s": t_frame + t_build, "import_s": t_import,
                   "sequences": df.height, "merges": stats.merges, "coverage": stats.coverage,
-                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "rss_after_imports_mib": rss_import}))
 """
 
 
@@ -199,11 +201,13 @@ def main(
                 write(cap, recs, delta)
                 reads[fmt] = read_cost(cap)
             t = Table(title=f"Reading a {read_calls}-call session into trajectories (cold cache, own process)")
-            for col in ("format", "calls frame s", "prefix merge s", "total s", "peak RSS MiB", "sequences", "coverage"):
+            for col in ("format", "calls frame s", "prefix merge s", "total s", "peak RSS MiB", "of it after imports",
+                        "sequences", "coverage"):
                 t.add_column(col, justify="right")
             for fmt, r in reads.items():
                 t.add_row(fmt, f"{r['frame_s']:.2f}", f"{r['build_s']:.2f}", f"{r['total_s']:.2f}",
-                          f"{r['peak_rss_mib']:.0f}", str(r["sequences"]), f"{r['coverage']:.3f}")
+                          f"{r['peak_rss_mib']:.0f}", f"{r['peak_rss_mib'] - r['rss_after_imports_mib']:.0f}",
+                          str(r["sequences"]), f"{r['coverage']:.3f}")
             console.print(t)
             result["read"] = {"calls": read_calls, **reads}
     json_out.parent.mkdir(parents=True, exist_ok=True)
