@@ -1,0 +1,74 @@
+"""Live: real harnesses through the proxy with exact history on, vLLM serving tiny-r1 (the real
+DeepSeek-R1-Distill-Qwen tokenizer and template, random weights, vLLM's deepseek_r1 reasoning parser).
+
+For each harness: `polar rollout --model tiny-r1 --tasks followups --samples 1 --limit 1
+--exact-history` (a task with a follow-up user turn), then the captures are read back and summed:
+calls, calls whose answer reached the harness (text or reasoning), history labels and their causes,
+the calls whose streamed text differed from the derendered answer, and weight-version mismatches.
+Writes benchmarks/results/reasoning_live.json. Heavy (starts vLLM, runs npm CLIs): run it under
+`flock /tmp/polar-heavy.lock` on a shared machine.
+
+    .venv/bin/python benchmarks/bench_reasoning_live.py [--harness pi-anthropic codex] [--timeout 420]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from polar_core.schema import read_capture_lines  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "reasoning_live.json"
+
+
+def summarize(capture_dir: Path) -> dict:
+    recs = [r for f in sorted((capture_dir / "sessions").glob("*.jsonl")) for r in read_capture_lines(f)]
+    history = collections.Counter(str(r.get("history")).split("=")[0] for r in recs)
+    causes = collections.Counter(r.get("history_cause") for r in recs if r.get("history_cause"))
+    notes = [n for r in recs for n in (r.get("translation_notes") or [])]
+    return {
+        "calls": len(recs),
+        "ok": sum(r.get("status") == "ok" for r in recs),
+        "answered": sum(bool((r.get("output_text") or "").strip() or (r.get("output_reasoning") or "").strip()
+                             or r.get("output_tool_calls")) for r in recs),
+        "with_reasoning": sum(bool((r.get("output_reasoning") or "").strip()) for r in recs),
+        "sampled_ids": sum(len(r.get("sampled_token_ids") or []) for r in recs),
+        "history": dict(history),
+        "causes": dict(causes),
+        "streamed_differs": sum("differs from the derendered" in n for n in notes),
+        "weight_version_mismatch": sum(n.startswith("weight_version_mismatch") for n in notes),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--harness", nargs="+", default=["pi-anthropic", "codex"])
+    ap.add_argument("--timeout", type=float, default=420)
+    args = ap.parse_args()
+    results = json.loads(OUT.read_text()) if OUT.exists() else {}
+    for h in args.harness:
+        cap = ROOT / "benchmarks" / "results" / "reasoning-live" / h
+        t0 = time.monotonic()
+        cmd = [str(ROOT / ".venv" / "bin" / "polar"), "rollout", "--model", "tiny-r1", "--harness", h,
+               "--tasks", "followups", "--samples", "1", "--limit", "1", "--exact-history", "--max-tokens", "48",
+               "--timeout", "240", "--capture-dir", str(cap)]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+        row = {"rc": proc.returncode, "seconds": round(time.monotonic() - t0, 1), **summarize(cap)}
+        if proc.returncode:
+            row["stderr_tail"] = proc.stderr[-600:]
+        results[h] = row
+        print(h, json.dumps(row), flush=True)
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
