@@ -369,6 +369,15 @@ def served_version_state(
     return "unknown"
 
 
+def _verified(base: str, checkpoint_dir: str, tol: float | None, before: ServedBefore | None) -> str:
+    """Verify (raises PushError) and say how: a checkpoint without a probe cannot be checked."""
+    from .checkpoint import read_meta
+
+    if not (read_meta(checkpoint_dir).get("probe") or {}).get("ids"):
+        return "not verified: the checkpoint carries no probe"
+    return f"probe max |dlogp| {verify_served(base, checkpoint_dir, tol, before):.2e}"
+
+
 def reload_server(
     server: Any, checkpoint_dir: str, allow_restart: bool = True, verify: bool = True, tol: float | None = None,
     before: ServedBefore | None = None,
@@ -393,7 +402,7 @@ def reload_server(
                     raise NotImplementedError("reload_weights returned False")
                 method = "reload_weights"
             if verify and base:
-                notes.append(f"probe max |dlogp| {verify_served(base, checkpoint_dir, tol, before):.2e}")
+                notes.append(_verified(base, checkpoint_dir, tol, before))
             return method, notes
         except Exception as exc:  # noqa: BLE001 - any in-place failure falls back to a restart
             if not allow_restart or isinstance(server, str):
@@ -404,7 +413,7 @@ def reload_server(
     _restart(server, checkpoint_dir)
     base = server_url(server)
     if verify and base:
-        notes.append(f"probe max |dlogp| {verify_served(base, checkpoint_dir, tol, before):.2e}")
+        notes.append(_verified(base, checkpoint_dir, tol, before))
     return "restart", notes
 
 
