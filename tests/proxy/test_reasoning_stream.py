@@ -149,3 +149,32 @@ def test_stream_view_holds_what_may_still_change_role() -> None:
     assert stream_view("abc</think>\n\nHi <tool_", opened=True, tools=True) == ("abc", "\n\nHi")
     assert stream_view("abc</think>{\"name\"", opened=True, tools=True) == ("abc", "")  # a JSON tool call
     assert stream_view("Hello <think>x", opened=False, tools=False) == ("", "Hello")
+
+
+def test_the_think_ids_and_the_parsers_reading_of_unmarked_text_are_asked_once_per_upstream() -> None:
+    from polar_proxy.exact_history import ExactHistory
+
+    class Server(ExactHistory):
+        def __init__(self, vocab: dict[str, list[int]], parser_reasons: bool):
+            super().__init__(None)  # type: ignore[arg-type]
+            self.vocab, self.parser_reasons, self.paths = vocab, parser_reasons, []
+
+        async def _call(self, url: str, body: Any, timeout: Any, headers: Any) -> Any:
+            path = url.removeprefix(BASE)
+            self.paths.append(path)
+            if path == "/tokenize":
+                return {"tokens": self.vocab[body["prompt"]]}
+            key = "reasoning" if self.parser_reasons else "content"
+            return {"choices": [{"message": {"role": "assistant", key: "ok"}}]}
+
+    r1 = Server({"<think>": [OPEN], "</think>": [CLOSE], "ok": [562]}, parser_reasons=True)
+    for _ in range(2):
+        asyncio.run(r1._probe_think(BASE, "m", None, {}))
+    assert r1.think_ids[BASE] == (OPEN, CLOSE) and r1.unmarked_reasoning[BASE] is True
+    assert r1.paths == ["/tokenize", "/tokenize", "/tokenize", "/v1/chat/completions/derender"]  # once
+    qwen3 = Server({"<think>": [OPEN], "</think>": [CLOSE], "ok": [562]}, parser_reasons=False)
+    asyncio.run(qwen3._probe_think(BASE, "m", None, {}))
+    assert qwen3.unmarked_reasoning[BASE] is False
+    plain = Server({"<think>": [27, 26865, 29], "</think>": [522, 26865, 29]}, parser_reasons=False)  # Qwen2.5: no such ids
+    asyncio.run(plain._probe_think(BASE, "m", None, {}))
+    assert plain.think_ids[BASE] is None and plain.paths == ["/tokenize", "/tokenize"]
