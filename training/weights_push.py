@@ -167,6 +167,8 @@ PROBE_NOISE = {"float32": 3e-5, "float16": 0.01, "bfloat16": 0.05}
 #: the predicted one and the two hypotheses (0: old weights, 1: new) lie 3 standard errors either
 #: side of the decision point 1/2 (a wrong decision: 1.3e-3 under Gaussian noise).
 MIN_SEPARATION = 6.0
+#: Least window around 0 and 1 within which ``alpha`` decides (a half-loaded reload, 0.5, does not).
+ALPHA_TOL = 0.2
 
 
 def _least_precise(*dtypes: str | None) -> str:
@@ -293,7 +295,9 @@ def probe_verdict(
         verdict.reason = (f"the predicted probe change (rms {norm_u / math.sqrt(max(n, 1)):.2e} per token over {n} tokens) "
                           f"is only {separation:.1f} noise units: the new weights cannot be told from the previous ones")
         return verdict
-    half = MIN_SEPARATION / 2 / separation  # 3 standard errors
+    # 3 standard errors, and never less than ALPHA_TOL: a 0.3% Gaussian tail, or a served change
+    # that differs systematically from the prediction by a few percent, must not fail a good push
+    half = max(MIN_SEPARATION / 2 / separation, ALPHA_TOL)
     if alpha >= 0.5 and abs(alpha - 1.0) <= half:
         verdict.state = "new"
     elif alpha < 0.5 and abs(alpha) <= half:
