@@ -7,6 +7,7 @@ the last record; the file grows with the session, not its square.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -199,3 +200,25 @@ def test_prompts_share_one_arena_and_expand_only_when_asked(tmp_path, monkeypatc
     assert [c.prompt.tolist() for c in calls] == [r.prompt_token_ids for r in recs]
     assert np.shares_memory(calls[0].prompt, calls[-1].prompt)
     assert [c.request for c in calls] == [r.normalized_request for r in recs]  # read per session, when asked
+
+
+def test_raw_json_fields_as_the_proxy_holds_them_are_written_as_deltas(tmp_path):
+    """Inside the proxy the bodies and the engine's prompt ids are raw JSON bytes (RawJSON/RawIds):
+    the writer parses them to find what is new, and the reader gets the same values back."""
+    from polar_proxy import jsonutil
+
+    recs = growing_session("s", 5)
+    w = CaptureWriter(tmp_path)
+    for r in recs:
+        raw = dataclasses.replace(
+            r, native_request=jsonutil.raw_json(orjson.dumps(r.native_request)),
+            normalized_request=jsonutil.raw_json(orjson.dumps(r.normalized_request)),
+            prompt_token_ids=jsonutil.RawIds(orjson.dumps(r.prompt_token_ids), len(r.prompt_token_ids)))
+        w.write(raw)
+    w.close()
+    path = tmp_path / "sessions" / "s.jsonl"
+    assert sum(1 for r in read_capture_lines(path, expand=False) if r["delta"].get("prompt_shared")) == 4
+    got = list(read_capture_lines(path))
+    assert [g["prompt_token_ids"] for g in got] == [r.prompt_token_ids for r in recs]
+    assert [g["native_request"] for g in got] == [r.native_request for r in recs]
+    assert [g["normalized_request"] for g in got] == [r.normalized_request for r in recs]
