@@ -217,7 +217,9 @@ def test_raw_json_fields_as_the_proxy_holds_them_are_written_as_deltas(tmp_path)
         w.write(raw)
     w.close()
     path = tmp_path / "sessions" / "s.jsonl"
-    assert sum(1 for r in read_capture_lines(path, expand=False) if r["delta"].get("prompt_shared")) == 4
+    raw = list(read_capture_lines(path, expand=False))
+    assert [bool(r["delta"].get("prompt_shared")) for r in raw] == [False, True, True, True, True]
+    assert all("native_request" in r["delta"] and "normalized_request" in r["delta"] for r in raw[1:])
     got = list(read_capture_lines(path))
     assert [g["prompt_token_ids"] for g in got] == [r.prompt_token_ids for r in recs]
     assert [g["native_request"] for g in got] == [r.native_request for r in recs]
