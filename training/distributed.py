@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Any
 
 import torch
@@ -44,6 +45,30 @@ def init_from_env() -> bool:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
     return True
+
+
+def shutdown(timeout_s: float = 60.0) -> None:
+    """Leave the process group so that no rank exits while another still holds its gloo sockets.
+
+    ``barrier(); destroy_process_group()`` alone lets a fast rank 0 destroy its group and exit
+    while a slower rank (a loaded machine) is still tearing its own down; gloo's I/O thread there
+    can read the closed connection and throw, which aborts the process: the likely cause of rank
+    1's abort at exit in tests/training/test_distributed.py under load (reported, not reproduced
+    here: 2 runs, 1 of them next to two busy loops, passed with this exit path). So each rank, once
+    its group is destroyed, checks in at the rendezvous store (torchrun's agent holds it, so it
+    outlives every rank) and waits until all have before it exits."""
+    if not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d
+
+    _, world = rank_and_world()
+    dist.barrier()
+    store = distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    store.add("polar/left", 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add("polar/left", 0) < world and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def device() -> torch.device:

@@ -15,9 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .distributed import full_gradients, init_from_env, is_main, rank_and_world
+from .distributed import full_gradients, init_from_env, is_main, rank_and_world, shutdown
 from .trainer import GRPOTrainer, TrainConfig, load_models
 
 
@@ -39,9 +38,7 @@ def parity(
               "param_dtypes": sorted({str(p.dtype) for p in trainer.policy.parameters()})}
     if is_main():
         torch.save(result, out)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    shutdown()  # every rank leaves the group before any exits (distributed.shutdown)
     return result
 
 
