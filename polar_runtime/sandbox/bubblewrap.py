@@ -18,8 +18,10 @@ What one phase sees (docs/sandbox.md has the full table):
   ``disk_mb`` (polled every 0.25 s, or less often for a big dir: a walk takes at most a tenth of
   the time; so a fast writer may overshoot by what it writes in that time).
 
-Measured on this machine (2 cores; benchmarks/sandbox_startup.py): a ``true`` run costs a median
-of about 40 ms more than without a sandbox, most of it the in-sandbox Python init.
+Start-up, measured with ``true`` on this 2-core machine while shared (medians of 9): bwrap
+running it directly 12-15 ms, through the in-sandbox Python init 72-76 ms, a whole ``run`` (private
+dir, report pipe, clean-up) 115-130 ms, against ~4 ms for a plain subprocess; a harness phase takes
+tens of seconds. ``benchmarks/bench_sandbox.py`` measures the backends side by side.
 """
 
 from __future__ import annotations
