@@ -13,14 +13,17 @@ closes, so a run can still be resumed with ``polar train --resume``.
 Where the handoff goes, on CPU (vLLM 0.32's weight-transfer API, ``--weight-transfer-config``,
 has only CUDA backends: ``nccl`` between processes on different GPUs and ``ipc`` for CUDA IPC
 handles on the same GPU, see ``weight_transfer.py``): a safetensors file that vLLM's
-``reload_weights`` reads. ``handoff_root`` picks the file system; the measured figures are in the
-benchmark table (tmpfs ``/dev/shm`` against the run directory on disk).
+``reload_weights`` reads. ``handoff_root`` picks the file system. Measured on the 0.5B
+(``benchmarks/bench_train_overhead.py``): per-step overhead ~100 s with a process per step, ~10 s
+with the session; tmpfs (``/dev/shm``) was no faster than the run directory (5.4-7.1 s to write,
+3.6-4.2 s for vLLM to reload, either way: the file sits in the page cache), and a tmpfs copy would
+pin 2.4 GiB of RAM, so the default is ``<out>/handoff``.
 
 Memory: between steps the session holds the float32 weights and the two AdamW moments
-(12 B/param: 7.0 GiB for the 0.5B's 630M parameters); gradients are dropped after each step and
+(12 B/param: 7.5 GiB resident measured for the 0.5B); gradients are dropped after each step and
 the frozen KL reference is loaded for each step's reference logprobs and freed before the first
 backward (``keep_reference=False``, the default on CPU; on a GPU it stays). The step's peak is the
-one-step process's (10.4 GiB measured on the 0.5B, ``heap.py``).
+one-step process's (9.8 GiB measured on the 0.5B, 512 tokens, ``kl_coef 0``).
 
 Out of process: ``python -m polar_training.session`` serves one session over a pipe (one JSON
 object per line on stdin, one answer per line on the original stdout; everything the trainer
@@ -57,7 +60,7 @@ HANDOFF_PREFIX = "handoff-"
 
 
 def default_handoff_root(out: str | os.PathLike) -> Path:
-    """The run directory's ``handoff/`` (disk, page cache): see the module docstring for why not tmpfs."""
+    """The run directory's ``handoff/`` (disk, page cache): as fast as tmpfs here, and reclaimable."""
     return Path(out) / "handoff"
 
 
