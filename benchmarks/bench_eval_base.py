@@ -10,6 +10,10 @@ ones already drawn (same settings, same seeds).
 
     .venv/bin/python benchmarks/bench_eval_base.py --samples 4            # sampled, T=1 (the rollout's)
     .venv/bin/python benchmarks/bench_eval_base.py --greedy --samples 1   # greedy
+    .venv/bin/python benchmarks/bench_eval_base.py --score-only           # score what finished (a cut run)
+
+A run stopped early (SIGTERM, e.g. by ``timeout``) is scored on the samples that finished, and the
+result says ``partial``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -53,6 +58,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256, help="the demo's cap on CPU")
     ap.add_argument("--timeout", type=float, default=300.0, help="the demo's per-run limit")
     ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--score-only", action="store_true", help="score the run directory's finished samples, run nothing")
     ap.add_argument("--name", default=None, help="result name (default eval_base_<harness>_<sampled|greedy>)")
     args = ap.parse_args()
     name = args.name or f"eval_base_{args.harness}_{'greedy' if args.greedy else 'sampled'}"
@@ -62,9 +68,30 @@ def main() -> int:
            "--concurrency", str(args.concurrency), "--out", str(out)] + (["--greedy"] if args.greedy else [])
     print(" ".join(cmd), flush=True)
     t0, load0 = time.time(), os.getloadavg()
-    rc = subprocess.run(cmd, cwd=REPO).returncode
-    res = json.loads((out / "eval.json").read_text()) if (out / "eval.json").exists() else None
-    if res is None:
+    (out / "eval.json").unlink(missing_ok=True)
+    rc = 0
+    if not args.score_only:
+        proc = subprocess.Popen(cmd, cwd=REPO)
+        # SIGTERM (timeout): polar eval, in our process group, stops too; score what finished
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        rc = proc.wait()
+        while rc is None:
+            rc = proc.wait()
+    if (out / "eval.json").exists():
+        res = json.loads((out / "eval.json").read_text())
+    elif (out / "rollouts.parquet").exists():
+        import polars as pl
+
+        from polar_runtime import evaluation as ev
+
+        rows = pl.read_parquet(out / "rollouts.parquet").to_dicts()
+        if not rows:
+            print("no finished sample to score", file=sys.stderr)
+            return rc or 1
+        res = ev.score_rows(rows)
+        settings = json.loads((out / ev.SETTINGS_FILE).read_text()) if (out / ev.SETTINGS_FILE).exists() else {}
+        res.update(partial=True, settings=settings, finished_samples=len(rows))
+    else:
         print(f"polar eval exited {rc} without a result", file=sys.stderr)
         return rc or 1
     res["bench"] = {"command": " ".join(cmd[1:]), "exit_code": rc, "wall_s_this_invocation": round(time.time() - t0, 1),
