@@ -68,9 +68,9 @@ def main() -> int:
            "--concurrency", str(args.concurrency), "--out", str(out)] + (["--greedy"] if args.greedy else [])
     print(" ".join(cmd), flush=True)
     t0, load0 = time.time(), os.getloadavg()
-    (out / "eval.json").unlink(missing_ok=True)
     rc = 0
     if not args.score_only:
+        (out / "eval.json").unlink(missing_ok=True)  # a cut run leaves none: score its finished samples
         proc = subprocess.Popen(cmd, cwd=REPO)
         # SIGTERM (timeout): polar eval, in our process group, stops too; score what finished
         signal.signal(signal.SIGTERM, lambda *_: None)
