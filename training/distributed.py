@@ -54,7 +54,7 @@ def shutdown(timeout_s: float = 60.0) -> None:
     while a slower rank (a loaded machine) is still tearing its own down; gloo's I/O thread there
     can read the closed connection and throw, which aborts the process: the likely cause of rank
     1's abort at exit in tests/training/test_distributed.py under load (reported, not reproduced
-    here: 2 runs, 1 of them next to two busy loops, passed with this exit path). So each rank, once
+    here: 4 runs, 3 of them next to two busy loops, passed with this exit path). So each rank, once
     its group is destroyed, checks in at the rendezvous store (torchrun's agent holds it, so it
     outlives every rank) and waits until all have before it exits."""
     if not dist.is_initialized():
