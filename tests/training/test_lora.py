@@ -57,6 +57,7 @@ def test_only_adapters_train_and_the_handoff_is_the_merged_model(small_qwen_dir,
     assert meta["lora"]["rank"] == 4 and meta["lora_base"] == str(small_qwen_dir)
 
 
+@pytest.mark.slow  # three LoRA sessions, three steps
 def test_a_lora_session_resumes_from_its_checkpoint(small_qwen_dir, make_frame, tmp_path):
     d1, d2 = _data(make_frame, tmp_path, 1), _data(make_frame, tmp_path, 2)
     settings = lora.LoraSettings(rank=4, alpha=8)

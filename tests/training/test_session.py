@@ -34,6 +34,7 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
+@pytest.mark.slow  # two polar train runs and two session steps: ~15 s on a quiet machine
 def test_steps_in_one_session_equal_one_process_per_step(small_qwen_dir, make_frame, tmp_path):
     """Two rollout batches through one session == `polar train` twice with --resume auto (the old
     per-step process): same losses, same learning rates, bit-identical weights. With a KL term the
