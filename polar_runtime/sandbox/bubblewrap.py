@@ -18,10 +18,10 @@ What one phase sees (docs/sandbox.md has the full table):
   ``disk_mb`` (polled every 0.25 s, or less often for a big dir: a walk takes at most a tenth of
   the time; so a fast writer may overshoot by what it writes in that time).
 
-Start-up, measured with ``true`` on this 2-core machine while shared (medians of 9): bwrap
-running it directly 12-15 ms, through the in-sandbox Python init 72-76 ms, a whole ``run`` (private
-dir, report pipe, clean-up) 115-130 ms, against ~4 ms for a plain subprocess; a harness phase takes
-tens of seconds. ``benchmarks/bench_sandbox.py`` measures the backends side by side.
+Start-up (``benchmarks/bench_sandbox.py``, ``true``, medians of 20 interleaved rounds): 67.5 ms
+against 2.0 ms for a plain subprocess; 119.8 ms with a cgroup per phase and the disk cap; 76.6 ms
+with the proxy relay. bwrap itself is ~15 ms of it, the in-sandbox Python init most of the rest;
+a harness phase takes tens of seconds.
 """
 
 from __future__ import annotations
