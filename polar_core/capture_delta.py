@@ -34,10 +34,11 @@ file (proxies sharing a directory) resolve each their own references.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import orjson
@@ -343,8 +344,6 @@ def convert_file(src: Any, dst: Any, *, delta: bool = True) -> tuple[int, int, i
     import os
     from pathlib import Path
 
-    from polar_core.schema import read_capture_lines
-
     src, dst = Path(src), Path(dst)
     deltas = SessionDeltas(window=WRITE_WINDOW, max_sessions=1 << 30) if delta else None
     tmp = dst.with_name(dst.name + f".{os.getpid()}.tmp")
@@ -362,3 +361,29 @@ def convert_file(src: Any, dst: Any, *, delta: bool = True) -> tuple[int, int, i
                 deltas.remember(rec.get("session_id") or "", kept)
     os.replace(tmp, dst)
     return n, src.stat().st_size, out_bytes
+
+
+def read_capture_lines(path: Any, *, expand: bool = True) -> Iterator[dict[str, Any]]:
+    """The JSON objects of one capture file, in order, delta records expanded to full ones
+    (``expand=False``: as written). A torn last line (the proxy died while writing it), a line that
+    is not a JSON object, or a delta whose earlier record is unreadable is skipped: what was
+    written stays readable. Expanded requests share objects with earlier records: read-only."""
+    expander = Expander() if expand else None
+    with open(path, "rb") as fh:
+        for line in fh:
+            if not line.endswith(b"\n"):
+                continue
+            try:
+                rec = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                try:  # integers beyond 64 bits (a harness's seed), which orjson refuses
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+            if isinstance(rec, dict):
+                if expander is not None:
+                    try:
+                        rec = expander.expand(rec)
+                    except DeltaError:
+                        continue
+                yield rec

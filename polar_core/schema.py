@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import orjson
+
+from polar_core.capture_delta import read_capture_lines  # noqa: E402,F401 (re-exported: every reader imports it from here)
 
 SCHEMA_VERSION = 3  # 3: prompt ids and requests may be stored as a delta (capture_delta.py)
 
@@ -162,34 +163,6 @@ TRAJECTORY_COLUMNS = {
     "top_p": "float",
     "sampling_issue": "str",
 }
-
-
-def read_capture_lines(path: str | Path, *, expand: bool = True) -> Iterator[dict[str, Any]]:
-    """The JSON objects of one capture file, in order, delta records expanded to full ones
-    (``expand=False``: as written). A torn last line (the proxy died while writing it), a line that
-    is not a JSON object, or a delta whose earlier record is unreadable is skipped: what was
-    written stays readable. Expanded requests share objects with earlier records: read-only."""
-    from polar_core.capture_delta import DeltaError, Expander
-
-    expander = Expander() if expand else None
-    with open(path, "rb") as fh:
-        for line in fh:
-            if not line.endswith(b"\n"):
-                continue
-            try:
-                rec = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                try:  # integers beyond 64 bits (a harness's seed), which orjson refuses
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-            if isinstance(rec, dict):
-                if expander is not None:
-                    try:
-                        rec = expander.expand(rec)
-                    except DeltaError:
-                        continue
-                yield rec
 
 
 # -- the harness field: who made the call, from its headers ------------------------------------
