@@ -107,6 +107,7 @@ def measured(run, qwen05_dir, rebuilt) -> Measured:
     frame, stats = rebuilt
     cfg = TrainConfig(lr=1e-6, token_budget=_train_config(run).get("token_budget", 8192))
     cfg.loss.kl_coef = 0.0
+    cfg.adv.drop_zero_variance = False  # measure every row, the dropped groups' too (the trainer drops them by default)
     torch.manual_seed(0)
     trainer = GRPOTrainer(load_model(str(qwen05_dir), "float32"), cfg)
     prep = trainer.prepare(frame)

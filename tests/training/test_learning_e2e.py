@@ -114,7 +114,9 @@ def test_grpo_through_proxy_and_vllm_raises_reward(vllm_smollm, untied_smollm, s
     n_threads = torch.get_num_threads()
     torch.set_num_threads(2)
     model = load_model(str(untied_smollm), dtype="float32")
-    trainer = GRPOTrainer(model, TrainConfig(lr=LR, token_budget=2048, loss=LossConfig(kl_coef=0.0), seed=0))
+    cfg = TrainConfig(lr=LR, token_budget=2048, loss=LossConfig(kl_coef=0.0), seed=0)
+    cfg.adv.drop_zero_variance = False  # every iteration is an update (zero advantage where a group is all alike)
+    trainer = GRPOTrainer(model, cfg)
     captures = tmp_path / "captures"
     # The rollout's sampling enforced by the proxy (as polar rollout / polar demo do): plain sampling
     # at temperature 1 is the distribution the trainer's logprobs are computed from.
