@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
+
+from polar_core.capture_delta import lcp  # one common-prefix routine for the writer and the builders
 import orjson
 import polars as pl
 import pyarrow as pa
@@ -303,17 +305,6 @@ def infer_template_info(calls: list[Call]) -> TemplateInfo:
     return TemplateInfo(eot_ids=eot, source="inferred")
 
 
-def lcp(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the common prefix of two id arrays, cheap when they differ early."""
-    n = min(a.size, b.size)
-    start, block = 0, 64
-    while start < n:
-        end = min(n, start + block)
-        diff = np.flatnonzero(a[start:end] != b[start:end])
-        if diff.size:
-            return start + int(diff[0])
-        start, block = end, block * 4
-    return n
 
 
 def is_prefix(a: np.ndarray, b: np.ndarray) -> bool:
