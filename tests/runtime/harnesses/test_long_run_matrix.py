@@ -355,7 +355,11 @@ def test_gemini_cli_long_session(tmp_path, exact):
     summary = {"text": "<state_snapshot>Summary: the steps ran.</state_snapshot>"}
     res = _long_run(tmp_path, "gemini", turns, exact=exact, max_model_len=200000, configure=configure, summary=summary,
                     # plain: a command cut by the budget, the last turn; exact (no budget cut): the end
-                    resumed={"text": "All steps done."} if exact else _bash(LONG_CMD, "run_shell_command"))
+                    # exact: after the resumed turn's text answer comes another next-speaker check,
+                    # answered from the same (resumed) history: it must parse as its JSON and say
+                    # "user", or Gemini CLI retries it with backoff (10 checks, 260 s of a 270 s test)
+                    resumed={"text": json.dumps({"reasoning": "All steps done.", "next_speaker": "user"})}
+                    if exact else _bash(LONG_CMD, "run_shell_command"))
     _check_common(res)
     if exact:  # the rest follows the plain run's flow, which the budget cut shapes
         return
