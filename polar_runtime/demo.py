@@ -24,8 +24,13 @@ Phases (each timed; Ctrl-C or SIGTERM stops everything the demo started):
 8. rollouts again with the new policy (phases 4-7 repeat ``--iterations`` times), the notebooks
    executed on the run, and a short report (also written to ``<out>/report.json``).
 
-On CPU the default run is small on purpose (2 tasks x 4 samples, answers capped at 256 tokens):
-the 0.5B model decodes ~7 tokens/s on two cores. The two default tasks (hello-file, make-dir) are
+On CPU the default run is small on purpose (2 tasks x 4 samples, answers capped at 256 tokens,
+150 s per harness run): the 0.5B model decodes ~7 tokens/s on two cores. The time limit is where
+the rollout time went: in the clean-clone demo of 2026-12-02 the runs that ended took 11-183 s
+(median 40 s), while 5 of 16 ran to the 300 s limit in tool-call loops (2 of them after solving:
+a run that hits the limit is still graded): 1,500 of the 2,041 harness-seconds. At 150 s the same
+runs would have cost 783 harness-seconds less (two runs at a time: ~6.5 min of wall time); a run
+that hits the limit is graded on what it did by then. The two default tasks (hello-file, make-dir) are
 the built-in ones the base model solves sometimes but not always (docs/tasks.md has the measured
 table): a group whose samples all score alike has zero advantages, and a step without any group
 with reward variance is skipped (no update, no push) instead of spending minutes to change nothing.
@@ -88,7 +93,7 @@ class DemoConfig:
     max_tokens: int = 256
     temperature: float = 1.0  # plain sampling at this temperature, enforced by the proxy (polar_sampling)
     seed: Optional[int] = 0  # base of the per-call sampling seeds: a rerun samples the same tokens
-    timeout: float = 300.0
+    timeout: float = 150.0  # per harness run; CPU default (300 on GPU): see the module docstring
     concurrency: int = 2
     lr: float = TrainConfig.lr
     kl_coef: float = LossConfig.kl_coef
@@ -827,7 +832,8 @@ def demo_command(
     temperature: Annotated[float, typer.Option(help="Sampling temperature the proxy enforces on every call "
                                                "(plain sampling, the distribution the trainer uses).")] = DemoConfig.temperature,
     seed: Annotated[Optional[int], typer.Option(help="Base of the per-call sampling seeds (-1: unseeded).")] = DemoConfig.seed,
-    timeout: Annotated[float, typer.Option(help="Hard timeout per harness run, seconds.")] = DemoConfig.timeout,
+    timeout: Annotated[Optional[float], typer.Option(
+        help="Hard timeout per harness run, seconds (default 150 CPU, 300 GPU; a run that hits it is still graded).")] = None,
     concurrency: Annotated[int, typer.Option(help="Harness runs at once (vLLM batches them).")] = DemoConfig.concurrency,
     lr: Annotated[float, typer.Option(help="Learning rate of the GRPO step.")] = DemoConfig.lr,
     kl_coef: Annotated[Optional[float], typer.Option(
@@ -863,7 +869,7 @@ def demo_command(
     cfg = DemoConfig(out=out, harness=harness, model=model, tasks=tasks, task_ids=list(task or []), n_tasks=n_tasks,
                      samples=samples, iterations=iterations, max_tokens=max_tokens or (1024 if on_gpu else 256),
                      temperature=temperature, seed=None if seed is None or seed < 0 else seed,
-                     timeout=timeout, concurrency=concurrency, lr=lr,
+                     timeout=timeout or (300.0 if on_gpu else DemoConfig.timeout), concurrency=concurrency, lr=lr,
                      kl_coef=kl_coef if kl_coef is not None else (DemoConfig.kl_coef if iterations > 1 or on_gpu else 0.0), max_model_len=max_model_len,
                      tool_parser=tool_parser, server_during_train=server_during_train, gpu=on_gpu, notebooks=notebooks, keep=keep,
                      checkpoint_every=checkpoint_every, lora_rank=lora_rank,
