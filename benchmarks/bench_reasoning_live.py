@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -55,7 +56,8 @@ def main() -> None:
     args = ap.parse_args()
     results = json.loads(OUT.read_text()) if OUT.exists() else {}
     for h in args.harness:
-        cap = ROOT / "benchmarks" / "results" / "reasoning-live" / h
+        cap = ROOT / "runs" / "reasoning-live" / h  # captures stay out of git; a rerun starts afresh
+        shutil.rmtree(cap, ignore_errors=True)
         t0 = time.monotonic()
         cmd = [str(ROOT / ".venv" / "bin" / "polar"), "rollout", "--model", "tiny-r1", "--harness", h,
                "--tasks", "followups", "--samples", "1", "--limit", "1", "--exact-history", "--max-tokens", "48",
