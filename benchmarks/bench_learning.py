@@ -187,6 +187,38 @@ def per_iteration(phases: dict[str, float], iterations: int) -> list[dict[str, A
 # the run
 
 
+def tools_model(model: str) -> str:
+    """The model to serve: ``model`` itself when its chat template renders tools, else (SmolLM2-135M's
+    ChatML template ignores them, and vLLM then refuses every harness call with tools: "auto tool
+    choice requires --enable-auto-tool-choice") an untied copy of it (in-place reloads, as the demo
+    serves) under ``<models>/.servable/<name>-tools`` with Qwen2.5's ChatML template, which renders the
+    harness's tools in the system message and its ``<tool_call>`` blocks: the same special tokens,
+    the same weights."""
+    from polar_core import paths
+    from polar_runtime.serve import resolve_model, template_supports_tools
+    from polar_training.checkpoint import servable_copy
+
+    src, name = resolve_model(model)
+    if template_supports_tools(src):
+        return model
+    out = paths.models_dir() / ".servable" / f"{name}-tools"
+    if not (out / "chat_template.jinja").exists() or not template_supports_tools(out):
+        copy = servable_copy(src, out)
+        if copy == src:  # untied already: a directory of links to it
+            out.mkdir(parents=True, exist_ok=True)
+            for f in src.iterdir():
+                if f.name != "chat_template.jinja" and not (out / f.name).exists():
+                    (out / f.name).symlink_to(f)
+        qwen, _ = resolve_model("qwen2.5-coder-0.5b-instruct")
+        own = (src / "chat_template.jinja").read_text() if (src / "chat_template.jinja").exists() else ""
+        m = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", own, re.S)
+        template = (qwen / "chat_template.jinja").read_text()
+        if m:  # the model's own default system prompt, not Qwen's
+            template = template.replace("You are Qwen, created by Alibaba Cloud. You are a helpful assistant.", m[1])
+        (out / "chat_template.jinja").write_text(template)
+    return str(out)
+
+
 def demo_argv(a: argparse.Namespace, run: Path) -> list[str]:
     argv = [str(REPO / ".venv" / "bin" / "polar"), "demo", "--out", str(run), "--harness", a.harness, "--model", a.model,
             "--tasks", a.tasks, "--n-tasks", "0", "--samples", str(a.samples), "--iterations", str(a.iterations),
@@ -390,6 +422,8 @@ def main() -> int:
     ap.add_argument("--run-dir", type=Path, default=None, help="default runs/learning-<model>-<harness>-seed<seed>")
     ap.add_argument("--name", default=None, help="results name (default <model>_<harness>_seed<seed>)")
     ap.add_argument("--score-only", action="store_true", help="read back what the run directory holds; run nothing")
+    ap.add_argument("--own-template", action="store_true", help="serve --model with its own chat template even when "
+                    "it does not render tools (see tools_model)")
     ap.add_argument("--decode-probe", action="store_true", help="also time vLLM alone on the model (one more server start)")
     a = ap.parse_args()
     if a.iterations < 1 or a.eval_samples < 2:
@@ -397,6 +431,9 @@ def main() -> int:
     run = (a.run_dir or REPO / "runs" / f"learning-{a.model}-{a.harness}-seed{a.seed}").resolve()
     name = a.name or f"{a.model}_{a.harness}_seed{a.seed}"
     settings = {k: getattr(a, k) for k in SETTINGS}
+    if not a.score_only and not a.own_template:
+        a.model = tools_model(a.model)
+        print(f"serving {a.model}")
     rc = 0
     if not a.score_only:
         state = prepare_resume(run, settings)
