@@ -90,7 +90,13 @@ def reasoning_parser_for(model_dir: Path) -> str | None:
 
 
 def template_supports_tools(model_dir: Path) -> bool:
-    """Qwen-style templates that render `tools` and emit Hermes `<tool_call>` blocks."""
+    """Templates that take part in tool calling: Qwen-style ones render `tools` and emit Hermes
+    `<tool_call>` blocks; the DeepSeek-R1 distills render assistant `tool_calls` and `tool` turns (in
+    DeepSeek's text markup, with no list of tools). Without a tool parser vLLM answers every request
+    that offers tools (`tool_choice: auto`, what every harness sends) with HTTP 400: on `tiny-r1` every
+    harness failed on its first call (benchmarks/bench_reasoning_live.py). vLLM's `deepseek_v3` parser
+    needs `<｜tool▁calls▁begin｜>` as one token, which the distills' tokenizer lacks, so they get the
+    default parser too."""
     texts = []
     jinja = model_dir / "chat_template.jinja"
     if jinja.exists():
@@ -100,7 +106,7 @@ def template_supports_tools(model_dir: Path) -> bool:
         tmpl = json.loads(cfg.read_text()).get("chat_template") or ""
         texts.append(tmpl if isinstance(tmpl, str) else json.dumps(tmpl))
     text = "\n".join(texts)
-    return "tools" in text and "<tool_call>" in text
+    return ("tools" in text and "<tool_call>" in text) or "tool_calls" in text
 
 
 #: vLLM's tool-call parser for models whose template has tools. ``lenient`` is Polar's plugin

@@ -160,4 +160,7 @@ def test_tiny_r1_keeps_the_r1_distills_own_tokenizer_and_template(tiny_r1_dir, q
     assert reasoning_parser_for(tiny_r1_dir) == "deepseek_r1"
     cmd = VLLMServer(models.TINY_R1, port=1).command()
     assert cmd[cmd.index("--reasoning-parser") + 1] == "deepseek_r1"
+    # the template renders tool calls and results: without a tool parser vLLM refuses every harness
+    # request (tool_choice auto -> HTTP 400)
+    assert "--enable-auto-tool-choice" in cmd
     assert "--reasoning-parser" not in VLLMServer(models.TINY_QWEN, port=1).command()
