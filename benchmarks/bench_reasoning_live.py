@@ -65,7 +65,7 @@ def main() -> None:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
         row = {"rc": proc.returncode, "seconds": round(time.monotonic() - t0, 1), **summarize(cap)}
         if proc.returncode:
-            row["stderr_tail"] = proc.stderr[-600:]
+            row["output_tail"] = (proc.stdout + proc.stderr)[-800:]
         results[h] = row
         print(h, json.dumps(row), flush=True)
         OUT.parent.mkdir(parents=True, exist_ok=True)
