@@ -30,8 +30,8 @@ ModelNameOpt = Annotated[Optional[str], typer.Option(help="Model name the harnes
 CommandOpt = Annotated[Optional[str], typer.Option("--command", help="Generic harness: a shell command template.")]
 MaxTokensOpt = Annotated[int, typer.Option(help="Cap max_tokens of every call (proxy option; 0: no cap).")]
 CaCertOpt = Annotated[Optional[Path], typer.Option(resolve_path=True, help="CA of a running --proxy (default $POLAR_HOME/mitmproxy).")]
-SandboxOpt = Annotated[str, typer.Option(help="Sandbox of every phase: auto (bubblewrap, else docker), bubblewrap, docker, "
-                                              "or host (NO isolation: the harness runs as you, on the host).")]
+SandboxOpt = Annotated[str, typer.Option(help="Sandbox of every phase: auto (the first usable of bubblewrap, docker, podman, "
+                                              "apptainer), one of those, or host (NO isolation: the harness runs as you, on the host).")]
 TasksHelp = ("A Harbor task directory, a dataset (a directory of them), a JSONL file of the shorthand, "
              "or a built-in set (coding, followups).")
 

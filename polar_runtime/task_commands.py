@@ -58,7 +58,7 @@ def check_tasks(tasks: list[Any], *, work: Path, sandbox: str = "auto", concurre
 @tasks_app.command("check")
 def check_command(
     path: Annotated[str, typer.Argument(help="A task dir, a dataset dir, a JSONL file or a built-in set (coding).")],
-    sandbox: Annotated[str, typer.Option(help="Sandbox backend: auto, bubblewrap, docker, host (no isolation).")] = "auto",
+    sandbox: Annotated[str, typer.Option(help="Sandbox backend: auto, bubblewrap, docker, podman, apptainer, host (no isolation).")] = "auto",
     concurrency: Annotated[int, typer.Option(help="Tasks at once.")] = 2,
     work: Annotated[Optional[Path], typer.Option(help="Where the samples' dirs go (default: a temporary dir).")] = None,
 ) -> None:

@@ -6,11 +6,13 @@ Backends, one module each behind ``base.Sandbox``:
   default. Host system read-only, only the spec's binds visible, own PID namespace, no network
   but the model proxy (relayed through a job-private Unix socket), cgroup limits where writable.
 * ``docker``: the same spec on a Docker daemon (``docker run --network none``), where one answers.
+* ``podman``: the docker backend on Podman (daemonless; rootless keeps the caller's uid).
+* ``apptainer``: ``apptainer exec --containall --net --network none`` (HPC clusters without Docker).
 * ``host``: NO isolation at all, the command runs on the host as the caller. It exists only to
   show what the sandbox prevents (the adversarial tests run against it and fail) and for
   debugging; never the default.
 
-``auto`` picks the first available of bubblewrap, docker; it refuses rather than fall back to
+``auto`` picks the first available of bubblewrap, docker, podman, apptainer; it refuses rather than fall back to
 ``host``. See docs/sandbox.md for exactly what each enforces.
 """
 
@@ -28,11 +30,13 @@ from polar_runtime.sandbox.base import (
 BACKENDS: dict[str, str] = {
     "bubblewrap": "polar_runtime.sandbox.bubblewrap:BubblewrapSandbox",
     "docker": "polar_runtime.sandbox.docker:DockerSandbox",
+    "podman": "polar_runtime.sandbox.podman:PodmanSandbox",
+    "apptainer": "polar_runtime.sandbox.apptainer:ApptainerSandbox",
     "host": "polar_runtime.sandbox.host:HostSandbox",
 }
 #: the order ``auto`` tries (``host`` is never picked automatically)
-AUTO_ORDER = ("bubblewrap", "docker")
-ALIASES = {"bwrap": "bubblewrap", "none": "host", "unsafe-host": "host"}
+AUTO_ORDER = ("bubblewrap", "docker", "podman", "apptainer")
+ALIASES = {"bwrap": "bubblewrap", "singularity": "apptainer", "none": "host", "unsafe-host": "host"}
 
 
 def backend_class(name: str) -> type[Sandbox]:

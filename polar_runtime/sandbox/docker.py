@@ -8,7 +8,9 @@ model proxy reaches the container the same way as bubblewrap's: a job-private Un
 in, relayed to 127.0.0.1:<port> inside by the same init script (the image needs a ``python3``).
 A timeout, or the end of the run, removes the container and every process in it (``docker rm -f``).
 
-Not tested on this machine (no daemon); its tests skip and say why.
+Podman (``podman.py``) and Apptainer (``apptainer.py``) reuse this class: the same run, relay
+and report, their own command line. Not tested on this machine (no daemon, no podman or apptainer
+installed); their tests skip and say why.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ PRIVATE = "/run/polar-sandbox"
 class DockerSandbox(Sandbox):
     name = "docker"
     runtime = "docker"
+    #: how the task's pids/memory/cpu limits are enforced (said in every run's notes)
+    limits_by = "the daemon's cgroups"
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -98,7 +102,7 @@ class DockerSandbox(Sandbox):
                 report = json.loads((report_dir / "report.json").read_text())
             except (OSError, ValueError):
                 pass
-            notes += [f"{k} limit enforced by the daemon's cgroups" for k, v in
+            notes += [f"{k} limit enforced by {self.limits_by}" for k, v in
                       (("pids", spec.pids), ("memory", spec.memory_mb), ("cpu", spec.cpus)) if v]
             if timed_out:
                 notes.append(f"timed out after {spec.timeout_s:g} s: the container and every process in it removed")
@@ -107,9 +111,13 @@ class DockerSandbox(Sandbox):
             notes.append("no network" if not spec.network else "network open (allow_internet)")
             return SandboxResult(rc if not timed_out else -9, timed_out, notes, wall)
         finally:
-            subprocess.run([self.runtime, "rm", "-f", name], capture_output=True, timeout=60,
-                           stdin=subprocess.DEVNULL, check=False)
+            self.remove(name)
             if relay is not None:
                 relay.close()
             shutil.rmtree(private, ignore_errors=True)
             shutil.rmtree(report_dir, ignore_errors=True)
+
+    def remove(self, name: str) -> None:
+        """After the phase (or its timeout): the container and every process in it go."""
+        subprocess.run([self.runtime, "rm", "-f", name], capture_output=True, timeout=60,
+                       stdin=subprocess.DEVNULL, check=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import threading
@@ -17,7 +18,9 @@ from polar_runtime.sandbox import (
     backend_class,
     get_sandbox,
 )
+from polar_runtime.sandbox.apptainer import ApptainerSandbox
 from polar_runtime.sandbox.docker import DockerSandbox
+from polar_runtime.sandbox.podman import PodmanSandbox
 
 PATH = "/usr/local/bin:/usr/bin:/bin"
 
@@ -37,9 +40,9 @@ def test_spec_maps_host_paths_inside(tmp_path):
 def test_auto_never_falls_back_to_the_unsafe_host_backend(monkeypatch):
     with pytest.raises(SandboxError, match="unknown sandbox"):
         get_sandbox("chroot")
-    for name in ("bubblewrap", "docker"):
+    for name in ("bubblewrap", "docker", "podman", "apptainer"):
         monkeypatch.setattr(backend_class(name), "unavailable_reason", classmethod(lambda cls: "not here"))
-    with pytest.raises(SandboxUnavailable, match="bubblewrap: not here; docker: not here"):
+    with pytest.raises(SandboxUnavailable, match="bubblewrap: not here; docker: not here; podman: not here; apptainer: not here"):
         get_sandbox("auto")
     assert get_sandbox("host").isolates is False
 
@@ -148,6 +151,48 @@ def test_docker_command_line(tmp_path):
         assert part in line, part
     with pytest.raises(SandboxError, match="needs an image"):
         DockerSandbox().argv(SandboxSpec(tmp_path / "w"), tmp_path, "polar-x", ["true"])
+
+
+def test_podman_takes_dockers_command_line_keeping_the_callers_uid_when_rootless(tmp_path, monkeypatch):
+    spec = SandboxSpec(tmp_path / "w", pids=64, memory_mb=512, image="python:3.12-slim")
+    (tmp_path / "w").mkdir()
+    line = " ".join(PodmanSandbox().argv(spec, tmp_path, "polar-x", ["python3", "init.py"]))
+    assert line.startswith("podman run --rm") and "--network none" in line and "--pids-limit 64" in line
+    assert "--userns" not in line or os.getuid() != 0
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
+    line = " ".join(PodmanSandbox().argv(spec, tmp_path, "polar-x", ["python3", "init.py"]))
+    assert line.startswith("podman run --userns keep-id --rm")
+
+
+def test_apptainer_command_line(tmp_path):
+    spec = SandboxSpec(tmp_path / "w", home_host=tmp_path / "h", env={"A": "1"}, pids=64, memory_mb=512,
+                       cpus=1.5, image="python:3.12-slim", ro_binds=[(tmp_path / "tools", "/opt/tools")])
+    for d in ("w", "h", "tools"):
+        (tmp_path / d).mkdir()
+    a = ApptainerSandbox().argv(spec, tmp_path / "priv", "x", ["python3", "/run/polar-sandbox/init.py", "{}"])
+    line = " ".join(a)
+    for part in ("apptainer exec --containall --cleanenv --no-home", "--net --network none", "--pids-limit 64",
+                 "--memory 512M", "--cpus 1.5", f"--bind {tmp_path / 'priv'}:/run/polar-sandbox:ro",
+                 f"--bind {tmp_path / 'tools'}:/opt/tools:ro", f"--bind {tmp_path / 'w'}:/app:rw",
+                 f"--bind {tmp_path / 'h'}:{tmp_path / 'h'}:rw", "--env A=1",
+                 "--pwd /app docker://python:3.12-slim python3 /run/polar-sandbox/init.py {}"):
+        assert part in line, part
+    open_net = SandboxSpec(tmp_path / "w", network=True, image=str(tmp_path / "env.sif"))
+    line = " ".join(ApptainerSandbox().argv(open_net, tmp_path, "x", ["true"]))
+    assert "--network" not in line and f"--pwd /app {tmp_path / 'env.sif'} true" in line
+    with pytest.raises(SandboxError, match="needs an image"):
+        ApptainerSandbox().argv(SandboxSpec(tmp_path / "w"), tmp_path, "x", ["true"])
+
+
+@pytest.mark.parametrize("backend", ["podman", "apptainer"])
+def test_other_container_backends_run_a_phase(tmp_path, backend):
+    why = backend_class(backend).unavailable_reason()
+    if why is not None:
+        pytest.skip(f"{backend} sandbox not tested here: {why}")
+    spec = SandboxSpec(tmp_path / "w", env={"PATH": PATH}, image="python:3.12-slim", timeout_s=300)
+    res, log = _run(get_sandbox(backend), spec, "echo inside > f.txt")
+    assert res.returncode == 0, log
+    assert (tmp_path / "w" / "f.txt").read_text() == "inside\n"
 
 
 def test_docker_runs_a_phase(tmp_path):
