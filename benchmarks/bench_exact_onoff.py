@@ -84,6 +84,7 @@ def mismatch(frame: Any, model_dir: Path, token_budget: int) -> dict[str, float]
 
     cfg = TrainConfig(lr=1e-6, token_budget=token_budget)
     cfg.loss.kl_coef = 0.0
+    cfg.adv.drop_zero_variance = False  # every sampled token is measured, whatever the group's rewards
     torch.manual_seed(0)
     trainer = GRPOTrainer(load_model(str(model_dir), "float32"), cfg)
     prep = trainer.prepare(frame)

@@ -4,7 +4,9 @@ DeepSeek-R1-Distill-Qwen tokenizer and template, random weights, vLLM's deepseek
 For each harness: `polar rollout --model tiny-r1 --tasks followups --samples 1 --limit 1
 --exact-history` (a task with a follow-up user turn), then the captures are read back and summed:
 calls, calls whose answer reached the harness (text or reasoning), history labels and their causes,
-the calls whose streamed text differed from the derendered answer, and weight-version mismatches.
+the calls whose streamed text differed from the derendered answer, weight-version mismatches, and
+the trajectories rebuilt from them with the trainer-vs-vLLM ``mismatch_kl`` (``--summarize-only``
+recomputes these from the captures already there, without running anything heavy).
 Writes benchmarks/results/reasoning_live.json. Heavy (starts vLLM, runs npm CLIs): run it under
 `flock /tmp/polar-heavy.lock` on a shared machine.
 
@@ -49,14 +51,40 @@ def summarize(capture_dir: Path) -> dict:
     }
 
 
+def trajectories(capture_dir: Path) -> dict:
+    """The captures rebuilt as ``polar demo`` builds them (rows, merge stats, drift causes) and the
+    trainer-vs-vLLM gap on every sampled token (``mismatch_kl``: mean of vLLM's logprob minus the
+    float32 trainer's), with bench_exact_onoff's routines; tiny-r1 is small, so this is cheap."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_exact_onoff import build, mismatch
+
+    from polar_runtime import models
+
+    model_dir = models.ensure_model(models.TINY_R1)
+    df, stats, causes = build(capture_dir, model_dir, strict=False)
+    out = {"rows": df.height, "exact_merge_rate": stats.get("exact_merge_rate"), "drift_causes": causes}
+    if df.height:
+        out.update(mismatch(df, model_dir, token_budget=65536))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--harness", nargs="+", default=["pi-anthropic", "codex"])
     ap.add_argument("--timeout", type=float, default=420)
+    ap.add_argument("--summarize-only", action="store_true",
+                    help="recompute the figures from the captures already under runs/reasoning-live (light)")
     args = ap.parse_args()
     results = json.loads(OUT.read_text()) if OUT.exists() else {}
     for h in args.harness:
         cap = ROOT / "runs" / "reasoning-live" / h  # captures stay out of git; a rerun starts afresh
+        if args.summarize_only:
+            row = {k: v for k, v in results.get(h, {}).items() if k in ("rc", "seconds", "output_tail")}
+            row.update(summarize(cap), trajectories=trajectories(cap))
+            results[h] = row
+            print(h, json.dumps(row), flush=True)
+            OUT.write_text(json.dumps(results, indent=2))
+            continue
         shutil.rmtree(cap, ignore_errors=True)
         t0 = time.monotonic()
         cmd = [str(ROOT / ".venv" / "bin" / "polar"), "rollout", "--model", "tiny-r1", "--harness", h,
@@ -66,6 +94,8 @@ def main() -> None:
         row = {"rc": proc.returncode, "seconds": round(time.monotonic() - t0, 1), **summarize(cap)}
         if proc.returncode:
             row["output_tail"] = (proc.stdout + proc.stderr)[-800:]
+        else:
+            row["trajectories"] = trajectories(cap)
         results[h] = row
         print(h, json.dumps(row), flush=True)
         OUT.parent.mkdir(parents=True, exist_ok=True)
