@@ -65,6 +65,7 @@ CALL_COLUMNS = (
     "call_id", "session_id", "task_id", "group_id", "call_index", "status", "finish_reason",
     "policy_version", "prompt_token_ids", "sampled_token_ids", "sampled_logprobs",
     "normalized_request", "output_text", "output_reasoning", "output_tool_calls", "t_request_in", "sampling",
+    "history_cause",
 )
 
 
@@ -89,6 +90,7 @@ class Call:
     output_tool_calls_json: str | None = None
     sampling_json: str | None = None  # CallRecord.sampling (JSON), None on records before schema 2
     has_logprobs: bool = True  # one finite logprob per sampled id (else excluded, counted)
+    history_cause: str | None = None  # the proxy's exact-history cause (CallRecord.history_cause)
     _request: Any = field(default=None, repr=False)
     _request_src: Any = field(default=None, repr=False)  # (Series or _SessionRequests, key): JSON read on first use
 
@@ -140,7 +142,7 @@ def _list_arrays(series: pl.Series, dtype: Any) -> list[np.ndarray]:
 _ARENA = ("prompt_arena", "prompt_ids_start", "n_prompt_ids")
 
 _SCALARS = ("call_id", "session_id", "task_id", "group_id", "call_index", "status", "finish_reason",
-            "policy_version", "output_text", "output_reasoning", "output_tool_calls", "sampling")
+            "policy_version", "output_text", "output_reasoning", "output_tool_calls", "sampling", "history_cause")
 
 
 def trainer_sampling(sampling: dict[str, Any] | None, label: str) -> tuple[float | None, int, float, str | None]:
@@ -262,6 +264,7 @@ def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
                 output_tool_calls_json=get["output_tool_calls"][i],
                 sampling_json=get["sampling"][i],
                 has_logprobs=has_lp,
+                history_cause=get["history_cause"][i],
                 _request_src=(requests, keys[i]),
             )
         )

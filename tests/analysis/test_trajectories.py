@@ -252,6 +252,13 @@ def test_length_turn_with_empty_content_keeps_its_ids(tmp_path, renderer, templa
     assert ids[a:b] == cut.sampled_token_ids
     assert ids[b] == s.eot  # the template closes the cut turn: glue with loss mask 0
     assert row["merge_kind"] == ["content_changed"]
+    # exact-history mode prompted the next call with the template's rendering (it drops the
+    # reasoning): the proxy says so on the record, and the call is not merged after the unseen ids
+    s.records[1].history_cause = "template_dropped_reasoning"
+    dropped, dstats = prefix_merge.build(capture(tmp_path / "template-dropped", s.records), template=template)
+    check(dropped, dstats, s.records)
+    assert dropped.height == 2 and dstats.break_reasons == {"template_dropped_reasoning": 1}
+    assert dropped["chain_index"].to_list() == [0, 0] and dropped["segment_index"].to_list() == [0, 1]
     # a harness that drops the empty turn: a break, the ids are kept in their own sequence
     s2 = pi_session(renderer, pi_chat, "len2").user("Think hard about primes.")
     cut2 = s2.generate(reasoning="Let me enumerate primes: 2, 3, 5, 7, 11", max_tokens=8, echo=False)
