@@ -125,8 +125,9 @@ def reward_curve(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def call_times(sessions_dir: Path) -> dict[str, dict[str, float]]:
-    """Per session: vLLM's time on its calls (request sent upstream -> last byte), the decode part
-    (first byte -> last byte), the calls and their sampled tokens, from the proxy's captures."""
+    """Per session: vLLM's time on its calls (request sent upstream -> last byte), the streamed part
+    (first byte -> last byte: vLLM streams the role chunk before the prefill, so it holds the prefill
+    too), the calls and their sampled tokens, from the proxy's captures."""
     from polar_core.schema import read_capture_lines
 
     out: dict[str, dict[str, float]] = {}
@@ -364,7 +365,8 @@ def print_tables(res: dict[str, Any]) -> None:
     print(f"\nharness-seconds over {s['samples']} samples: vLLM {s['vllm_s']}, harness around the calls {s['harness_overhead_s']} "
           f"({s['overhead_per_sample_s']} s per sample), timed-out runs {s['timeout_s']} ({s['timeouts']}), verifier {s['verifier_s']}")
     print(f"throughput: {t['samples_per_hour']} samples/hour, {t['sampled_tok_s']} sampled tok/s over the rollout and eval phases; "
-          f"vLLM's decode on these calls {s['vllm_decode_tok_s']} tok/s per call stream"
+          f"vLLM on these calls {s['vllm_decode_tok_s']} sampled tok/s per call stream (first streamed byte -> last: "
+          "vLLM streams its first byte before the prefill, so this includes the prompt's prefill)"
           + (f"; vLLM alone {res['decode_probe']}" if res.get("decode_probe") else ""))
 
 
