@@ -391,9 +391,12 @@ def plot(res: dict[str, Any], png: Path) -> None:
         cs = [*ev["tasks"].values(), ev["pooled"]]
         x = range(len(names))
         for off, side, color in ((-0.15, "pre", "tab:gray"), (0.15, "post", "tab:green")):
-            ax2.errorbar([i + off for i in x], [c[side]["rate"] or 0 for c in cs], yerr=[c[side]["se"] or 0 for c in cs],
+            nan = float("nan")  # a side not measured (a cut run) is not drawn, rather than drawn at 0
+            ax2.errorbar([i + off for i in x], [nan if c[side]["rate"] is None else c[side]["rate"] for c in cs],
+                         yerr=[c[side]["se"] or 0 for c in cs],
                          fmt="o", capsize=4, color=color, label=f"{side} (rate ± se)")
-        ax2.set_xticks(list(x), [f"{n}\n{c['diff_over_se'] or 0:+.1f} se" for n, c in zip(names, cs)], fontsize=8)
+        ax2.set_xticks(list(x), [n + ("" if c["diff_over_se"] is None else f"\n{c['diff_over_se']:+.1f} se")
+                                 for n, c in zip(names, cs)], fontsize=8)
     ax2.set(ylabel="success rate (held-out seeds)", ylim=(-0.05, 1.05), title="base vs trained policy")
     ax2.legend(fontsize=8)
     s = res["settings"]
