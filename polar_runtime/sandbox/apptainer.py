@@ -20,8 +20,6 @@ installed, and Debian 12 does not package it); its tests skip and say why.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 from polar_runtime.sandbox.base import SandboxError, SandboxSpec
@@ -33,19 +31,8 @@ class ApptainerSandbox(DockerSandbox):
     runtime = "apptainer"
     limits_by = "apptainer's cgroup (--pids-limit/--memory/--cpus)"
 
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        exe = shutil.which(cls.runtime)
-        if exe is None:
-            return "the apptainer CLI is not installed"
-        try:
-            r = subprocess.run([exe, "version"], capture_output=True, text=True, timeout=20,
-                               stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return f"`apptainer version` did not answer ({e})"
-        if r.returncode != 0:
-            return f"`apptainer version` failed ({(r.stderr or r.stdout).strip()[:200]})"
-        return None
+    probe = ("version",)
+    probe_failure = "apptainer does not run here"
 
     @staticmethod
     def image_uri(image: str) -> str:

@@ -35,18 +35,24 @@ class DockerSandbox(Sandbox):
     #: how the task's pids/memory/cpu limits are enforced (said in every run's notes)
     limits_by = "the daemon's cgroups"
 
+    #: the runtime's subcommand that answers only when it can run containers, and what its
+    #: failure means
+    probe: tuple[str, ...] = ("info", "--format", "{{.ServerVersion}}")
+    probe_failure = "no daemon answers"
+
     @classmethod
     def unavailable_reason(cls) -> str | None:
         exe = shutil.which(cls.runtime)
         if exe is None:
             return f"the {cls.runtime} CLI is not installed"
+        probe = f"`{cls.runtime} {cls.probe[0]}`"
         try:
-            r = subprocess.run([exe, "info", "--format", "{{.ServerVersion}}"], capture_output=True,
-                               text=True, timeout=10, stdin=subprocess.DEVNULL)
+            r = subprocess.run([exe, *cls.probe], capture_output=True, text=True, timeout=20,
+                               stdin=subprocess.DEVNULL)
         except (OSError, subprocess.TimeoutExpired) as e:
-            return f"`{cls.runtime} info` did not answer ({e})"
+            return f"{probe} did not answer ({e})"
         if r.returncode != 0:
-            return f"`{cls.runtime} info` failed: no daemon answers ({(r.stderr or r.stdout).strip()[:200]})"
+            return f"{probe} failed: {cls.probe_failure} ({(r.stderr or r.stdout).strip()[:200]})"
         return None
 
     def argv(self, spec: SandboxSpec, private: Path, name: str, inner: list[str],
