@@ -379,10 +379,14 @@ def train_config(cfg: DemoConfig) -> TrainConfig:
 
     Groups whose samples all scored alike carry no policy-gradient signal (every advantage is 0):
     leaving them out (as DAPO's dynamic sampling does) saves their forward/backward, minutes per
-    group of long agent sequences on a CPU."""
+    group of long agent sequences on a CPU. On a CPU the sequences' common prefix (the harness's
+    system prompt, a group's task) runs once (``attention="shared_prefix"``): 8 Pi samples of
+    ~1,390 tokens ran 1,548 tokens instead of 11,117 (benchmarks/README.md); a GPU keeps the
+    position-id packing that flash-attention turns into varlen boundaries."""
     from polar_training.config import AdvantageConfig
 
     return TrainConfig(lr=cfg.lr, token_budget=max(4096, cfg.max_model_len // 2),
+                       attention="position_ids" if cfg.gpu else "shared_prefix",
                        compute_dtype="bfloat16" if cfg.gpu else "float32", gradient_checkpointing=not cfg.gpu,
                        adv=AdvantageConfig(drop_zero_variance=True), loss=LossConfig(kl_coef=cfg.kl_coef))
 

@@ -63,7 +63,7 @@ def train_command(
     num_minibatches: Annotated[int, typer.Option(
         "--minibatches", help="Optimizer steps per rollout batch.")] = _TRAIN.num_minibatches,
     ppo_epochs: Annotated[int, typer.Option()] = _TRAIN.ppo_epochs,
-    attention: Annotated[str, typer.Option(help="position_ids | block_mask")] = _TRAIN.attention,
+    attention: Annotated[str, typer.Option(help="position_ids | block_mask | shared_prefix (a common prefix runs once)")] = _TRAIN.attention,
     gradient_checkpointing: Annotated[bool, typer.Option(
         "--gradient-checkpointing")] = _TRAIN.gradient_checkpointing,
     grad_sync: Annotated[str, typer.Option(

@@ -71,7 +71,9 @@ class TrainConfig:
     token_budget: int = 4096
     num_minibatches: int = 1
     ppo_epochs: int = 1
-    attention: Literal["position_ids", "block_mask"] = "position_ids"
+    #: how packed sequences are kept apart: position_ids | block_mask | shared_prefix (a common prefix,
+    #: such as a group's prompt, runs once under a prefix-tree mask; packing.py)
+    attention: Literal["position_ids", "block_mask", "shared_prefix"] = "position_ids"
     #: transformers attention kernel: sdpa | eager | flash_attention_2 | flex_attention (checked at start-up)
     attn_implementation: str = "sdpa"
     #: compute dtype. float32, or bfloat16 = mixed precision: float32 master weights and AdamW state,
@@ -91,8 +93,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.lr_schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"lr_schedule must be constant, linear or cosine, not {self.lr_schedule!r}")
-        if self.attention not in ("position_ids", "block_mask"):
-            raise ValueError(f"attention must be position_ids or block_mask, not {self.attention!r}")
+        if self.attention not in ("position_ids", "block_mask", "shared_prefix"):
+            raise ValueError(f"attention must be position_ids, block_mask or shared_prefix, not {self.attention!r}")
         if self.compute_dtype == "float16":
             raise ValueError(
                 "compute_dtype float16 is refused: without loss scaling its gradients underflow; use bfloat16 "

@@ -121,8 +121,8 @@ def check_attention_support(cfg: "TrainConfig") -> None:
     ``attention="position_ids"`` relies on transformers detecting the position-id restarts: for
     sdpa/eager/flex that is ``masking_utils.find_packed_sequence_indices`` (transformers >= 4.56),
     which transformers only uses with torch >= 2.6; flash_attention_2 turns the restarts into varlen
-    boundaries itself. ``attention="block_mask"`` passes an explicit 4-D mask, which
-    flash_attention_2 cannot take.
+    boundaries itself. ``attention="block_mask"`` and ``"shared_prefix"`` pass an explicit 4-D
+    mask, which flash_attention_2 cannot take.
     """
     import transformers
     from packaging.version import Version
@@ -130,9 +130,9 @@ def check_attention_support(cfg: "TrainConfig") -> None:
     impl = cfg.attn_implementation
     if impl not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, not {impl!r}")
-    if cfg.attention == "block_mask":
+    if cfg.attention in ("block_mask", "shared_prefix"):
         if impl == "flash_attention_2":
-            raise ValueError("attention=block_mask needs a kernel that takes a 4-D mask (sdpa or eager), not flash_attention_2")
+            raise ValueError(f"attention={cfg.attention} needs a kernel that takes a 4-D mask (sdpa or eager), not flash_attention_2")
         return
     if impl == "flash_attention_2":
         return
