@@ -15,6 +15,10 @@ normalized requests' messages:
   template's form;
 - ``reasoning_removed`` / ``reasoning_changed``: the sampled reasoning (think text) is missing or
   different in the history;
+- ``template_dropped_reasoning``: exact-history mode prompted the call with the chat template's
+  rendering of an earlier answer whose reasoning the template drops (the proxy's
+  ``history_cause``): the model never saw its sampled reasoning in this context (Qwen3-family and
+  DeepSeek-R1 templates drop earlier ``<think>`` blocks);
 - ``length_turn``: a ``finish_reason=length`` answer (often empty content) came back differently;
 - ``answer_dropped``: the history does not contain the previous answer at all;
 - ``empty_think_generation_prompt``: the previous prompt ended with an empty
@@ -42,6 +46,7 @@ import polars as pl
 
 from polar_core.compaction import compaction_of, side_call_of
 from polar_analysis.trajectories.common import (
+    TEMPLATE_DROPPED_REASONING,
     Call,
     TemplateInfo,
     by_session,
@@ -61,6 +66,7 @@ CAUSES = (
     "tool_call_rerendered",
     "reasoning_removed",
     "reasoning_changed",
+    "template_dropped_reasoning",
     "length_turn",
     "answer_dropped",
     "empty_think_generation_prompt",
@@ -85,6 +91,7 @@ ORIGIN = {
     "tool_args_reserialized": "rerendered",
     "tool_call_rerendered": "rerendered",
     "reasoning_removed": "rerendered",
+    "template_dropped_reasoning": "rerendered",
     "length_turn": "rerendered",
     "empty_think_generation_prompt": "rerendered",
     "generation_prompt_changed": "rerendered",
@@ -239,6 +246,12 @@ def classify_pair(prev: Call, nxt: Call, template: TemplateInfo | None = None) -
         return Drift("none", common_prefix=common)
     pm, nm = _messages(prev), _messages(nxt)
     decode = t.decode
+    if nxt.history_cause == TEMPLATE_DROPPED_REASONING:  # the proxy knows: its ids are the template's
+        k = lcp(s, p[a.size :]) if common == a.size else None
+        at = a.size + k if k is not None else common
+        return Drift(TEMPLATE_DROPPED_REASONING, None if k is not None else common, k, common,
+                     _window(decode, expected, at), _window(decode, p, at),
+                     "the chat template drops this answer's reasoning; the proxy prompted with its rendering")
     if common == a.size:  # the prompt is a prefix: the answer came back differently
         k = lcp(s, p[a.size :])
         drift = Drift("other", None, k, common, _window(decode, expected, a.size + k), _window(decode, p, a.size + k))

@@ -53,6 +53,11 @@ TRAJECTORY_SCHEMA: dict[str, pl.DataType] = {
 assert set(TRAJECTORY_COLUMNS) <= set(TRAJECTORY_SCHEMA), "every schema column must have a type"
 
 #: What the next call's prompt did with the previous answer (``merge_kind``), mildest first.
+#: the proxy's ``history_cause`` for a call prompted with the template's rendering of an earlier
+#: answer whose reasoning the template drops (addon/exact_history.py): the trainer must not see
+#: the sampled reasoning in that call's context (prefix_merge splits there; drift names it)
+TEMPLATE_DROPPED_REASONING = "template_dropped_reasoning"
+
 MERGE_KINDS = (
     "exact",  # previous prompt + sampled ids are a prefix of the next prompt
     "retokenized",  # same text / same tool call, different ids (JSON re-serialized, [fish,ing] vs [fishing])

@@ -54,6 +54,7 @@ import polars as pl
 from polar_analysis.trajectories.common import (
     BuildStats,
     MERGE_KINDS,
+    TEMPLATE_DROPPED_REASONING,
     Call,
     Sequence,
     TemplateInfo,
@@ -70,10 +71,6 @@ from polar_analysis.trajectories.common import (
     sequences_frame,
 )
 
-
-#: the proxy's ``history_cause`` for a call prompted with the template's rendering of an earlier
-#: answer whose reasoning the template drops (addon/exact_history.py)
-TEMPLATE_DROPPED_REASONING = "template_dropped_reasoning"
 
 
 @dataclass

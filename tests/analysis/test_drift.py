@@ -54,6 +54,20 @@ def test_reasoning_removed(tmp_path, renderer, template, pi_chat):
     assert causes(rep) == ["new_conversation", "reasoning_removed"]
 
 
+def test_template_dropped_reasoning_is_named_from_the_proxys_record(tmp_path, renderer, template, pi_chat):
+    """Exact-history mode prompted call 1 with the template's rendering of an answer whose reasoning
+    the template drops: the report names the template (the proxy's history_cause), not a guess."""
+    s = session(renderer, pi_chat).user("why?")
+    s.generate(reasoning="The user asks why; answer briefly.", content="Because.")
+    s.user("really?")
+    s.generate(content="Yes.")
+    s.records[1].history_cause = "template_dropped_reasoning"
+    rep = report(tmp_path, s.records, template)
+    assert causes(rep) == ["new_conversation", "template_dropped_reasoning"]
+    row = rep.filter(cause="template_dropped_reasoning").row(0, named=True)
+    assert row["origin"] == "rerendered" and not row["exact"] and "template drops" in row["detail"]
+
+
 def test_qwen3_empty_think(tmp_path, tiny_qwen_dir, pi_chat):
     r3 = ChatTemplateRenderer(tiny_qwen_dir, chat_template=QWEN3_STYLE_TEMPLATE)
     s = SyntheticSession(r3, "q3", system="sys", tools=pi_chat["tools"], chat_template_kwargs={"enable_thinking": False}).user("hi")
