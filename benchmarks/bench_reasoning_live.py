@@ -92,9 +92,9 @@ def main() -> None:
                "--timeout", "240", "--capture-dir", str(cap)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
         row = {"rc": proc.returncode, "seconds": round(time.monotonic() - t0, 1), **summarize(cap)}
-        if proc.returncode:
+        if proc.returncode:  # e.g. no sample passed (random weights): the captures are still read
             row["output_tail"] = (proc.stdout + proc.stderr)[-800:]
-        else:
+        if row["calls"]:
             row["trajectories"] = trajectories(cap)
         results[h] = row
         print(h, json.dumps(row), flush=True)
