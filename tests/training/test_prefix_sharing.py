@@ -15,6 +15,8 @@ from polar_training.packing import build_microbatches, sequences_from_frame
 from polar_training.policy import policy_logprobs
 from polar_training.prefix_sharing import group_by_prefix
 
+from .test_packing import _logprobs_by_sequence
+
 SMALL_VOCAB = 2048  # conftest.small_qwen
 
 
@@ -49,16 +51,6 @@ def shared_prompt_frame(groups: int = 2, samples: int = 4, seed: int = 0) -> pl.
 
 def _sequences(seed: int = 0, groups: int = 2, samples: int = 4):
     return sequences_from_frame(compute_advantages(shared_prompt_frame(groups, samples, seed), AdvantageConfig()))
-
-
-def _logprobs_by_sequence(model, mbs):
-    out: dict[int, torch.Tensor] = {}
-    with torch.no_grad():
-        for mb in mbs:
-            lp, _ = policy_logprobs(model, mb)
-            for k in mb.seq_index.unique().tolist():
-                out[k] = lp[mb.seq_index == k]
-    return out
 
 
 def test_units_share_the_common_prefix_and_respect_the_budget():
