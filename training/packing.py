@@ -1,7 +1,7 @@
 """Sequence packing: trajectory rows -> token-budget micro-batches with no cross-sequence attention.
 
 Each micro-batch is one packed row ``[1, L]`` (``L <= token_budget``) of whole sequences placed by
-first-fit-decreasing. Sequences are kept apart in attention in one of two ways:
+first-fit-decreasing. Sequences are kept apart in attention in one of three ways:
 
 * ``attention="position_ids"`` (default): position ids restart at 0 at every sequence start and no
   attention mask is passed. transformers 4.57 detects the restarts (``find_packed_sequence_indices``
