@@ -43,6 +43,9 @@ def summarize(capture_dir: Path) -> dict:
         "answered": sum(bool((r.get("output_text") or "").strip() or (r.get("output_reasoning") or "").strip()
                              or r.get("output_tool_calls")) for r in recs),
         "with_reasoning": sum(bool((r.get("output_reasoning") or "").strip()) for r in recs),
+        "with_tool_calls": sum(bool(r.get("output_tool_calls")) for r in recs),
+        "tool_results_resent": sum(any(m.get("role") == "tool" for m in (r.get("normalized_request") or {}).get("messages") or [])
+                                   for r in recs),
         "sampled_ids": sum(len(r.get("sampled_token_ids") or []) for r in recs),
         "history": dict(history),
         "causes": dict(causes),
@@ -51,7 +54,7 @@ def summarize(capture_dir: Path) -> dict:
     }
 
 
-def trajectories(capture_dir: Path) -> dict:
+def trajectories(capture_dir: Path, model: str) -> dict:
     """The captures rebuilt as ``polar demo`` builds them (rows, merge stats, drift causes) and the
     trainer-vs-vLLM gap on every sampled token (``mismatch_kl``: mean of vLLM's logprob minus the
     float32 trainer's), with bench_exact_onoff's routines; tiny-r1 is small, so this is cheap."""
@@ -60,7 +63,7 @@ def trajectories(capture_dir: Path) -> dict:
 
     from polar_runtime import models
 
-    model_dir = models.ensure_model(models.TINY_R1)
+    model_dir = models.ensure_model(model) if model in models.SPECS else Path(model).resolve()
     df, stats, causes = build(capture_dir, model_dir, strict=False)
     out = {"rows": df.height, "exact_merge_rate": stats.get("exact_merge_rate"), "drift_causes": causes}
     if df.height:
@@ -72,32 +75,39 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--harness", nargs="+", default=["pi-anthropic", "codex"])
     ap.add_argument("--timeout", type=float, default=420)
+    ap.add_argument("--model", default="tiny-r1",
+                    help="tiny-r1, or a model directory such as tune_tiny_r1_tools.py's output (then the "
+                         "results are keyed '<harness>@<dir name>' and captured under runs/reasoning-live/<dir name>/)")
+    ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--summarize-only", action="store_true",
                     help="recompute the figures from the captures already under runs/reasoning-live (light)")
     args = ap.parse_args()
     results = json.loads(OUT.read_text()) if OUT.exists() else {}
     for h in args.harness:
-        cap = ROOT / "runs" / "reasoning-live" / h  # captures stay out of git; a rerun starts afresh
+        tuned = args.model != "tiny-r1"
+        key = f"{h}@{Path(args.model).name}" if tuned else h
+        # captures stay out of git; a rerun starts afresh
+        cap = ROOT / "runs" / "reasoning-live" / (f"{Path(args.model).name}/{h}" if tuned else h)
         if args.summarize_only:
-            row = {k: v for k, v in results.get(h, {}).items() if k in ("rc", "seconds", "output_tail")}
-            row.update(summarize(cap), trajectories=trajectories(cap))
-            results[h] = row
+            row = {k: v for k, v in results.get(key, {}).items() if k in ("rc", "seconds", "output_tail")}
+            row.update(summarize(cap), trajectories=trajectories(cap, args.model))
+            results[key] = row
             print(h, json.dumps(row), flush=True)
             OUT.write_text(json.dumps(results, indent=2))
             continue
         shutil.rmtree(cap, ignore_errors=True)
         t0 = time.monotonic()
-        cmd = [str(ROOT / ".venv" / "bin" / "polar"), "rollout", "--model", "tiny-r1", "--harness", h,
-               "--tasks", "followups", "--samples", "1", "--limit", "1", "--exact-history", "--max-tokens", "48",
+        cmd = [str(ROOT / ".venv" / "bin" / "polar"), "rollout", "--model", args.model, "--harness", h,
+               "--tasks", "followups", "--samples", "1", "--limit", "1", "--exact-history", "--max-tokens", str(args.max_tokens),
                "--timeout", "240", "--capture-dir", str(cap)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
         row = {"rc": proc.returncode, "seconds": round(time.monotonic() - t0, 1), **summarize(cap)}
         if proc.returncode:  # e.g. no sample passed (random weights): the captures are still read
             row["output_tail"] = (proc.stdout + proc.stderr)[-800:]
         if row["calls"]:
-            row["trajectories"] = trajectories(cap)
-        results[h] = row
-        print(h, json.dumps(row), flush=True)
+            row["trajectories"] = trajectories(cap, args.model)
+        results[key] = row
+        print(key, json.dumps(row), flush=True)
         OUT.parent.mkdir(parents=True, exist_ok=True)
         OUT.write_text(json.dumps(results, indent=2))
 

@@ -1,0 +1,57 @@
+"""benchmarks/tune_tiny_r1_tools.py's examples: which tool it calls, and which answer each context is
+taught (the fine-tuning itself is the benchmark's, minutes of CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from polar_runtime import models
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tune():
+    spec = importlib.util.spec_from_file_location("tune_tiny_r1_tools", REPO / "benchmarks" / "tune_tiny_r1_tools.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tool(name: str, key: str, kind: str = "string") -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {key: {"type": kind}}}}}
+
+
+def test_the_shell_tool_and_its_argument_follow_the_request(tune):
+    assert tune.shell_tool([_tool("read", "path"), _tool("bash", "command")]) == ("bash", {"command": "ls"})
+    assert tune.shell_tool([_tool("exec_command", "cmd")]) == ("exec_command", {"cmd": "ls"})
+    assert tune.shell_tool([_tool("shell", "command", "array")]) == ("shell", {"command": ["bash", "-lc", "ls"]})
+    with pytest.raises(SystemExit, match="no shell tool"):
+        tune.shell_tool([_tool("read", "path")])
+
+
+def test_user_last_contexts_get_the_tool_call_and_tool_results_the_answer(tune):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(models.ensure_model(models.TINY_R1)))
+    messages = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "make notes.txt"}]
+    tools = [_tool("bash", "command")]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    record = {"status": "ok", "prompt_token_ids": prompt, "normalized_request": {"messages": messages, "tools": tools}}
+    pairs, built = tune.examples([record], tok, max_calls=3, outputs=2)
+    assert built["tool"] == "bash" and built["rendered_equal"] == 1 and built["examples"] == len(pairs) == 5
+    text = [(tok.decode(c), tok.decode(a)) for c, a in pairs]
+    assert text[0][0] == tok.decode(prompt)
+    for ctx, answer in text:
+        assert answer.startswith("<think>") and answer.endswith(tok.eos_token)
+        if ctx.endswith("<｜tool▁outputs▁end｜>"):  # the template adds no generation prompt after a tool result
+            assert answer.endswith("Done." + tok.eos_token), ctx[-80:]
+        else:
+            assert ctx.endswith("<｜Assistant｜>")
+            assert '{"name": "bash", "arguments": {"command": "ls"}}' in answer, ctx[-80:]
+    assert sum("Done." in a for _, a in text) == 2  # one answer per tool output taught
