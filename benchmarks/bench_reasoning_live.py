@@ -92,7 +92,7 @@ def main() -> None:
             row = {k: v for k, v in results.get(key, {}).items() if k in ("rc", "seconds", "output_tail")}
             row.update(summarize(cap), trajectories=trajectories(cap, args.model))
             results[key] = row
-            print(h, json.dumps(row), flush=True)
+            print(key, json.dumps(row), flush=True)
             OUT.write_text(json.dumps(results, indent=2))
             continue
         shutil.rmtree(cap, ignore_errors=True)

@@ -100,6 +100,25 @@ def examples(records: list[dict[str, Any]], tok: Any, max_calls: int, outputs: i
                    "examples": len(pairs)}
 
 
+def augment(pairs: list[tuple[list[int], list[int]]], copies: int, vocab: int, seed: int = 0,
+            keep_tail: int = 64, fraction: float = 0.1) -> list[tuple[list[int], list[int]]]:
+    """The pairs plus ``copies`` noisy copies of each: a ``fraction`` of the context ids before its
+    last ``keep_tail`` replaced by random ids. A harness's live prompt differs from the captured one
+    (date, paths, ids): on Codex's 4k-id prompt a model taught one exact prompt wrote the wrong answer
+    after its reasoning in 2 of 3 live calls; the noise teaches it to decide on the turn's end."""
+    import random
+
+    rng = random.Random(seed)
+    out = list(pairs)
+    for _ in range(copies):
+        for ctx, ans in pairs:
+            noisy = list(ctx)
+            for i in rng.sample(range(max(0, len(ctx) - keep_tail)), int(fraction * max(0, len(ctx) - keep_tail))):
+                noisy[i] = rng.randrange(vocab)
+            out.append((noisy, ans))
+    return out
+
+
 def train(model: Any, pairs: list[tuple[list[int], list[int]]], max_steps: int, lr: float, target: float) -> dict[str, Any]:
     """AdamW on everything but the input embeddings (their dense gradient over 151k rows was most
     of a step), all pairs in one right-padded batch."""
@@ -148,12 +167,15 @@ def main() -> None:
                          "sample of Pi's run switch answers mid-way in 2 of 4 calls)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--calls", type=int, default=3, help="captured calls used (a long prompt costs a lot per step)")
+    ap.add_argument("--augment", type=int, default=0, help="noisy copies of each context (see augment())")
     ap.add_argument("--outputs", type=int, default=len(TOOL_OUTPUTS), help="tool outputs taught per call")
     args = ap.parse_args()
     base = models.ensure_model(models.TINY_R1)
     tok = AutoTokenizer.from_pretrained(base)
     records = [r for f in sorted((args.captures / "sessions").glob("*.jsonl")) for r in read_capture_lines(f)]
     pairs, built = examples(records, tok, args.calls, args.outputs)
+    pairs = augment(pairs, args.augment, vocab=len(tok))
+    built["augment"], built["examples"] = args.augment, len(pairs)
     print(json.dumps(built), flush=True)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM.from_pretrained(base, dtype=torch.float32)

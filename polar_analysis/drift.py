@@ -19,6 +19,10 @@ normalized requests' messages:
   rendering of an earlier answer whose reasoning the template drops (the proxy's
   ``history_cause``): the model never saw its sampled reasoning in this context (Qwen3-family and
   DeepSeek-R1 templates drop earlier ``<think>`` blocks);
+- ``template_not_prefix``: exact-history mode prompted the call with the template's rendering of
+  the whole history, because the template no longer renders the earlier prompt as a prefix (the
+  proxy's ``history_cause``; DeepSeek-R1's tool markup is plain text, so the end of a tool result
+  re-tokenizes with the answer after it);
 - ``length_turn``: a ``finish_reason=length`` answer (often empty content) came back differently;
 - ``answer_dropped``: the history does not contain the previous answer at all;
 - ``empty_think_generation_prompt``: the previous prompt ended with an empty
@@ -47,6 +51,7 @@ import polars as pl
 from polar_core.compaction import compaction_of, side_call_of
 from polar_analysis.trajectories.common import (
     TEMPLATE_DROPPED_REASONING,
+    TEMPLATE_RERENDERED,
     Call,
     TemplateInfo,
     by_session,
@@ -67,6 +72,7 @@ CAUSES = (
     "reasoning_removed",
     "reasoning_changed",
     "template_dropped_reasoning",
+    "template_not_prefix",
     "length_turn",
     "answer_dropped",
     "empty_think_generation_prompt",
@@ -92,6 +98,7 @@ ORIGIN = {
     "tool_call_rerendered": "rerendered",
     "reasoning_removed": "rerendered",
     "template_dropped_reasoning": "rerendered",
+    "template_not_prefix": "rerendered",
     "length_turn": "rerendered",
     "empty_think_generation_prompt": "rerendered",
     "generation_prompt_changed": "rerendered",
@@ -246,12 +253,14 @@ def classify_pair(prev: Call, nxt: Call, template: TemplateInfo | None = None) -
         return Drift("none", common_prefix=common)
     pm, nm = _messages(prev), _messages(nxt)
     decode = t.decode
-    if nxt.history_cause == TEMPLATE_DROPPED_REASONING:  # the proxy knows: its ids are the template's
+    if nxt.history_cause in TEMPLATE_RERENDERED:  # the proxy knows: its ids are the template's
         k = lcp(s, p[a.size :]) if common == a.size else None
         at = a.size + k if k is not None else common
-        return Drift(TEMPLATE_DROPPED_REASONING, None if k is not None else common, k, common,
-                     _window(decode, expected, at), _window(decode, p, at),
-                     "the chat template drops this answer's reasoning; the proxy prompted with its rendering")
+        why = ("the chat template drops this answer's reasoning; the proxy prompted with its rendering"
+               if nxt.history_cause == TEMPLATE_DROPPED_REASONING else
+               "the template no longer renders the earlier prompt as a prefix; the proxy prompted with its rendering")
+        return Drift(nxt.history_cause, None if k is not None else common, k, common,
+                     _window(decode, expected, at), _window(decode, p, at), why)
     if common == a.size:  # the prompt is a prefix: the answer came back differently
         k = lcp(s, p[a.size :])
         drift = Drift("other", None, k, common, _window(decode, expected, a.size + k), _window(decode, p, a.size + k))

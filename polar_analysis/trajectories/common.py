@@ -57,6 +57,14 @@ assert set(TRAJECTORY_COLUMNS) <= set(TRAJECTORY_SCHEMA), "every schema column m
 #: answer whose reasoning the template drops (addon/exact_history.py): the trainer must not see
 #: the sampled reasoning in that call's context (prefix_merge splits there; drift names it)
 TEMPLATE_DROPPED_REASONING = "template_dropped_reasoning"
+#: the proxy's ``history_cause`` for a call prompted with the template's rendering of the whole
+#: history because the template no longer renders the earlier prompt as a prefix (addon/ledger.py;
+#: DeepSeek-R1's tool markup is plain text, so ``<｜tool▁outputs▁end｜>`` re-tokenizes with the
+#: answer after it)
+TEMPLATE_NOT_PREFIX = "template_not_prefix"
+#: proxy causes saying the call's context is the template's rendering, not the sampled ids: a
+#: non-exact merge would put ids in its context that the model never saw (prefix_merge splits)
+TEMPLATE_RERENDERED = (TEMPLATE_DROPPED_REASONING, TEMPLATE_NOT_PREFIX)
 
 MERGE_KINDS = (
     "exact",  # previous prompt + sampled ids are a prefix of the next prompt

@@ -54,7 +54,7 @@ import polars as pl
 from polar_analysis.trajectories.common import (
     BuildStats,
     MERGE_KINDS,
-    TEMPLATE_DROPPED_REASONING,
+    TEMPLATE_RERENDERED,
     Call,
     Sequence,
     TemplateInfo,
@@ -210,10 +210,11 @@ class SessionMerger:
         self._clock += 1
         merge, near = self.find(call)
         same_dist = merge is not None and merge.seq.calls[-1].trainer_sampling[:3] == call.trainer_sampling[:3]
-        # the proxy prompted this call with the template's rendering of an answer whose reasoning
-        # the template drops: the earlier sampled ids are not in its context, so it is not merged
-        # after them (on tiny-r1 a merge put 48 unseen reasoning ids before it: gap 4.2e-2 nats, 2.9e-6 split)
-        dropped = merge is not None and merge.kind != "exact" and call.history_cause == TEMPLATE_DROPPED_REASONING
+        # the proxy prompted this call with the template's rendering of an answer (its reasoning
+        # dropped, or the old prompt no longer a prefix): the earlier sampled ids are not in its
+        # context, so it is not merged after them (tiny-r1: a merge put 48 unseen reasoning ids
+        # before it, gap 4.2e-2 nats, 2.9e-6 split; with tool calls, mismatch_kl 4.1e-2 merged)
+        dropped = merge is not None and merge.kind != "exact" and call.history_cause in TEMPLATE_RERENDERED
         if merge is not None and same_dist and (not self.strict or merge.kind == "exact") and not dropped:
             merge.seq.extend(call, call.prompt[merge.tail_start :], merge.kind)
             self._touched[merge.index] = self._clock
@@ -226,7 +227,7 @@ class SessionMerger:
             # per sequence, so this call starts a new segment of the chain it continues
             chain, reason = merge.seq.chain_index, "sampling_changed"
         elif merge is not None and dropped:
-            chain, reason = merge.seq.chain_index, TEMPLATE_DROPPED_REASONING
+            chain, reason = merge.seq.chain_index, call.history_cause
         elif merge is not None:  # strict mode: a merge that was not exact
             chain, reason = merge.seq.chain_index, f"strict:{merge.kind}"
         elif near is not None and near.calls[-1].prompt.size == call.prompt.size:

@@ -66,6 +66,12 @@ def test_template_dropped_reasoning_is_named_from_the_proxys_record(tmp_path, re
     assert causes(rep) == ["new_conversation", "template_dropped_reasoning"]
     row = rep.filter(cause="template_dropped_reasoning").row(0, named=True)
     assert row["origin"] == "rerendered" and not row["exact"] and "template drops" in row["detail"]
+    # the proxy re-rendered the whole history (the template's old prompt was no longer a prefix)
+    s.records[1].history_cause = "template_not_prefix"
+    rep = report(tmp_path / "not-prefix", s.records, template)
+    assert causes(rep) == ["new_conversation", "template_not_prefix"]
+    row = rep.filter(cause="template_not_prefix").row(0, named=True)
+    assert row["origin"] == "rerendered" and "no longer renders" in row["detail"]
 
 
 def test_qwen3_empty_think(tmp_path, tiny_qwen_dir, pi_chat):

@@ -259,6 +259,16 @@ def test_length_turn_with_empty_content_keeps_its_ids(tmp_path, renderer, templa
     check(dropped, dstats, s.records)
     assert dropped.height == 2 and dstats.break_reasons == {"template_dropped_reasoning": 1}
     assert dropped["chain_index"].to_list() == [0, 0] and dropped["segment_index"].to_list() == [0, 1]
+    # the same when the proxy re-rendered the whole history because the template's rendering of the
+    # old prompt was no longer a prefix (DeepSeek-R1's text tool markup re-tokenized)
+    s.records[1].history_cause = "template_not_prefix"
+    rer, rstats = prefix_merge.build(capture(tmp_path / "template-not-prefix", s.records), template=template)
+    check(rer, rstats, s.records)
+    assert rer.height == 2 and rstats.break_reasons == {"template_not_prefix": 1}
+    # a cause from the harness (it edited the answer) keeps the default builder's merge
+    s.records[1].history_cause = "answer_changed"
+    kept, _ = prefix_merge.build(capture(tmp_path / "answer-changed", s.records), template=template)
+    assert kept.height == 1 and kept["merge_kind"].to_list() == [["content_changed"]]
     # a harness that drops the empty turn: a break, the ids are kept in their own sequence
     s2 = pi_session(renderer, pi_chat, "len2").user("Think hard about primes.")
     cut2 = s2.generate(reasoning="Let me enumerate primes: 2, 3, 5, 7, 11", max_tokens=8, echo=False)
