@@ -79,6 +79,7 @@ def main() -> None:
                     help="tiny-r1, or a model directory such as tune_tiny_r1_tools.py's output (then the "
                          "results are keyed '<harness>@<dir name>' and captured under runs/reasoning-live/<dir name>/)")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=None, help="the sampling temperature (default: polar rollout's)")
     ap.add_argument("--summarize-only", action="store_true",
                     help="recompute the figures from the captures already under runs/reasoning-live (light)")
     args = ap.parse_args()
@@ -100,6 +101,8 @@ def main() -> None:
         cmd = [str(ROOT / ".venv" / "bin" / "polar"), "rollout", "--model", args.model, "--harness", h,
                "--tasks", "followups", "--samples", "1", "--limit", "1", "--exact-history", "--max-tokens", str(args.max_tokens),
                "--timeout", "240", "--capture-dir", str(cap)]
+        if args.temperature is not None:
+            cmd += ["--temperature", str(args.temperature)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
         row = {"rc": proc.returncode, "seconds": round(time.monotonic() - t0, 1), **summarize(cap)}
         if proc.returncode:  # e.g. no sample passed (random weights): the captures are still read
