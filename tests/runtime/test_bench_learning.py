@@ -3,24 +3,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
 from polar_analysis import passk
-
-REPO = Path(__file__).resolve().parents[2]
+from polar_testing.benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bl():
-    spec = importlib.util.spec_from_file_location("bench_learning", REPO / "benchmarks" / "bench_learning.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_learning")
 
 
 def _row(task: str, step: int, k: int, status: str = "ok", reward: float | None = 1.0, wall: float = 10.0) -> dict:

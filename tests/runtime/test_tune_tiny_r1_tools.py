@@ -3,22 +3,15 @@ taught (the fine-tuning itself is the benchmark's, minutes of CPU)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from polar_runtime import models
-
-REPO = Path(__file__).resolve().parents[2]
+from polar_testing.benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def tune():
-    spec = importlib.util.spec_from_file_location("tune_tiny_r1_tools", REPO / "benchmarks" / "tune_tiny_r1_tools.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("tune_tiny_r1_tools")
 
 
 def _tool(name: str, key: str, kind: str = "string") -> dict:
