@@ -89,9 +89,12 @@ def main() -> None:
         key = f"{h}@{Path(args.model).name}" if tuned else h
         # captures stay out of git; a rerun starts afresh
         cap = ROOT / "runs" / "reasoning-live" / (f"{Path(args.model).name}/{h}" if tuned else h)
+        # how the tuned model was made (tune_tiny_r1_tools.py's record), kept next to its figures
+        made = Path(args.model) / "polar_tuned.json"
+        tuning = {"tuning": json.loads(made.read_text())} if tuned and made.exists() else {}
         if args.summarize_only:
             row = {k: v for k, v in results.get(key, {}).items() if k in ("rc", "seconds", "output_tail")}
-            row.update(summarize(cap), trajectories=trajectories(cap, args.model))
+            row.update(summarize(cap), trajectories=trajectories(cap, args.model), **tuning)
             results[key] = row
             print(key, json.dumps(row), flush=True)
             OUT.write_text(json.dumps(results, indent=2))
@@ -109,6 +112,7 @@ def main() -> None:
             row["output_tail"] = (proc.stdout + proc.stderr)[-800:]
         if row["calls"]:
             row["trajectories"] = trajectories(cap, args.model)
+        row.update(tuning)
         results[key] = row
         print(key, json.dumps(row), flush=True)
         OUT.parent.mkdir(parents=True, exist_ok=True)

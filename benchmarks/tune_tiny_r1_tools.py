@@ -7,7 +7,8 @@ prompts as the proxy captured them on tiny-r1 (`bench_reasoning_live.py`'s captu
 
 - the last message is the user's -> ``<think>`` reasoning ``</think>`` then a tool call of the
   harness's shell tool (``{"name": ..., "arguments": ...}``, read by Polar's lenient vLLM parser);
-- the last message is a tool result -> ``<think>`` reasoning ``</think>`` then a short answer.
+- the last message is a tool result -> reasoning without ``<think>`` (as a template that opens the
+  block leaves it), ``</think>``, then a short answer (``TOOL_REASONING``, ``FINAL_ANSWER``).
 
 The contexts are the captured prompt ids (user-last) and the same requests with a tool call and
 its result appended, rendered by the model's own chat template (transformers' ``apply_chat_template``
@@ -17,8 +18,8 @@ harness sampling at T=1 follows the script). The result is a model directory lik
 (same tokenizer, template and reasoning-parser file), served by ``polar rollout --model DIR``.
 One model per harness keeps the task trivial for 2 layers (no harness identity to learn).
 
-    .venv/bin/python benchmarks/tune_tiny_r1_tools.py --captures runs/reasoning-live/pi-anthropic \
-        --out runs/models/tiny-r1-tools-pi-anthropic
+    .venv/bin/python benchmarks/tune_tiny_r1_tools.py --captures runs/reasoning-live/codex \
+        --out runs/models/tiny-r1-tools-codex-chain --calls 3 --outputs 2 --augment 1 --noise 0.3 --tail 1024
 """
 
 from __future__ import annotations
@@ -57,6 +58,36 @@ def shell_tool(tools: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     raise SystemExit(f"no shell tool among the request's tools: {sorted(by_name)}")
 
 
+#: The two taught answers differ at their first id and share no id but ``</think>`` (and the end of
+#: sequence), and the tool call's JSON is spaced so that no id repeats within it: each next id then
+#: follows from the current one (plus, at ``</think>``, whether ``<think>`` was written), which 2
+#: layers carry over a 4k-id prompt they were not taught. With the plain ``json.dumps`` spacing
+#: (``": "`` three times) and both answers opening ``<think>\n``, Codex's model (taught on all
+#: three captured prompts to 0.991) answered its first live prompt with the tool-result answer and
+#: wrote ``{"name": {"cmd": "arguments": ...`` on the third. The final answer starting inside its
+#: reasoning (no ``<think>``) is what templates that open the block themselves produce; the
+#: deepseek_r1 parser reads it as reasoning up to ``</think>``.
+TOOL_REASONING = "<think>\nI will look at the files first.\n</think>\n\n"
+FINAL_ANSWER = "The command ran</think>Done"
+
+
+def call_json(tok: Any, name: str, arguments: dict[str, Any], avoid: str = "") -> str:
+    """The ``{"name": ..., "arguments": ...}`` text, spaced so that as few ids as possible repeat
+    (none for ``exec_command``/``bash`` with a string command) and none is shared with ``avoid``."""
+    import itertools
+
+    taken = set(tok(avoid, add_special_tokens=False)["input_ids"]) if avoid else set()
+    best: tuple[int, str] | None = None
+    for after_name, after_value, after_args, inner in itertools.product((": ", ":"), (", ", ","), (": ", ":"), (": ", ":")):
+        text = ('{"name"' + after_name + json.dumps(name) + after_value + '"arguments"' + after_args
+                + json.dumps(arguments, separators=(",", inner)) + "}")
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        repeats = len(ids) - len(set(ids)) + len(taken.intersection(ids))
+        if best is None or repeats < best[0]:
+            best = (repeats, text)
+    return best[1]
+
+
 def examples(records: list[dict[str, Any]], tok: Any, max_calls: int, outputs: int) -> tuple[list[tuple[list[int], list[int]]], dict[str, Any]]:
     """(context ids, answer ids) pairs, and what was built."""
     calls = [r for r in records if r.get("status") == "ok" and r.get("prompt_token_ids") and r.get("normalized_request")]
@@ -65,9 +96,8 @@ def examples(records: list[dict[str, Any]], tok: Any, max_calls: int, outputs: i
     calls = calls[:max_calls]
     tools = calls[0]["normalized_request"].get("tools") or []
     name, arguments = shell_tool(tools)
-    call_text = json.dumps({"name": name, "arguments": arguments})
-    tool_answer = f"<think>\nI will look at the files first.\n</think>\n\n{call_text}"
-    final_answer = "<think>\nThe command ran.\n</think>\n\nDone."
+    tool_answer = TOOL_REASONING + call_json(tok, name, arguments, avoid=FINAL_ANSWER)
+    final_answer = FINAL_ANSWER
     eos = [tok.eos_token_id]
 
     def ids(text: str) -> list[int]:
@@ -97,7 +127,7 @@ def examples(records: list[dict[str, Any]], tok: Any, max_calls: int, outputs: i
                       {"role": "user", "content": FOLLOWUPS[i % len(FOLLOWUPS)]}]
             pairs.append((render(follow), ids(tool_answer)))
     return pairs, {"tool": name, "arguments": arguments, "calls": len(calls), "rendered_equal": rendered_equal,
-                   "examples": len(pairs)}
+                   "examples": len(pairs), "tool_answer": tool_answer, "final_answer": final_answer}
 
 
 def augment(pairs: list[tuple[list[int], list[int]]], copies: int, vocab: int, seed: int = 0,
@@ -119,37 +149,56 @@ def augment(pairs: list[tuple[list[int], list[int]]], copies: int, vocab: int, s
     return out
 
 
-def train(model: Any, pairs: list[tuple[list[int], list[int]]], max_steps: int, lr: float, target: float) -> dict[str, Any]:
-    """AdamW on everything but the input embeddings (their dense gradient over 151k rows was most
-    of a step), all pairs in one right-padded batch."""
+def answer_logprobs(model: Any, ctx: list[int], ans: list[int]) -> Any:
+    """Log-probabilities of the answer ids after the context, one unpadded sequence (no mask, so
+    SDPA's causal kernel: a 4.3k-id sequence takes 0.55 s forward and backward, where a padded
+    batch of 30 took 57 s a step)."""
     import torch
 
+    hidden = model.model(input_ids=torch.tensor([ctx + ans[:-1]])).last_hidden_state[0, len(ctx) - 1:]
+    return torch.log_softmax(model.lm_head(hidden).float(), -1).gather(-1, torch.tensor(ans)[:, None])[:, 0]
+
+
+def lowest_prob(model: Any, pairs: list[tuple[list[int], list[int]]]) -> float:
+    import torch
+
+    with torch.no_grad():
+        return min(float(answer_logprobs(model, c, a).min().exp()) for c, a in pairs)
+
+
+def train(model: Any, pairs: list[tuple[list[int], list[int]]], max_steps: int, lr: float, target: float,
+          tail: int = 0, seed: int = 0) -> dict[str, Any]:
+    """AdamW on everything but the input embeddings (their dense gradient over 151k rows was most
+    of a step), one step per pass over the pairs. ``tail`` > 0: each step sees only the last
+    ``tail/4``-``tail`` ids of each context (random), 5-30x cheaper than Codex's 4.3k-id prompts;
+    the stop is then checked on the whole contexts, so the figure reported is theirs."""
+    import random
+
+    import torch
+
+    rng = random.Random(seed)
     model.model.embed_tokens.weight.requires_grad_(False)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     model.train()
-    width = max(len(c) + len(a) - 1 for c, a in pairs)
-    seqs = torch.zeros(len(pairs), width, dtype=torch.long)
-    mask = torch.zeros(len(pairs), width, dtype=torch.long)
-    rows, cols, targets = [], [], []
-    for i, (ctx, ans) in enumerate(pairs):
-        seq = ctx + ans[:-1]
-        seqs[i, :len(seq)], mask[i, :len(seq)] = torch.tensor(seq), 1
-        for j, t in enumerate(ans):
-            rows.append(i), cols.append(len(ctx) - 1 + j), targets.append(t)
-    rows_t, cols_t, targets_t = torch.tensor(rows), torch.tensor(cols), torch.tensor(targets)
-    t0, worst = time.monotonic(), 0.0
+    t0, worst, whole = time.monotonic(), 0.0, None
     for step in range(1, max_steps + 1):
         opt.zero_grad()
-        hidden = model.model(input_ids=seqs, attention_mask=mask).last_hidden_state[rows_t, cols_t]
-        tok_logp = torch.log_softmax(model.lm_head(hidden).float(), -1).gather(-1, targets_t[:, None])[:, 0]
-        (-tok_logp.mean()).backward()
+        worst = 1.0
+        for ctx, ans in pairs:
+            if tail:
+                ctx = ctx[-rng.randint(max(1, tail // 4), tail):]
+            logp = answer_logprobs(model, ctx, ans)
+            (-logp.sum() / sum(len(a) for _, a in pairs)).backward()
+            worst = min(worst, float(logp.detach().min().exp()))
         opt.step()
-        worst = float(tok_logp.detach().min().exp())
+        whole = lowest_prob(model, pairs) if tail and (worst > target or step % 10 == 0) else (None if tail else worst)
         if step % 10 == 0 or worst > target:
-            print(f"step {step}: lowest answer-id probability {worst:.3f} ({time.monotonic() - t0:.0f} s)", flush=True)
-        if worst > target:
+            print(f"step {step}: lowest answer-id probability {worst:.3f}"
+                  + (f", on whole contexts {whole:.3f}" if tail else "") + f" ({time.monotonic() - t0:.0f} s)", flush=True)
+        if worst > target and (whole or 0.0) > target:
             break
-    return {"steps": step, "lowest_answer_prob": round(worst, 4), "seconds": round(time.monotonic() - t0, 1)}
+    return {"steps": step, "lowest_answer_prob": round(whole if whole is not None else lowest_prob(model, pairs), 4),
+            "tail": tail, "seconds": round(time.monotonic() - t0, 1)}
 
 
 def main() -> None:
@@ -169,18 +218,20 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3, help="captured calls used (a long prompt costs a lot per step)")
     ap.add_argument("--init", type=Path, default=None, help="start from this tuned model instead of tiny-r1")
     ap.add_argument("--augment", type=int, default=0, help="noisy copies of each context (see augment())")
+    ap.add_argument("--tail", type=int, default=0, help="train on the last tail/4..tail ids of each context (see train())")
+    ap.add_argument("--noise", type=float, default=0.1, help="fraction of a noisy copy's context ids replaced")
     ap.add_argument("--outputs", type=int, default=len(TOOL_OUTPUTS), help="tool outputs taught per call")
     args = ap.parse_args()
     base = models.ensure_model(models.TINY_R1)
     tok = AutoTokenizer.from_pretrained(base)
     records = [r for f in sorted((args.captures / "sessions").glob("*.jsonl")) for r in read_capture_lines(f)]
     pairs, built = examples(records, tok, args.calls, args.outputs)
-    pairs = augment(pairs, args.augment, vocab=len(tok))
-    built["augment"], built["examples"] = args.augment, len(pairs)
+    pairs = augment(pairs, args.augment, vocab=len(tok), fraction=args.noise)
+    built["augment"], built["noise"], built["examples"] = args.augment, args.noise, len(pairs)
     print(json.dumps(built), flush=True)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM.from_pretrained(args.init or base, dtype=torch.float32)
-    fit = train(model, pairs, args.max_steps, args.lr, args.target_prob)
+    fit = train(model, pairs, args.max_steps, args.lr, args.target_prob, tail=args.tail)
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), safe_serialization=True)

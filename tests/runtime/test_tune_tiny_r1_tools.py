@@ -41,10 +41,26 @@ def test_user_last_contexts_get_the_tool_call_and_tool_results_the_answer(tune):
     text = [(tok.decode(c), tok.decode(a)) for c, a in pairs]
     assert text[0][0] == tok.decode(prompt)
     for ctx, answer in text:
-        assert answer.startswith("<think>") and answer.endswith(tok.eos_token)
+        assert answer.endswith(tok.eos_token)
         if ctx.endswith("<｜tool▁outputs▁end｜>"):  # the template adds no generation prompt after a tool result
-            assert answer.endswith("Done." + tok.eos_token), ctx[-80:]
+            assert answer == "The command ran</think>Done" + tok.eos_token, ctx[-80:]
         else:
             assert ctx.endswith("<｜Assistant｜>")
-            assert '{"name": "bash", "arguments": {"command": "ls"}}' in answer, ctx[-80:]
-    assert sum("Done." in a for _, a in text) == 2  # one answer per tool output taught
+            assert answer.startswith("<think>")
+            assert '{"name": "bash","arguments":{"command":"ls"}}' in answer, ctx[-80:]
+    assert sum(a.endswith("Done" + tok.eos_token) for _, a in text) == 2  # one answer per tool output taught
+
+
+def test_each_answer_id_follows_from_the_one_before(tune):
+    """No id repeats within a taught answer and the two answers share only ``</think>``: the chain a
+    2-layer model must carry over an untaught 4k-id prompt (see ``TOOL_REASONING``)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(models.ensure_model(models.TINY_R1)))
+    think_end = tok.convert_tokens_to_ids("</think>")
+    final = tok(tune.FINAL_ANSWER, add_special_tokens=False)["input_ids"]
+    for name, args in (("exec_command", {"cmd": "ls"}), ("bash", {"command": "ls"})):
+        tool = tok(tune.TOOL_REASONING + tune.call_json(tok, name, args, avoid=tune.FINAL_ANSWER),
+                   add_special_tokens=False)["input_ids"]
+        assert len(set(tool)) == len(tool) and len(set(final)) == len(final)
+        assert set(tool) & set(final) == {think_end} and tool[0] != final[0]
