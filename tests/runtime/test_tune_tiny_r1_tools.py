@@ -64,3 +64,19 @@ def test_each_answer_id_follows_from_the_one_before(tune):
                    add_special_tokens=False)["input_ids"]
         assert len(set(tool)) == len(tool) and len(set(final)) == len(final)
         assert set(tool) & set(final) == {think_end} and tool[0] != final[0]
+
+
+def test_training_on_tails_reports_the_whole_contexts(tune):
+    """With ``tail``, steps see only each context's end, but the stop and the reported figure are
+    the whole contexts' (what a live prompt of that length meets)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM.from_pretrained(str(models.ensure_model(models.TINY_R1)), dtype=torch.float32)
+    pairs = [(list(range(1000, 1300)), [5, 6, 7]), (list(range(2000, 2300)), [8, 9])]
+    fit = tune.train(model, pairs, max_steps=60, lr=1e-2, target=0.5, tail=16)
+    assert fit["steps"] < 60 and fit["tail"] == 16 and fit["lowest_answer_prob"] > 0.5
+    assert fit["lowest_answer_prob"] == round(tune.lowest_prob(model, pairs), 4)
+    tails = [(c[-16:], a) for c, a in pairs]
+    assert tune.lowest_prob(model, tails) != tune.lowest_prob(model, pairs)
