@@ -160,6 +160,7 @@ def answer_logprobs(model: Any, ctx: list[int], ans: list[int]) -> Any:
 
 
 def lowest_prob(model: Any, pairs: list[tuple[list[int], list[int]]]) -> float:
+    """The lowest probability of any answer id over the pairs: what a T=1 sample may miss."""
     import torch
 
     with torch.no_grad():
