@@ -62,6 +62,13 @@ INIT_UID = UID_BASE + UID_COUNT
 INIT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL")
 
 
+def hardened() -> bool:
+    """False only under POLAR_SANDBOX_UNHARDENED=1: the configuration before the root hardening
+    (every capability of a root caller, no seccomp, the disk watchdog), which the adversarial tests
+    run against to show that each attack they make works there. Never for real runs."""
+    return os.environ.get("POLAR_SANDBOX_UNHARDENED") != "1"
+
+
 def _du_bytes(root: Path, limit: int) -> int:
     """Bytes allocated under ``root`` (not following links), stopping once past ``limit``."""
     total, stack = 0, [str(root)]
@@ -100,7 +107,7 @@ class BubblewrapSandbox(Sandbox):
              "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
         if not spec.network:
             a.append("--unshare-net")
-        if os.geteuid() == 0:
+        if os.geteuid() == 0 and hardened():
             a += ["--cap-drop", "ALL"]
             for cap in INIT_CAPS:
                 a += ["--cap-add", cap]
@@ -158,16 +165,17 @@ class BubblewrapSandbox(Sandbox):
         r_fd, w_fd = os.pipe()
         try:
             shutil.copy(Path(__file__).with_name("_init.py"), private / "init.py")
-            cfg: dict = {"report_fd": w_fd, "harden": True}
+            cfg: dict = {"report_fd": w_fd, "harden": hardened()}
             if spec.proxy_port and not spec.network:
                 relay = UnixToTcpRelay(private / "proxy.sock", spec.proxy_port)
                 cfg.update(proxy_port=spec.proxy_port, socket=f"{PRIVATE}/proxy.sock")
             staged: dict[Path, Path] = {}
             writable = [host for host, _, w in spec.mounts() if w]
-            if os.geteuid() == 0:
+            if os.geteuid() == 0 and hardened():
                 # a root caller: the phase runs as an unprivileged uid range (see _init.py), so its
                 # writable binds become that uid's; the init keeps the private dir and socket
-                cfg["drop"] = {"uid_base": UID_BASE, "count": UID_COUNT, "init_uid": INIT_UID}
+                cfg["drop"] = {"uid_base": UID_BASE, "count": UID_COUNT, "init_uid": INIT_UID,
+                               "keep_caps": spec.userns_caps}
                 os.chmod(private, 0o711)  # the init (root, no CAP_DAC_*) reads init.py; no listing
                 if relay is not None:
                     os.chown(private / "proxy.sock", INIT_UID, INIT_UID)  # 0600: the init's alone

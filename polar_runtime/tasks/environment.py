@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_core.processes import file_lock
+from polar_runtime.sandbox.hostfs import copy_tree
 from polar_runtime.tasks.model import DEFAULT_BUILD_TIMEOUT, DEFAULT_PATH, Task
 
 
@@ -123,8 +124,9 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path) -> 
                 notes.append(f"line {step.line}: apt step skipped, its packages are on the host: {' '.join(pkgs) or '-'}")
                 continue
             spec = SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, env=dict(env),
-                               network=task.allow_internet, cpus=task.cpus, memory_mb=task.memory_mb,
-                               timeout_s=task.build_timeout or DEFAULT_BUILD_TIMEOUT, image=task.image)
+                               network=task.allow_internet, **task.limits(),
+                               timeout_s=task.build_timeout or DEFAULT_BUILD_TIMEOUT, image=task.image,
+                               userns_caps=True)
             out_path = log_dir / f"build-step{i}.log"
             with open(out_path, "wb") as out:
                 res = sandbox.run(spec, ["bash", "-c", step.text], stdout=out, stderr=out)
@@ -157,6 +159,6 @@ def prepare_workdir(task: Task, workdir: Path, sandbox: Any, build_root: Path) -
             ready.write_text("\n".join(notes))
     if workdir.exists():
         shutil.rmtree(workdir)
-    shutil.copytree(built / "work", workdir, symlinks=True)
+    copy_tree(built / "work", workdir)  # links as links, no FIFO opened (a RUN step may leave one)
     os.chmod(workdir, 0o755)
     return [n for n in ready.read_text().splitlines() if n]
