@@ -122,7 +122,7 @@ class Task:
         assert self.environment is not None
         return self.environment.workdir
 
-    def limits(self, pids: int | None = DEFAULT_PIDS) -> dict:
+    def limits(self, pids: int | None = None) -> dict:
         """The sandbox limits of any phase of this task (SandboxSpec keyword arguments)."""
         return dict(cpus=self.cpus or DEFAULT_CPUS, memory_mb=self.memory_mb or DEFAULT_MEMORY_MB,
                     disk_mb=self.storage_mb or DEFAULT_STORAGE_MB, pids=pids or DEFAULT_PIDS)
