@@ -46,6 +46,8 @@ class ApptainerSandbox(DockerSandbox):
         if not spec.image:
             raise SandboxError("the apptainer sandbox needs an image (the task's environment)")
         a = [self.runtime, "exec", "--containall", "--cleanenv", "--no-home", "--no-init"]
+        if not spec.userns_caps:
+            a.append("--no-privs")  # root keeps no capability in the container (Apptainer: root only)
         if not spec.network:
             a += ["--net", "--network", "none"]
         if spec.pids:

@@ -27,6 +27,9 @@ from polar_runtime.sandbox.base import Sandbox, SandboxError, SandboxResult, San
 from polar_runtime.sandbox.relay import UnixToTcpRelay
 
 PRIVATE = "/run/polar-sandbox"
+#: what a phase with ``userns_caps`` (verifier, build steps) gets back: changing uid (a test.sh
+#: running the tested program as nobody, apt dropping to _apt) and owning files
+USERNS_CAPS = ("SETUID", "SETGID", "CHOWN", "FOWNER", "DAC_OVERRIDE")
 
 
 class DockerSandbox(Sandbox):
@@ -59,16 +62,22 @@ class DockerSandbox(Sandbox):
              report_dir: Path | None = None) -> list[str]:
         if not spec.image:
             raise SandboxError(f"the {self.runtime} sandbox needs an image (the task's environment)")
+        # no capability, no new privileges, the runtime's default seccomp profile (it refuses
+        # mount, keyctl, open_by_handle_at, bpf, module and clock calls), /proc/sys read-only (the
+        # runtime's default); the verifier and build steps get back only what changing uid needs
         a = [self.runtime, "run", "--rm", "--name", name, "--init", "--cap-drop", "ALL",
              "--security-opt", "no-new-privileges", "--network", "bridge" if spec.network else "none",
              "--workdir", spec.workdir, "--user", f"{os.getuid()}:{os.getgid()}"]
+        if spec.userns_caps:
+            for cap in USERNS_CAPS:
+                a += ["--cap-add", cap]
         if spec.pids:
             a += ["--pids-limit", str(spec.pids)]
         if spec.memory_mb:
             a += ["--memory", f"{spec.memory_mb}m", "--memory-swap", f"{spec.memory_mb}m"]
         if spec.cpus:
             a += ["--cpus", f"{spec.cpus:g}"]
-        tmp = f"size={spec.disk_mb}m" if spec.disk_mb else "size=1g"
+        tmp = (f"size={spec.disk_mb}m" if spec.disk_mb else "size=1g") + ",nosuid,nodev"
         a += ["--tmpfs", f"/tmp:{tmp}", "-v", f"{private}:{PRIVATE}:ro"]
         if report_dir is not None:
             a += ["-v", f"{report_dir}:/run/polar-report"]

@@ -244,7 +244,8 @@ def copy_tree(src: Path, dst: Path) -> int:
                                   0o600, dir_fd=dfd)
                     try:
                         _copy_file_sparse(fd, out, os.fstat(fd).st_size)
-                        os.fchmod(out, stat.S_IMODE(st.st_mode))
+                        # never set-id: a copy the host made is the host's (root's), not the sample's
+                        os.fchmod(out, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
                         os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
                     finally:
                         os.close(out)

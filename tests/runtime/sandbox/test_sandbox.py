@@ -203,3 +203,23 @@ def test_docker_runs_a_phase(tmp_path):
     res, log = _run(get_sandbox("docker"), spec, "echo inside > f.txt; cat /etc/os-release | head -1")
     assert res.returncode == 0, log
     assert (tmp_path / "w" / "f.txt").read_text() == "inside\n"
+
+
+@pytest.mark.parametrize("backend", [DockerSandbox, PodmanSandbox])
+def test_container_backends_drop_every_capability_but_what_the_verifier_needs(tmp_path, backend):
+    """Command line only (no daemon here): no capability, no new privileges, /tmp nosuid; the
+    verifier and build steps (``userns_caps``) get back only changing uid and owning files."""
+    (tmp_path / "w").mkdir()
+    agent = " ".join(backend().argv(SandboxSpec(tmp_path / "w", image="x"), tmp_path, "n", ["true"]))
+    assert "--cap-drop ALL" in agent and "--security-opt no-new-privileges" in agent and "--cap-add" not in agent
+    assert "nosuid,nodev" in agent and "seccomp=unconfined" not in agent and "--privileged" not in agent
+    verifier = " ".join(backend().argv(SandboxSpec(tmp_path / "w", image="x", userns_caps=True), tmp_path, "n", ["true"]))
+    assert "--cap-add SETUID" in verifier and "--cap-add SYS_ADMIN" not in verifier
+
+
+def test_apptainer_drops_roots_privileges_outside_the_verifier(tmp_path):
+    (tmp_path / "w").mkdir()
+    agent = " ".join(ApptainerSandbox().argv(SandboxSpec(tmp_path / "w", image="x"), tmp_path, "n", ["true"]))
+    assert "--no-privs" in agent
+    verifier = ApptainerSandbox().argv(SandboxSpec(tmp_path / "w", image="x", userns_caps=True), tmp_path, "n", ["true"])
+    assert "--no-privs" not in verifier
