@@ -10,7 +10,7 @@ API before the harness starts). Every phase of a sample runs in a sandbox (polar
    work dir, which the agent sees at the Dockerfile's WORKDIR (``/app`` by default);
 2. agent: the harness runs in the sandbox with that work dir, its isolated HOME, the harness install
    read-only, no network but the model proxy (relayed into the sandbox on the same loopback port,
-   so base-URL and HTTPS_PROXY modes work unchanged) unless task.toml says ``allow_internet``;
+   so base-URL and HTTPS_PROXY modes work unchanged), whatever task.toml says of ``allow_internet``;
    after the harness ends -- or is killed for the timeout, in which case its partial trace is kept
    and the sample is marked ``timeout`` -- every process it left is gone;
 3. verifier (polar_runtime/verifier.py): the hidden tests, copied only now to ``/tests``, run in a
@@ -471,7 +471,10 @@ def agent_spec(cfg: RolloutConfig, task: Task, workdir_host: Path, home: Path, t
     if needs_model and ep.mode == "proxy" and ep.ca_cert:
         ro.append((ep.ca_cert, ""))
     port = _loopback_port(ep.proxy_url if ep.mode == "proxy" else ep.base_url) if needs_model else None
-    network = task.allow_internet or (needs_model and port is None)  # a proxy on another machine
+    # The agent reaches only the model (allow_internet widens nothing here: build steps and the
+    # verifier reach the package registries through a filter); the host's network only when the
+    # model proxy is on another machine and there is no loopback port to relay
+    network = needs_model and port is None
     return SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, home_host=home, ro_binds=ro,
                        network=network, proxy_port=port, **task.limits(cfg.pids), timeout_s=timeout,
                        image=task.image)

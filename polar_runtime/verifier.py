@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polar_runtime.sandbox.egress import registries
 from polar_runtime.tasks.environment import build_env
 from polar_runtime.tasks.model import DEFAULT_VERIFIER_TIMEOUT, Task
 
@@ -122,7 +123,7 @@ def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, ag
         return Evaluation(None, "error", f"tests could not be copied: {exc}", time.monotonic() - t0)
     spec = SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, home_host=home,
                        rw_binds=[(tests, "/tests"), (vdir, "/logs/verifier")], ro_binds=[(agent_logs, "/logs/agent")],
-                       network=task.allow_internet, **task.limits(), timeout_s=limit, image=task.image,
+                       egress=registries(), **task.limits(), timeout_s=limit, image=task.image,
                        userns_caps=True)
     env = build_env(task, base_path)
     env.update(LANG="C.UTF-8", HOME=sandbox.inside(spec, home), TERM="dumb")

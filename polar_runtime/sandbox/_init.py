@@ -273,9 +273,11 @@ def main() -> int:
     if report_fd is not None:
         os.set_inheritable(report_fd, False)
     report: dict = {"relay": None, "leftovers": 0}
-    if cfg.get("proxy_port"):
+    relays = [(cfg["proxy_port"], cfg["socket"])] if cfg.get("proxy_port") else []
+    relays += [tuple(r) for r in cfg.get("relays", [])]  # the registries' filtering proxy
+    for port, path in relays:
         try:
-            _relay(int(cfg["proxy_port"]), cfg["socket"])
+            _relay(int(port), path)
             report["relay"] = True
         except OSError as e:
             report["relay"] = f"{e}"

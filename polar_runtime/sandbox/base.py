@@ -54,8 +54,13 @@ class SandboxSpec:
     rw_binds: list[tuple[Path, str]] = field(default_factory=list)
     #: the whole environment of the phase (nothing is inherited from the caller)
     env: dict[str, str] = field(default_factory=dict)
-    #: True opens the host network (Harbor's ``allow_internet = true``); False = no network at all
+    #: True shares the host's network namespace: only for a model proxy on another machine (no
+    #: loopback port to relay); never for a task's ``allow_internet`` (see ``egress``)
     network: bool = False
+    #: the package registries this phase may reach, through the filtering proxy of ``egress.py``
+    #: (its own network namespace; nothing else, never the host's loopback); () = none. Build steps
+    #: and the verifier get them, the agent phase never does
+    egress: tuple[str, ...] = ()
     #: the model proxy's host loopback port: reachable inside at 127.0.0.1:<same port> only
     proxy_port: int | None = None
     cpus: float | None = None

@@ -38,6 +38,7 @@ from pathlib import Path
 from polar_runtime.sandbox.base import Sandbox, SandboxError, SandboxResult, SandboxSpec, Stream, supervise
 from polar_runtime.sandbox.cgroups import Cgroup
 from polar_runtime.sandbox.diskimage import DiskImage
+from polar_runtime.sandbox.egress import EgressProxy, egress_env, egress_port
 from polar_runtime.sandbox.hostfs import give_to_sandbox
 from polar_runtime.sandbox.relay import UnixToTcpRelay
 
@@ -162,6 +163,7 @@ class BubblewrapSandbox(Sandbox):
         relay: UnixToTcpRelay | None = None
         cg: Cgroup | None = None
         image: DiskImage | None = None
+        egress: EgressProxy | None = None
         r_fd, w_fd = os.pipe()
         try:
             shutil.copy(Path(__file__).with_name("_init.py"), private / "init.py")
@@ -169,6 +171,12 @@ class BubblewrapSandbox(Sandbox):
             if spec.proxy_port and not spec.network:
                 relay = UnixToTcpRelay(private / "proxy.sock", spec.proxy_port)
                 cfg.update(proxy_port=spec.proxy_port, socket=f"{PRIVATE}/proxy.sock")
+            env = dict(spec.env)
+            if spec.egress and not spec.network:
+                egress = EgressProxy(private / "egress.sock", spec.egress)
+                port = egress_port(spec)
+                cfg["relays"] = [[port, f"{PRIVATE}/egress.sock"]]
+                env.update(egress_env(port))
             staged: dict[Path, Path] = {}
             writable = [host for host, _, w in spec.mounts() if w]
             if os.geteuid() == 0 and hardened():
@@ -177,8 +185,9 @@ class BubblewrapSandbox(Sandbox):
                 cfg["drop"] = {"uid_base": UID_BASE, "count": UID_COUNT, "init_uid": INIT_UID,
                                "keep_caps": spec.userns_caps}
                 os.chmod(private, 0o711)  # the init (root, no CAP_DAC_*) reads init.py; no listing
-                if relay is not None:
-                    os.chown(private / "proxy.sock", INIT_UID, INIT_UID)  # 0600: the init's alone
+                for sock in ("proxy.sock", "egress.sock"):
+                    if (private / sock).exists():
+                        os.chown(private / sock, INIT_UID, INIT_UID)  # 0600: the init's alone
                 if spec.disk_mb:
                     try:
                         image = DiskImage(spec.disk_mb, UID_BASE)
@@ -222,7 +231,7 @@ class BubblewrapSandbox(Sandbox):
 
             wants_poll = cg is not None or bool(limit)
             rc, timed_out, reason, wall = supervise(
-                cmd, env=dict(spec.env), cwd=None, stdout=stdout, stderr=stderr, timeout_s=spec.timeout_s,
+                cmd, env=env, cwd=None, stdout=stdout, stderr=stderr, timeout_s=spec.timeout_s,
                 pass_fds=(w_fd,), poll=poll if wants_poll else None,
                 poll_interval_s=DISK_POLL_S)
             os.close(w_fd)
@@ -259,7 +268,13 @@ class BubblewrapSandbox(Sandbox):
             elif spec.disk_mb:
                 notes.append(f"disk: /tmp capped at {spec.disk_mb} MiB (tmpfs); work dir capped at "
                              f"{spec.disk_mb} MiB per file (RLIMIT_FSIZE) and in total by a watchdog")
-            notes.append("no network" if not spec.network else "host network shared (allow_internet)")
+            if egress is not None:
+                notes.append(f"no network but the package registries through a filtering proxy "
+                             f"({len(egress.passed)} connection(s) let through, {len(egress.refused)} refused)")
+                notes += [f"egress refused: {why}" for why in egress.refused[:5]]
+            else:
+                notes.append("no network" if not spec.network else
+                             "host network shared (the model proxy is on another machine)")
             if (timed_out or reason) and rc >= 0:
                 rc = -9
             return SandboxResult(rc, timed_out, notes, wall)
@@ -269,6 +284,8 @@ class BubblewrapSandbox(Sandbox):
             os.close(r_fd)
             if relay is not None:
                 relay.close()
+            if egress is not None:
+                egress.close()
             if cg is not None:
                 cg.kill_all()
                 cg.remove()

@@ -4,7 +4,7 @@ applied to an empty work dir on the host's toolchain, then copied for every samp
 ``COPY``/``ADD`` copy files of the build context into the work dir; ``ENV`` values reach every
 later ``RUN`` and, as in a container, the agent, the oracle and the verifier; each ``RUN`` runs
 inside the sandbox with the work dir (bound at the Dockerfile's WORKDIR) writable, the host
-system read-only, and the network only when task.toml says ``allow_internet = true``. A build is
+system read-only, and no network but the package registries (``sandbox/egress.py``). A build is
 done once per task and content (``Environment.digest``) under ``<work root>/.builds`` and reused by
 every sample and later step; a failed build is recorded there too, so the samples of a broken task
 fail at once with the build's error (the line and its output) instead of rebuilding it each time.
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_core.processes import file_lock
+from polar_runtime.sandbox.egress import registries
 from polar_runtime.sandbox.hostfs import copy_tree
 from polar_runtime.tasks.model import DEFAULT_BUILD_TIMEOUT, DEFAULT_PATH, Task
 
@@ -124,7 +125,7 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path) -> 
                 notes.append(f"line {step.line}: apt step skipped, its packages are on the host: {' '.join(pkgs) or '-'}")
                 continue
             spec = SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, env=dict(env),
-                               network=task.allow_internet, **task.limits(),
+                               egress=registries(), **task.limits(),
                                timeout_s=task.build_timeout or DEFAULT_BUILD_TIMEOUT, image=task.image,
                                userns_caps=True)
             out_path = log_dir / f"build-step{i}.log"
