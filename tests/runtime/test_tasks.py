@@ -97,8 +97,8 @@ def test_dataset_order_and_builtin_names(tmp_path):
     ("FROM python:3.12\nWORKDIR /app\nCOPY a.txt /etc/a.txt\n", 3, "outside the work dir"),
     ("FROM python:3.12\nADD https://example.com/x.tgz /app/\n", 2, "URL"),
     ("FROM python:3.12\nUSER nobody\n", 2, "USER other than root"),
-    ("FROM python:3.12\nWORKDIR /app\nWORKDIR /srv\n", 3, "a second work dir"),
-    ("FROM ubuntu:24.04\n# comment\nRUN apt-get update && \\\n  true\nSHELL [\"/bin/sh\"]\n", 5, "SHELL is not supported"),
+    ("FROM python:3.12\nWORKDIR /app\nCOPY a.txt b.txt\nWORKDIR /srv\n", 3, "outside the work dir /srv"),
+    ("FROM ubuntu:24.04\n# comment\nRUN apt-get update && \\\n  true\nSHELL [\"/bin/sh\"]\n", 5, "SHELL other than bash or sh with -c is not supported"),
 ])
 def test_unsupported_dockerfile_lines_are_refused_by_line(tmp_path, dockerfile, line, why):
     d = make_task(tmp_path, dockerfile=dockerfile, files={"a.txt": "a"})
