@@ -388,8 +388,8 @@ def _copy_step(n, src, instr, rest, cwd, final, context, top, variables, stages,
     if not _under(dest_abs, final):
         raise fail(n, src, f"destination {dest_abs} is outside the work dir {final}: the local mode makes only "
                            "the work dir writable")
-    rel_dest = "." if dest_abs == final else str(dest_abs.relative_to(final))
-    rel_dest += "/" if dest.endswith("/") or dest in (".", "./") else ""
+    rel_dest = "./" if dest_abs == final else str(dest_abs.relative_to(final))
+    rel_dest += "/" if (dest.endswith("/") or dest in (".", "./")) and not rel_dest.endswith("/") else ""
     for s in srcs:
         if re.match(r"^[a-z]+://", s) or s.startswith("git@"):
             raise fail(n, src, f"{instr} of a URL is not supported by the local mode")

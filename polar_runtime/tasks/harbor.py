@@ -177,7 +177,7 @@ def _load(root: Path, task_id: str) -> Task:
     instruction = _read(root / "instruction.md", root, "instruction.md").strip()
     if not instruction:
         raise ValueError(f"{root / 'instruction.md'} is empty")
-    for sub, what in (("tests", "tests/"), ("solution", "solution/"), ("environment", "environment/")):
+    for sub, what in (("tests", "tests/"), ("solution", "solution/")):
         if (root / sub).exists() or (root / sub).is_symlink():
             bad = escaping_link(root / sub, root)
             if bad is not None:
@@ -244,6 +244,9 @@ def _load(root: Path, task_id: str) -> Task:
         raise ValueError(f"{root / 'environment' / compose[0]}: a multi-container task (docker compose services) "
                          "needs a container runtime; the local mode runs one sandbox")
     dockerfile = root / "environment" / "Dockerfile"
+    for p in (root / "environment", dockerfile):
+        if (p.exists() or p.is_symlink()) and leaves(p, root):
+            raise ValueError(f"{p}: a link to {os.path.realpath(p)}, outside the task directory: refused, not followed")
     if dockerfile.is_file():
         if envc.get("docker_image"):
             notes.append(f"[environment] docker_image {envc['docker_image']!r} ignored: the local mode builds "
@@ -254,6 +257,11 @@ def _load(root: Path, task_id: str) -> Task:
                          "runtime; the local mode builds from environment/Dockerfile")
     else:
         raise ValueError(f"{root}: no environment/Dockerfile")
+    # the build context: COPY sources were checked line by line; no other link may leave the task either
+    bad = escaping_link(root / "environment", root)
+    if bad is not None:
+        raise ValueError(f"{bad}: a link in environment/ to {os.path.realpath(bad)}, outside the task directory: "
+                         "refused, not followed")
     # [environment.env]: the environment of every phase, as Harbor sets it on the container
     task.environment.steps += [Step("env", dest=k, text=v, source=f"task.toml [environment.env] {k}")
                                for k, v in env_vars.items()]
