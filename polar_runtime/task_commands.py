@@ -13,6 +13,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 tasks_app = typer.Typer(no_args_is_help=True, help="Harbor task directories: check (oracle and nop), list, convert.")
@@ -134,7 +135,7 @@ def check_command(
     rows = sorted(rows + refused, key=lambda r: ids.index(r["task"]))
     for row in rows:
         row["verdict"] = row["verdict"].replace(root, "")
-    table = Table(title=f"polar tasks check {path} ({len(rows)} tasks, sandbox {sandbox}, {time.monotonic() - t0:.1f} s)")
+    table = Table(title=f"polar tasks check {escape(path)} ({len(rows)} tasks, sandbox {sandbox}, {time.monotonic() - t0:.1f} s)")
     for col in ("task", "status", "oracle", "nop", "oracle s", "reason"):
         table.add_column(col, justify="right" if col in ("oracle", "nop", "oracle s") else "left",
                          no_wrap=col != "reason", max_width=70 if col == "reason" else None)
@@ -145,13 +146,13 @@ def check_command(
         fmt = lambda v: "-" if v is None else f"{v:g}"  # noqa: E731
         c = colours[row["status"]]
         reason = "" if row["status"] == "passed" else row["verdict"]
-        table.add_row(row["task"], f"[{c}]{row['status']}[/{c}]", fmt(row["oracle"]), fmt(row["nop"]),
-                      fmt(row["oracle_s"]), reason if len(reason) <= 140 else reason[:137] + "...")
+        table.add_row(escape(row["task"]), f"[{c}]{row['status']}[/{c}]", fmt(row["oracle"]), fmt(row["nop"]),
+                      fmt(row["oracle_s"]), escape(reason if len(reason) <= 140 else reason[:137] + "..."))
     console.print(table)
     # every reason in full and every note, one line each (the table keeps to the terminal's width)
     for row in rows:
         if row["status"] != "passed":
-            console.print(f"{row['task']}: [{colours[row['status']]}]{row['status']}[/]: {row['verdict']}",
+            console.print(f"{escape(row['task'])}: [{colours[row['status']]}]{row['status']}[/]: {escape(row['verdict'])}",
                           markup=True, highlight=False, soft_wrap=True)
         for note in row["notes"]:
             console.print(f"{row['task']}: note: {note}", markup=False, highlight=False, soft_wrap=True)

@@ -283,7 +283,7 @@ def dataset_task_dirs(root: Path) -> list[Path]:
         return found
     try:
         names = tomllib.loads(manifest.read_text()).get("tasks") or []
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{manifest}: {exc}") from exc
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         return found  # Harbor's own dataset.toml ([[tasks]] tables of a registry) is not an order
@@ -307,11 +307,17 @@ def candidate_dirs(root: Path) -> list[Path]:
 
 def load_dataset_report(root: Path) -> tuple[list[Task], list[Refusal]]:
     """Every task of a dataset (or the one task directory ``root``), and the refusals of the others."""
+    tasks: list[Task] = []
+    refused: list[Refusal] = []
     if is_task_dir(root) or (root / "task.toml").exists():
         dirs = [root]
     else:
-        dirs = candidate_dirs(root)
-    tasks, refused = [], []
+        try:
+            dirs = candidate_dirs(root)
+        except (ValueError, OSError, UnicodeDecodeError) as exc:  # a broken dataset.toml: its own row
+            refused.append(Refusal("dataset.toml", root / "dataset.toml", str(exc)))
+            dirs = sorted(p for p in root.iterdir() if p.is_dir() and ((p / "task.toml").exists()
+                                                                      or (p / "instruction.md").exists()))
     for d in dirs:
         try:
             if not is_task_dir(d):

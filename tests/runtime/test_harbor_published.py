@@ -343,3 +343,32 @@ def test_check_reports_every_task_of_a_dataset(tmp_path):
     assert "needs task.toml and instruction.md" in rows["no-instruction"]["verdict"]
     assert "1 passed, 2 failed, 5 refused of 8 tasks" in res.output and "Traceback" not in res.output
     assert "published-shapes: note: FROM python:3.12-slim" in res.output
+
+
+def test_a_dataset_of_broken_directories_gives_one_refused_row_each_and_exit_1(tmp_path):
+    """No directory stops the check: a broken dataset.toml, a task.toml that is a folder, a
+    non-UTF-8 instruction, keys of the wrong type, no tests/test.sh: one row each, reasons kept
+    verbatim (``[environment]`` is not swallowed as markup), exit 1, no traceback."""
+    ds = tmp_path / "ds"
+    (ds / "toml-is-a-dir" / "task.toml").mkdir(parents=True)
+    task(ds, "bad-utf8")
+    (ds / "bad-utf8" / "instruction.md").write_bytes(b"\xff\xfe")
+    task(ds, "workdir-int", toml="[environment]\nworkdir = 5\n")
+    task(ds, "agent-not-table", toml="agent = 3\n")
+    task(ds, "no-tests")
+    (ds / "no-tests" / "tests" / "test.sh").unlink()
+    (ds / "dataset.toml").write_text("tasks = [\n")
+    from polar_runtime.cli import app
+
+    res = CliRunner().invoke(app, ["tasks", "check", str(ds), "--json", str(tmp_path / "rows.json")],
+                             env={"COLUMNS": "200"})
+    assert res.exit_code == 1, res.output
+    import json
+
+    rows = {r["task"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
+    assert {k: r["status"] for k, r in rows.items()} == dict.fromkeys(
+        ["dataset.toml", "toml-is-a-dir", "bad-utf8", "workdir-int", "agent-not-table", "no-tests"], "refused")
+    assert "workdir-int/task.toml: [environment] workdir must be an absolute path below /, not 5" in res.output
+    assert "agent-not-table/task.toml: [agent] must be a table" in res.output
+    assert "cannot read instruction.md" in rows["bad-utf8"]["verdict"] and "no tests/test.sh" in rows["no-tests"]["verdict"]
+    assert "0 passed, 0 failed, 6 refused of 6 tasks" in res.output and "Traceback" not in res.output
