@@ -255,9 +255,17 @@ def base_env(s: Session) -> dict[str, str]:
     return env
 
 
-def _write_json(path: Path, data: object) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+def _write_home(home: Path, path: Path, text: str) -> None:
+    """Write a harness's config file under its isolated HOME. HOME is the sample's: on a follow-up
+    turn any dir or file on the way may be a link the last turn planted (``~/.codex`` ->
+    ``/root/.ssh``); ``hostfs`` walks it without following one and replaces, never writes through."""
+    from polar_runtime.sandbox.hostfs import write_bytes
+
+    write_bytes(home, path, text.encode())
+
+
+def _write_json(home: Path, path: Path, data: object) -> None:
+    _write_home(home, path, json.dumps(data, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,11 +309,10 @@ class Codex(Preset):
     def prepare(self, s: Session) -> Invocation:
         self._dirs(s)
         codex_home = s.home / ".codex"
-        codex_home.mkdir(parents=True, exist_ok=True)
         base = f"{s.endpoint.base_url}/v1" if s.endpoint.mode == "base_url" else OPENAI_HOSTED
         # A provider of our own (not the built-in "openai" one) so that no login or ChatGPT auth
         # flow starts; in proxy mode it still names the hosted URL, so the wire is unchanged.
-        (codex_home / "config.toml").write_text(
+        _write_home(s.home, codex_home / "config.toml",
             f'model = {json.dumps(s.model)}\n'
             'model_provider = "polar"\n'
             'approval_policy = "never"\n'
@@ -343,7 +350,7 @@ class ClaudeCode(Preset):
     def prepare(self, s: Session) -> Invocation:
         self._dirs(s)
         cfg = s.home / ".claude"
-        _write_json(cfg / "settings.json", {"autoUpdates": False, "includeCoAuthoredBy": False})
+        _write_json(s.home, cfg / "settings.json", {"autoUpdates": False, "includeCoAuthoredBy": False})
         env = base_env(s)
         env.update(
             ANTHROPIC_API_KEY=s.api_key,  # sent as x-api-key
@@ -385,7 +392,7 @@ class QwenCode(Preset):
             "telemetry": {"enabled": False},
             "general": {"disableAutoUpdate": True, "disableUpdateNag": True, "checkpointing": {"enabled": False}},
         }
-        _write_json(s.home / ".qwen" / "settings.json", settings)
+        _write_json(s.home, s.home / ".qwen" / "settings.json", settings)
         env = base_env(s)
         env.update(
             OPENAI_BASE_URL=f"{s.endpoint.base_url}/v1" if s.endpoint.mode == "base_url" else OPENAI_HOSTED,
@@ -443,8 +450,8 @@ class Pi(Preset):
         }
         if self.variant == "chat":
             provider["compat"] = {"supportsDeveloperRole": False}
-        _write_json(agent_dir / "models.json", {"providers": {"polar": provider}})
-        _write_json(agent_dir / "settings.json", {"defaultProvider": "polar", "defaultModel": s.model})
+        _write_json(s.home, agent_dir / "models.json", {"providers": {"polar": provider}})
+        _write_json(s.home, agent_dir / "settings.json", {"defaultProvider": "polar", "defaultModel": s.model})
         env = base_env(s)
         env["PI_CODING_AGENT_DIR"] = str(agent_dir)
         env.update(PI_OFFLINE="1", PI_SKIP_VERSION_CHECK="1", PI_TELEMETRY="0")
@@ -473,7 +480,7 @@ class Gemini(Preset):
         }
         if s.trim:
             settings["tools"] = {"exclude": list(GEMINI_EXCLUDED_TOOLS)}
-        _write_json(s.home / ".gemini" / "settings.json", settings)
+        _write_json(s.home, s.home / ".gemini" / "settings.json", settings)
         env = base_env(s)
         env["GEMINI_API_KEY"] = s.api_key  # sent as x-goog-api-key
         if s.endpoint.mode == "base_url":
@@ -518,10 +525,10 @@ class OpenCode(Preset):
             cfg["tools"] = {t: False for t in OPENCODE_DISABLED_TOOLS}
         # Outside the work dir (OPENCODE_CONFIG) so the task's files stay the task's.
         cfg_path = s.home / ".config" / "opencode" / "opencode.json"
-        _write_json(cfg_path, cfg)
+        _write_json(s.home, cfg_path, cfg)
         # OpenCode npm-installs @opencode-ai/plugin into every config dir in the background at
         # start: a registry side call per fresh HOME. npm's offline mode makes it fail at once.
-        (s.home / ".npmrc").write_text("offline=true\naudit=false\nfund=false\nupdate-notifier=false\n")
+        _write_home(s.home, s.home / ".npmrc", "offline=true\naudit=false\nfund=false\nupdate-notifier=false\n")
         env = base_env(s)
         env["npm_config_offline"] = "true"
         env.update(OPENCODE_CONFIG=str(cfg_path), OPENCODE_DISABLE_MODELS_FETCH="1",

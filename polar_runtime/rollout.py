@@ -473,8 +473,8 @@ def agent_spec(cfg: RolloutConfig, task: Task, workdir_host: Path, home: Path, t
     port = _loopback_port(ep.proxy_url if ep.mode == "proxy" else ep.base_url) if needs_model else None
     network = task.allow_internet or (needs_model and port is None)  # a proxy on another machine
     return SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, home_host=home, ro_binds=ro,
-                       network=network, proxy_port=port, cpus=task.cpus, memory_mb=task.memory_mb,
-                       pids=cfg.pids, disk_mb=task.storage_mb, timeout_s=timeout, image=task.image)
+                       network=network, proxy_port=port, **task.limits(cfg.pids), timeout_s=timeout,
+                       image=task.image)
 
 
 def _map_binds(inv: Any, spec: Any, sandbox: Any) -> None:

@@ -33,6 +33,7 @@ from polar_runtime.tasks.environment import build_env
 from polar_runtime.tasks.model import DEFAULT_VERIFIER_TIMEOUT, Task
 
 OUTPUT_TAIL = 4000
+REWARD_FILE_LIMIT = 64 * 1024
 
 
 @dataclass
@@ -46,18 +47,36 @@ class Evaluation:
 
 def read_reward(verifier_dir: Path) -> tuple[float | None, str]:
     """(reward, problem): the float in reward.txt, else reward.json's ``reward`` (or its only
-    number); problem is "" when a finite reward was found."""
-    txt, js = verifier_dir / "reward.txt", verifier_dir / "reward.json"
+    number); problem is "" when a finite reward was found.
+
+    ``/logs/verifier`` is writable by the sample's own programs (the tests run them), so a reward
+    file that is a symlink (to a host-only 0600 file, say) or a FIFO is never followed or opened:
+    it is refused, and so is one over 64 KiB."""
+    from polar_runtime.sandbox.hostfs import UnsafePath, read_bytes
+
+    def read(name: str) -> str | None:
+        try:
+            return read_bytes(verifier_dir, verifier_dir / name, limit=REWARD_FILE_LIMIT).decode(errors="replace")
+        except FileNotFoundError:
+            return None
+
     value: Any = None
-    if txt.is_file():
-        raw = txt.read_text(errors="replace").strip()
+    try:
+        raw_txt = read("reward.txt")
+        raw_js = read("reward.json") if raw_txt is None else None
+    except UnsafePath as exc:
+        return None, f"refused to read the reward: {exc}"
+    except OSError as exc:
+        return None, f"cannot read the reward: {exc}"
+    if raw_txt is not None:
+        raw = raw_txt.strip()
         try:
             value = float(raw)
         except ValueError:
             return None, f"reward.txt holds {raw[:80]!r}, not a number"
-    elif js.is_file():
+    elif raw_js is not None:
         try:
-            data = json.loads(js.read_text())
+            data = json.loads(raw_js)
         except ValueError as exc:
             return None, f"reward.json is not JSON: {exc}"
         if isinstance(data, (int, float)) and not isinstance(data, bool):
@@ -103,8 +122,8 @@ def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, ag
         return Evaluation(None, "error", f"tests could not be copied: {exc}", time.monotonic() - t0)
     spec = SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, home_host=home,
                        rw_binds=[(tests, "/tests"), (vdir, "/logs/verifier")], ro_binds=[(agent_logs, "/logs/agent")],
-                       network=task.allow_internet, cpus=task.cpus, memory_mb=task.memory_mb, timeout_s=limit,
-                       image=task.image)
+                       network=task.allow_internet, **task.limits(), timeout_s=limit, image=task.image,
+                       userns_caps=True)
     env = build_env(task, base_path)
     env.update(LANG="C.UTF-8", HOME=sandbox.inside(spec, home), TERM="dumb")
     for k, v in (facts or {}).items():
@@ -127,8 +146,19 @@ def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, ag
         return Evaluation(None, "timeout", (output + f"\n[polar] verifier timed out after {limit:g} s")[-OUTPUT_TAIL:],
                           secs, with_notes)
     reward, problem = read_reward(vdir)
-    shutil.copy2(out_path, vdir / "test-output.txt")
+    _keep_output(out_path, vdir)
     if reward is None:
         msg = f"\n[polar] {problem} (test.sh exited {res.returncode})"
         return Evaluation(None, "error", (output + msg)[-OUTPUT_TAIL:], secs, with_notes)
     return Evaluation(reward, "pass" if reward > 0 else "fail", output[-OUTPUT_TAIL:], secs, with_notes)
+
+
+def _keep_output(out_path: Path, vdir: Path) -> None:
+    """test-output.txt next to what test.sh wrote: a link planted under that name is replaced, not
+    written through."""
+    from polar_runtime.sandbox.hostfs import write_bytes
+
+    try:
+        write_bytes(vdir, vdir / "test-output.txt", out_path.read_bytes())
+    except OSError:
+        pass  # the output stays in verifier-output.txt; the reward does not depend on it

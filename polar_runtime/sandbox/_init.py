@@ -9,6 +9,18 @@ unchanged with no network; (2) sets RLIMIT_FSIZE; (3) runs ARGV as its child and
 (4) then counts and SIGKILLs whatever the command left running (bwrap's PID 1 would end them
 silently when this process exits; counting them first lets the sample's record say so), and
 writes a JSON report to the fd the host passed (not inherited by ARGV).
+
+Privilege (a root caller): bwrap itself runs as the host's root, so that its binds reach any path,
+and hands this init only CAP_SETUID, CAP_SETGID and CAP_KILL. The child that becomes ARGV first
+enters a user and mount namespace of its own, in which this init maps uid/gid 0..65535 to an
+unprivileged host range (``uid_base``): ARGV is uid 0 *inside* (apt, Harbor tasks) and holds
+capabilities only over its own namespaces; on the host it is an unused uid with none. Its copies
+of the mounts are locked by the kernel (a read-only bind cannot be remounted writable, a cover
+such as bwrap's read-only /proc/sys cannot be unmounted). Then ``no_new_privs`` and a seccomp
+filter that refuses with EPERM what no task needs: mounting, the kernel keyrings,
+``open_by_handle_at``, kernel modules, bpf, kexec, swap, clock and reboot calls, and every call
+of another ABI (x32, i386). A caller that is not root is already unprivileged (bwrap gives it a
+user namespace of its own): only no_new_privs and the filter are added.
 """
 
 from __future__ import annotations
@@ -87,20 +99,159 @@ def _leftovers(me: int) -> list[int]:
     return out
 
 
-def _spawn_and_wait(argv: list[str]) -> int:
-    """Run argv as a child (PATH searched in the phase's env); its status, -N if killed by N."""
+# ---- privilege: user namespace, no_new_privs, seccomp --------------------------------------------
+
+CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER, PR_CAPBSET_DROP = 38, 22, 2, 24
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO, EPERM = 0x7FFF0000, 0x00050000, 1
+#: (audit arch, syscall numbers refused); mount family, keyrings, handles, modules, bpf, kexec,
+#: swap, reboot, clocks, acct, quotactl, syslog, perf_event_open
+SYSCALLS = {
+    "x86_64": (0xC000003E, (165, 166, 155, 428, 429, 430, 431, 432, 433, 442,  # mount .. mount_setattr
+                            248, 249, 250, 303, 304, 175, 176, 313, 321, 246, 320,  # keys, handles, modules, bpf, kexec
+                            167, 168, 169, 164, 227, 305, 159, 163, 179, 103, 298, 172, 173)),
+    "aarch64": (0xC00000B7, (40, 39, 41, 428, 429, 430, 431, 432, 433, 442,
+                             217, 218, 219, 264, 265, 105, 106, 273, 280, 104, 294,
+                             224, 225, 142, 170, 112, 266, 171, 89, 60, 116, 241)),
+}
+
+
+def _libc():
+    import ctypes
+
+    return ctypes, ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ctypes, ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _seccomp_program(machine: str) -> bytes:
+    """A classic-BPF filter: another ABI or a refused call -> EPERM, anything else allowed."""
+    import struct
+
+    arch, numbers = SYSCALLS[machine]
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+
+    def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+        return struct.pack("HBBI", code, jt, jf, k)
+
+    n = len(numbers)
+    prog = [op(ld, 4)]  # seccomp_data.arch
+    extra = 1 if machine == "x86_64" else 0  # x32 ABI: numbers with bit 30 set
+    prog.append(op(jeq, arch, 0, 2 + extra + n))  # other arch -> deny
+    prog.append(op(ld, 0))  # seccomp_data.nr
+    if extra:
+        prog.append(op(jge, 0x40000000, n + 1, 0))
+    for i, nr in enumerate(numbers):
+        prog.append(op(jeq, nr, n - i, 0))
+    prog.append(op(ret, SECCOMP_RET_ALLOW))
+    prog.append(op(ret, SECCOMP_RET_ERRNO | EPERM))
+    return b"".join(prog)
+
+
+def _no_new_privs_and_seccomp() -> None:
+    import platform
+
+    ctypes, libc = _libc()
+    _check(ctypes, libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    machine = platform.machine()
+    if machine not in SYSCALLS:
+        raise OSError(f"no seccomp filter for {machine}")
+    code = _seccomp_program(machine)
+    buf = ctypes.create_string_buffer(code, len(code))
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    prog = Prog(len(code) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    _check(ctypes, libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
+
+
+def _enter_user_namespace(to_parent: int, from_parent: int) -> None:
+    """In the child: a user + mount namespace of its own; the parent writes the uid/gid maps
+    (``_map_ids``); then uid/gid 0 inside, no supplementary groups."""
+    ctypes, libc = _libc()
+    _check(ctypes, libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "unshare(user, mount)")
+    os.write(to_parent, b"u")
+    if os.read(from_parent, 1) != b"m":
+        raise OSError("the init could not map the sandbox's user ids")
+    os.setgroups([])
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
+
+
+def _drop_all_capabilities() -> None:
+    """Empty the bounding set (so exec as uid 0 regains nothing) and the other sets: the phase
+    holds no capability even over its own namespaces."""
+    ctypes, libc = _libc()
+    with open("/proc/sys/kernel/cap_last_cap") as fh:
+        last = int(fh.read())
+    for cap in range(last + 1):
+        _check(ctypes, libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"dropping capability {cap}")
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    data = (ctypes.c_uint32 * 6)()  # two of {effective, permitted, inheritable}: all zero
+    _check(ctypes, libc.capset(ctypes.byref(Header(0x20080522, 0)), data), "capset")
+
+
+def _map_ids(pid: int, base: int, count: int) -> None:
+    for name in ("uid_map", "gid_map"):
+        with open(f"/proc/{pid}/{name}", "w") as fh:
+            fh.write(f"0 {base} {count}\n")
+
+
+def _spawn_and_wait(argv: list[str], drop: dict | None = None, harden: bool = False) -> int:
+    """Run argv as a child (PATH searched in the phase's env); its status, -N if killed by N.
+    ``drop`` ({"uid_base", "count"}): the child enters a user namespace of its own mapped to that
+    host range; ``harden``: no_new_privs and the seccomp filter before exec."""
     r, w = os.pipe()  # the child reports a failed exec through it (closed on a good one)
     os.set_inheritable(w, False)
+    if drop:
+        up_r, up_w = os.pipe()
+        down_r, down_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(r)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if drop:
+                os.close(up_r)
+                os.close(down_w)
+                _enter_user_namespace(up_w, down_r)
+                os.close(up_w)
+                os.close(down_r)
+                if not drop.get("keep_caps"):
+                    _drop_all_capabilities()
+            if harden:
+                _no_new_privs_and_seccomp()
             os.execvp(argv[0], argv)
         except OSError as e:
             os.write(w, f"{e}".encode())
         os._exit(127)
     os.close(w)
+    if drop:
+        os.close(up_w)
+        os.close(down_r)
+        try:
+            if os.read(up_r, 1) == b"u":
+                _map_ids(pid, int(drop["uid_base"]), int(drop["count"]))
+                os.write(down_w, b"m")
+        except OSError as e:
+            print(f"sandbox: cannot map the user ids: {e}", file=sys.stderr)
+        finally:
+            os.close(up_r)
+            os.close(down_w)
+        # This init needs no privilege from here on: an unprivileged uid of its own (not the
+        # phase's, so neither can signal or trace the other); the kernel clears every capability.
+        init_uid = int(drop["init_uid"])
+        os.setgroups([])
+        os.setresgid(init_uid, init_uid, init_uid)
+        os.setresuid(init_uid, init_uid, init_uid)
     err = os.read(r, 4096)
     os.close(r)
     signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGTERM))
@@ -133,13 +284,18 @@ def main() -> int:
 
         b = int(cfg["fsize"])
         resource.setrlimit(resource.RLIMIT_FSIZE, (b, b))
-    rc = _spawn_and_wait(argv)
+    rc = _spawn_and_wait(argv, cfg.get("drop"), bool(cfg.get("harden")))
     me = os.getpid()
     seen: set[int] = set()
     # Sweep only inside a PID namespace of its own (this process is then the child of the
     # namespace's PID 1): anywhere else "every other process" would be the host's.
     own_namespace = os.getppid() == 1
     report["swept"] = own_namespace
+    if cfg.get("drop") and own_namespace:
+        # Unprivileged now, this init cannot kill the phase's processes: it counts them, and
+        # they end with the PID namespace when it exits (the kernel kills every process left).
+        seen.update(_leftovers(me))
+        own_namespace = False
     for _ in range(100 if own_namespace else 0):  # a fork bomb keeps forking while we kill: until none is left
         left = _leftovers(me)
         if not left:

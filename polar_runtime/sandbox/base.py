@@ -65,6 +65,10 @@ class SandboxSpec:
     #: cap on what the phase may write to its work dir (and, separately, to its private /tmp)
     disk_mb: int | None = None
     timeout_s: float = 600.0
+    #: False: the phase's uid 0 holds no capability at all. True: it keeps them over its *own*
+    #: namespaces (a user namespace of its own; never the host's): for the verifier, whose test.sh
+    #: runs the tested program as another uid, and for build steps (apt drops to _apt)
+    userns_caps: bool = False
     #: container backends (docker): the image to run, i.e. the task's built environment;
     #: bubblewrap ignores it (its environment is the host's toolchain)
     image: str | None = None

@@ -37,6 +37,8 @@ from pathlib import Path
 
 from polar_runtime.sandbox.base import Sandbox, SandboxError, SandboxResult, SandboxSpec, Stream, supervise
 from polar_runtime.sandbox.cgroups import Cgroup
+from polar_runtime.sandbox.diskimage import DiskImage
+from polar_runtime.sandbox.hostfs import give_to_sandbox
 from polar_runtime.sandbox.relay import UnixToTcpRelay
 
 #: The host's system dirs visible read-only (the ones that are symlinks, e.g. /bin -> usr/bin on a
@@ -49,6 +51,22 @@ ETC_SECRETS = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-",
 PYTHON = "/usr/bin/python3"
 PRIVATE = "/run/polar-sandbox"  # where the job-private dir (init script, proxy socket) appears
 DISK_POLL_S = 0.25
+#: A root caller's phases run as this unprivileged host uid/gid range (uid 0..65535 inside a user
+#: namespace of their own); a range no account of a normal system uses (POLAR_SANDBOX_UID_BASE).
+UID_BASE = int(os.environ.get("POLAR_SANDBOX_UID_BASE", "2000000000"))
+UID_COUNT = 65536
+#: the in-sandbox init's own unprivileged uid once the phase has started (outside the phase's range)
+INIT_UID = UID_BASE + UID_COUNT
+#: What the in-sandbox init keeps of a root caller's capabilities: mapping the phase's ids and
+#: ending its leftover processes. Nothing of it reaches the phase's own processes.
+INIT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL")
+
+
+def hardened() -> bool:
+    """False only under POLAR_SANDBOX_UNHARDENED=1: the configuration before the root hardening
+    (every capability of a root caller, no seccomp, the disk watchdog), which the adversarial tests
+    run against to show that each attack they make works there. Never for real runs."""
+    return os.environ.get("POLAR_SANDBOX_UNHARDENED") != "1"
 
 
 def _du_bytes(root: Path, limit: int) -> int:
@@ -81,12 +99,18 @@ class BubblewrapSandbox(Sandbox):
             return f"{PYTHON} is missing (the in-sandbox init runs with the system Python)"
         return None
 
-    def argv(self, spec: SandboxSpec, private: Path, inner: list[str]) -> list[str]:
-        """The bwrap command line for ``spec`` (``inner`` runs inside)."""
+    def argv(self, spec: SandboxSpec, private: Path, inner: list[str],
+             staged: dict[Path, Path] | None = None) -> list[str]:
+        """The bwrap command line for ``spec`` (``inner`` runs inside); ``staged`` maps a writable
+        bind's host path to its copy on the phase's disk image (bound instead)."""
         a = [self.bwrap() or "bwrap", "--die-with-parent", "--new-session", "--unshare-pid",
              "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
         if not spec.network:
             a.append("--unshare-net")
+        if os.geteuid() == 0 and hardened():
+            a += ["--cap-drop", "ALL"]
+            for cap in INIT_CAPS:
+                a += ["--cap-add", cap]
         for d in SYSTEM_DIRS:
             if os.path.islink(d):
                 a += ["--symlink", os.readlink(d), d]
@@ -98,21 +122,31 @@ class BubblewrapSandbox(Sandbox):
             elif os.path.lexists(s):
                 a += ["--ro-bind", "/dev/null", s]
         size = ["--size", str(spec.disk_mb * 1024 * 1024)] if spec.disk_mb else []
-        a += ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/tmp", *size, "--tmpfs", "/var/tmp",
+        a += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", *size, "--tmpfs", "/tmp",
+              "--perms", "1777", *size, "--tmpfs", "/var/tmp",
               "--tmpfs", "/run", "--ro-bind", str(private), PRIVATE]
         if spec.network:
             # a resolv.conf that links into /run (systemd-resolved) must survive the private /run
             resolv = os.path.realpath("/etc/resolv.conf")
             if resolv.startswith("/run/") and os.path.exists(resolv):
                 a += ["--ro-bind", resolv, resolv]
+        made: set[str] = {"/", "/tmp", "/var", "/var/tmp", "/run", PRIVATE}
         for host, dest, writable in spec.mounts():
+            # the dirs a bind's path goes through: 0755 (bwrap would make them 0700, root's, which
+            # the phase's unprivileged uid could not pass)
+            for anc in reversed(Path(dest).parents):
+                if str(anc) not in made and not any(str(anc) == d or str(anc).startswith(d + "/")
+                                                    for d in (*SYSTEM_DIRS, "/proc", "/dev")):
+                    a += ["--perms", "0755", "--dir", str(anc)]
+                made.add(str(anc))
             if not host.exists():
                 raise SandboxError(f"sandbox bind source {host} does not exist")
             under = next((d for d in (*SYSTEM_DIRS, "/proc", "/dev") if dest.startswith(d + "/")), None)
             if under and not os.path.exists(dest):
                 raise SandboxError(f"cannot bind {host} at {dest}: {under} is the host's, read-only, and "
                                    f"has no {dest} to mount on (bind it at a path of its own)")
-            a += ["--bind" if writable else "--ro-bind", str(host), dest]
+            src = (staged or {}).get(host, host) if writable else host
+            a += ["--bind" if writable else "--ro-bind", str(src), dest]
         a += ["--chdir", spec.workdir, "--", *inner]
         return a
 
@@ -127,18 +161,41 @@ class BubblewrapSandbox(Sandbox):
         private = Path(tempfile.mkdtemp(prefix="polar-sandbox-"))
         relay: UnixToTcpRelay | None = None
         cg: Cgroup | None = None
+        image: DiskImage | None = None
         r_fd, w_fd = os.pipe()
         try:
             shutil.copy(Path(__file__).with_name("_init.py"), private / "init.py")
-            cfg: dict = {"report_fd": w_fd}
+            cfg: dict = {"report_fd": w_fd, "harden": hardened()}
             if spec.proxy_port and not spec.network:
                 relay = UnixToTcpRelay(private / "proxy.sock", spec.proxy_port)
                 cfg.update(proxy_port=spec.proxy_port, socket=f"{PRIVATE}/proxy.sock")
+            staged: dict[Path, Path] = {}
+            writable = [host for host, _, w in spec.mounts() if w]
+            if os.geteuid() == 0 and hardened():
+                # a root caller: the phase runs as an unprivileged uid range (see _init.py), so its
+                # writable binds become that uid's; the init keeps the private dir and socket
+                cfg["drop"] = {"uid_base": UID_BASE, "count": UID_COUNT, "init_uid": INIT_UID,
+                               "keep_caps": spec.userns_caps}
+                os.chmod(private, 0o711)  # the init (root, no CAP_DAC_*) reads init.py; no listing
+                if relay is not None:
+                    os.chown(private / "proxy.sock", INIT_UID, INIT_UID)  # 0600: the init's alone
+                if spec.disk_mb:
+                    try:
+                        image = DiskImage(spec.disk_mb, UID_BASE)
+                        staged = image.stage(writable)
+                    except OSError as exc:
+                        notes.append(f"disk image unavailable ({exc}); the disk cap falls back to a watchdog")
+                        if image is not None:
+                            image.close()
+                            image = None
+                if image is None:
+                    for host in writable:
+                        give_to_sandbox(host, UID_BASE)
             if spec.disk_mb:
                 cfg["fsize"] = spec.disk_mb * 1024 * 1024
             # -I: the phase's PYTHONPATH/PYTHONHOME (a harness's env) must not reach the init; -S: no site (~10 ms)
             inner = [PYTHON, "-I", "-S", f"{PRIVATE}/init.py", json.dumps(cfg), "--", *argv]
-            cmd = self.argv(spec, private, inner)
+            cmd = self.argv(spec, private, inner, staged)
             cg = Cgroup.create(pids=spec.pids, memory_mb=spec.memory_mb, cpus=spec.cpus, notes=notes)
             if cg is not None:
                 # Join the cgroup before exec'ing bwrap, so no process of the phase starts outside.
@@ -147,7 +204,7 @@ class BubblewrapSandbox(Sandbox):
                 cmd = ["/bin/sh", "-c", join, "sh", str(len(files)), *files, *cmd]
 
             seen = {"procs": 0, "disk": 0, "next_du": 0.0}
-            limit = (spec.disk_mb or 0) * 1024 * 1024
+            limit = (spec.disk_mb or 0) * 1024 * 1024 if image is None else 0  # the image is the cap
 
             def poll() -> str | None:
                 if cg is not None:
@@ -190,7 +247,16 @@ class BubblewrapSandbox(Sandbox):
             if relay is not None:
                 notes.append(f"model proxy reachable only as 127.0.0.1:{spec.proxy_port} "
                              f"({relay.connections} connection(s) relayed)")
-            if spec.disk_mb:
+            if image is not None:
+                used = image.used_mb()
+                image.unstage()  # every process of the phase is gone: copy its writes back
+                if image.skipped:
+                    notes.append(f"{image.skipped} special file(s) (FIFOs, sockets, devices) not copied back")
+                notes.append(f"disk: /tmp capped at {spec.disk_mb} MiB (tmpfs); work dir and HOME capped "
+                             f"together at {spec.disk_mb} MiB (a disk image; {used:.1f} MiB used)")
+                if used >= spec.disk_mb * 0.98:
+                    notes.append(f"disk limit hit: the work dir and HOME filled their {spec.disk_mb} MiB")
+            elif spec.disk_mb:
                 notes.append(f"disk: /tmp capped at {spec.disk_mb} MiB (tmpfs); work dir capped at "
                              f"{spec.disk_mb} MiB per file (RLIMIT_FSIZE) and in total by a watchdog")
             notes.append("no network" if not spec.network else "host network shared (allow_internet)")
@@ -206,6 +272,12 @@ class BubblewrapSandbox(Sandbox):
             if cg is not None:
                 cg.kill_all()
                 cg.remove()
+            if image is not None:
+                try:
+                    if not image.unstaged:
+                        image.unstage()
+                finally:
+                    image.close()
             shutil.rmtree(private, ignore_errors=True)
 
 

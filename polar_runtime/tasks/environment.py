@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_core.processes import file_lock
+from polar_runtime.sandbox.hostfs import copy_tree
 from polar_runtime.tasks.model import DEFAULT_BUILD_TIMEOUT, DEFAULT_PATH, Task
 
 
@@ -151,8 +152,9 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path) -> 
             if step.cwd and step.cwd != task.workdir:  # the Dockerfile's WORKDIR at that line
                 command = f"mkdir -p {shlex.quote(step.cwd)} 2>/dev/null; cd {shlex.quote(step.cwd)} || exit 1\n{command}"
             spec = SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, env=dict(env),
-                               network=task.allow_internet, cpus=task.cpus, memory_mb=task.memory_mb,
-                               timeout_s=task.build_timeout or DEFAULT_BUILD_TIMEOUT, image=task.image)
+                               network=task.allow_internet, **task.limits(),
+                               timeout_s=task.build_timeout or DEFAULT_BUILD_TIMEOUT, image=task.image,
+                               userns_caps=True)
             out_path = log_dir / f"build-step{i}.log"
             with open(out_path, "wb") as out:
                 res = sandbox.run(spec, ["bash", *shlex.split(step.shell), "-c", command], stdout=out, stderr=out)
@@ -185,7 +187,7 @@ def prepare_workdir(task: Task, workdir: Path, sandbox: Any, build_root: Path) -
             ready.write_text("\n".join(notes))
     if workdir.exists():
         shutil.rmtree(workdir)
-    shutil.copytree(built / "work", workdir, symlinks=True)
+    copy_tree(built / "work", workdir)  # links as links, no FIFO opened (a RUN step may leave one)
     os.chmod(workdir, 0o755)
     return [n for n in ready.read_text().splitlines() if n]
 

@@ -23,6 +23,13 @@ DEFAULT_WORKDIR = "/app"
 DEFAULT_AGENT_TIMEOUT = 600.0
 DEFAULT_VERIFIER_TIMEOUT = 120.0
 DEFAULT_BUILD_TIMEOUT = 600.0
+#: Every phase (build RUN steps, agent, oracle, verifier) runs under these unless task.toml sets
+#: its own: a sample's limits never depend on which phase it is in (Harbor's defaults are 1 CPU,
+#: 2 GiB, 10 GiB; the memory is higher here because a Node harness and a test run share a phase).
+DEFAULT_CPUS = 2.0
+DEFAULT_MEMORY_MB = 4096
+DEFAULT_STORAGE_MB = 10240
+DEFAULT_PIDS = 4096
 #: PATH inside when neither the caller nor the Dockerfile sets one (what $PATH means in an ENV line).
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -122,6 +129,11 @@ class Task:
         assert self.environment is not None
         return self.environment.workdir
 
+    def limits(self, pids: int | None = DEFAULT_PIDS) -> dict:
+        """The sandbox limits of any phase of this task (SandboxSpec keyword arguments)."""
+        return dict(cpus=self.cpus or DEFAULT_CPUS, memory_mb=self.memory_mb or DEFAULT_MEMORY_MB,
+                    disk_mb=self.storage_mb or DEFAULT_STORAGE_MB, pids=pids or DEFAULT_PIDS)
+
     @property
     def image(self) -> str | None:
         """The image a container backend (docker) runs the phases in: the Dockerfile's base image,
@@ -147,7 +159,7 @@ class Task:
             shutil.copytree(self.root / "tests", dest, symlinks=True, dirs_exist_ok=True)
         else:
             (dest / "test.sh").write_text(shorthand_test_sh(self.evaluator or "false", self.workdir))
-        (dest / "test.sh").chmod(0o755)
+        _make_executable(dest, "test.sh")
 
     def write_solution(self, dest: Path) -> None:
         """The reference solution at ``dest`` (placed at /solution for the oracle only)."""
@@ -156,7 +168,18 @@ class Task:
             shutil.copytree(self.root / "solution", dest, symlinks=True, dirs_exist_ok=True)
         else:
             (dest / "solve.sh").write_text(f'#!/usr/bin/env bash\ncd "${{POLAR_WORKDIR:-{self.workdir}}}"\n{self.reference}\n')
-        (dest / "solve.sh").chmod(0o755)
+        _make_executable(dest, "solve.sh")
+
+
+def _make_executable(dest: Path, name: str) -> None:
+    """chmod 0755 through an fd opened without following a link (a link there is not chmodded)."""
+    from polar_runtime.sandbox.hostfs import open_under
+
+    fd = open_under(dest, dest / name)
+    try:
+        os.fchmod(fd, 0o755)
+    finally:
+        os.close(fd)
 
 
 def _fresh(dest: Path) -> None:

@@ -2,4 +2,17 @@
 # reward 1 when calc.add adds (two cases)
 cd /app || exit 2
 mkdir -p /logs/verifier
-if python3 -c 'import calc, sys; sys.exit(0 if calc.add(2, 3) == 5 and calc.add(-1, 1) == 0 else 1)'; then echo 1; else echo 0; fi > /logs/verifier/reward.txt
+# The tested program runs as nobody (uid 65534 of the sandbox): it cannot write /logs/verifier,
+# signal this script or change its files. Only this script writes the reward (docs/tasks.md).
+untrusted() {
+  python3 -I -c 'import os, sys
+if os.geteuid() == 0:
+    os.setgroups([]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
+else:
+    print("verifier: not uid 0, the tested program runs as this user", file=sys.stderr)
+os.execvp(sys.argv[1], sys.argv[1:])' "$@"
+}
+chmod -R a+rX /app 2>/dev/null
+export PYTHONDONTWRITEBYTECODE=1
+out=$(untrusted python3 -c 'import calc; print(calc.add(2, 3)); print(calc.add(-1, 1))' 2>/dev/null | head -c 4096)
+if [ "$out" = "$(printf '5\n0')" ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt
