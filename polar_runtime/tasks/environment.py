@@ -194,7 +194,8 @@ def prepare_workdir(task: Task, workdir: Path, sandbox: Any, build_root: Path) -
 
 #: a command that needs the network (downloads, package indexes)
 _NEEDS_NET = re.compile(
-    r"\b(curl|wget)\b[^\n|;&]*\b(https?|ftp)://|\bgit\s+clone\b|\b(pip3?|python3?(\.\d+)?\s+-m\s+pip)\s+install\b"
+    r"\b(curl|wget)\b[^\n|;&]*\b(https?|ftp)://(?!(?:localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|\[::1\])(?:[:/\s\"']|$)|\$)"
+    r"|\bgit\s+clone\b[^\n|;&]*?(https?://|git@|ssh://|git://)|\b(pip3?|python3?(\.\d+)?\s+-m\s+pip)\s+install\b"
     r"|\buv\s+(pip\s+install|sync|add|tool\s+install)\b|\buvx\b|\bnpm\s+(install|ci|i)\b|\bcargo\s+install\b"
     r"|\bgo\s+(get|install|mod\s+download)\b|\bapt(-get)?\s+(-\S+\s+)*(update|install)\b")
 

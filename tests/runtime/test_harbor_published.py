@@ -277,12 +277,21 @@ def test_links_inside_the_task_are_fine(tmp_path):
      "Dockerfile:3: `pip install` needs the network"),
     ("FROM ubuntu:24.04\nWORKDIR /app\n", "apt-get update\napt-get install -y curl\n"
      "curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh\n", "", "tests/test.sh:4: the verifier runs `curl"),
+    ("FROM ubuntu:24.04\nWORKDIR /app\nRUN git clone --depth 1 https://github.com/x/y.git src\n", "true\n", "",
+     "Dockerfile:3: `git clone --depth 1 https://` needs the network"),
     ("FROM ubuntu:24.04\nWORKDIR /app\nRUN apt-get update && apt-get install -y no-such-pkg-polar37\n", "true\n", "",
      "installs apt packages this host lacks (no-such-pkg-polar37)"),
 ])
 def test_local_mode_refusals_name_the_file_and_line(tmp_path, dockerfile, test_sh, toml, why):
     t = one(task(tmp_path, dockerfile=dockerfile, test_sh=test_sh, toml=toml))
     assert why in (local_mode_refusal(t) or "")
+
+
+def test_requests_to_the_sandbox_itself_are_not_downloads(tmp_path):
+    t = one(task(tmp_path, test_sh='curl -s http://localhost:8080/health && curl -fsS "http://127.0.0.1:5000/api"\n'
+                                   'wget -qO- http://0.0.0.0:3000/ ; curl "http://$HOST/x"\ncurl http://localhost\n'
+                                   'git clone /app/repo /tmp/copy\n'))
+    assert local_mode_refusal(t) is None
 
 
 def test_with_the_network_downloads_are_not_refused(tmp_path):
