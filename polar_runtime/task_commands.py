@@ -13,6 +13,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 tasks_app = typer.Typer(no_args_is_help=True, help="Harbor task directories: check (oracle and nop), list, convert.")
@@ -21,14 +22,29 @@ console = Console()
 
 def check_tasks(tasks: list[Any], *, work: Path, sandbox: str = "auto", concurrency: int = 2,
                 timeout: float | None = None) -> list[dict[str, Any]]:
-    """Run the oracle and nop once on every task; one row per task with both rewards and a verdict
-    (``ok``, or why not)."""
+    """Run the oracle and nop once on every task; one row per task with both rewards, a ``status``
+    (``passed``, ``failed`` or ``refused``), a ``verdict`` (``ok``, or why not) and the task's notes.
+
+    ``refused``: the local mode cannot run the task (found before running it, or its build failed);
+    ``failed``: no reference solution, an oracle that scored below 1 (a broken solution or
+    verifier), or, only when the oracle scored 1, a nop that scored as high (tests that test
+    nothing)."""
     from polar_runtime import rollout as r
     from polar_runtime.harnesses import Endpoint, get_preset
+    from polar_runtime.tasks.environment import local_mode_refusal
 
+    refusals: dict[str, str] = {}
+    for t in tasks:
+        try:
+            why = local_mode_refusal(t)
+        except Exception as exc:  # noqa: BLE001 - a check never crashes on a task
+            why = f"cannot inspect the task: {type(exc).__name__}: {exc}"
+        if why:
+            refusals[t.id] = why
+    runnable = [t for t in tasks if t.id not in refusals]
     rows: dict[str, dict[str, Any]] = {t.id: {"task": t.id} for t in tasks}
-    for name in ("oracle", "nop"):
-        cfg = r.RolloutConfig(tasks=tasks, preset=get_preset(name), endpoint=Endpoint(mode="base_url", base_url="http://127.0.0.1:9"),
+    for name in ("oracle", "nop") if runnable else ():
+        cfg = r.RolloutConfig(tasks=runnable, preset=get_preset(name), endpoint=Endpoint(mode="base_url", base_url="http://127.0.0.1:9"),
                               capture_dir=work / name, model="-", samples=1, concurrency=concurrency,
                               timeout=timeout or 600.0, settle_s=0.0, sandbox=sandbox, work_root=work / "work" / name)
         df = r.run_rollout(cfg)
@@ -39,20 +55,52 @@ def check_tasks(tasks: list[Any], *, work: Path, sandbox: str = "auto", concurre
         rec = rows[t.id]
         oracle, nop = rec.get("oracle") or {}, rec.get("nop") or {}
         o, n = oracle.get("reward"), nop.get("reward")
-        problems = []
-        if not t.has_solution:
-            problems.append("no solution/solve.sh")
+        err = str(oracle.get("error") or "")
+        status, problems = "failed", []
+        if t.id in refusals:
+            status, problems = "refused", [refusals[t.id]]
+        elif err.startswith("environment:"):
+            status, problems = "refused", ["the local mode could not build the environment: " + err.removeprefix("environment:").strip()[:600]]
+        elif not t.has_solution:
+            problems.append("no solution/solve.sh: the oracle cannot be checked")
         elif o is None or o < 1:
-            why = (oracle.get("error") or oracle.get("evaluator_output") or "").strip().splitlines()
-            problems.append(f"oracle scored {o if o is not None else 'nothing'}" + (f" ({why[-1][:160]})" if why else ""))
-        if n is None and nop.get("evaluator_status") in ("error", "timeout"):
+            why = (err or oracle.get("evaluator_output") or "").strip().splitlines()
+            what = "the verifier wrote no reward" if o is None else f"scored {o:g}"
+            problems.append(f"oracle failed: {what}" + (f" ({why[-1][:200]})" if why else ""))
+        elif n is None and nop.get("evaluator_status") in ("error", "timeout"):
             problems.append(f"nop: verifier {nop.get('evaluator_status')}")
-        elif o is not None and n is not None and n >= o:
-            problems.append(f"nop scored {n} >= oracle {o}: the tests do not test anything")
-        out.append({"task": t.id, "oracle": o, "nop": n, "oracle_s": oracle.get("wall_s"),
+        elif n is not None and n >= o:
+            problems.append(f"tests test nothing: nop scored {n:g}, as high as the oracle's {o:g}")
+        if not problems:
+            status = "passed"
+        out.append({"task": t.id, "status": status, "oracle": o, "nop": n, "oracle_s": oracle.get("wall_s"),
                     "verdict": "ok" if not problems else "; ".join(problems),
-                    "oracle_verifier": oracle.get("verifier_dir"), "notes": t.notes})
+                    "oracle_verifier": oracle.get("verifier_dir"), "notes": list(t.notes) + list(
+                        t.environment.notes if t.environment is not None else [])})
     return out
+
+
+def refused_row(task: str, reason: str) -> dict[str, Any]:
+    return {"task": task, "status": "refused", "oracle": None, "nop": None, "oracle_s": None, "verdict": reason,
+            "oracle_verifier": None, "notes": []}
+
+
+def load_for_check(path: str) -> tuple[list[Any], list[dict[str, Any]]]:
+    """The tasks of ``path`` that load, and a refused row for each that does not (a dataset
+    directory never stops at its first bad task). Raises FileNotFoundError / ValueError only when
+    ``path`` itself is not a task set."""
+    from polar_runtime import tasks as T
+    from polar_runtime.tasks.harbor import load_dataset_report
+
+    p = T.resolve_tasks_path(path)
+    if not p.is_dir():
+        return T.load_tasks(p), []
+    tasks, refused = load_dataset_report(p)
+    if not tasks and not refused:
+        raise ValueError(f"{p}: neither a Harbor task directory (task.toml + instruction.md) nor a dataset of them")
+    base = str(p.resolve()) + "/"
+    rows = [refused_row(r.task, r.reason.replace(base, "")) for r in refused]
+    return tasks, rows
 
 
 @tasks_app.command("check")
@@ -61,32 +109,59 @@ def check_command(
     sandbox: Annotated[str, typer.Option(help="Sandbox backend: auto, bubblewrap, docker, podman, apptainer, host (no isolation).")] = "auto",
     concurrency: Annotated[int, typer.Option(help="Tasks at once.")] = 2,
     work: Annotated[Optional[Path], typer.Option(help="Where the samples' dirs go (default: a temporary dir).")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the rows as JSON to this file.")] = None,
 ) -> None:
-    """Run the oracle and nop on every task; exit 1 when an oracle scores below 1 or a nop scores as
-    high as its oracle."""
-    from polar_runtime import tasks as T
+    """Run the oracle and nop on every task; one row per task: passed, failed (an oracle below 1,
+    tests that test nothing, no solution) or refused (what the local mode cannot run, or a task
+    that does not load), with the reason and the notes. Exit 1 when any task failed or was refused."""
+    import json
+
+    from polar_runtime.tasks import resolve_tasks_path
 
     try:
-        tasks = T.load_tasks(path)
-    except (ValueError, FileNotFoundError) as exc:
+        tasks, refused = load_for_check(path)
+    except (ValueError, FileNotFoundError, OSError) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
+    ids = [t.id for t in tasks] + [r["task"] for r in refused]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        console.print(f"[red]{path}: duplicate task ids {dup}[/red]")
+        raise typer.Exit(2)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="polar-tasks-check-") as tmp:
-        rows = check_tasks(tasks, work=work or Path(tmp), sandbox=sandbox, concurrency=concurrency)
-    table = Table(title=f"polar tasks check {path} ({len(rows)} tasks, sandbox {sandbox}, {time.monotonic() - t0:.1f} s)")
-    for col in ("task", "oracle", "nop", "oracle s", "verdict"):
-        table.add_column(col, justify="right" if col in ("oracle", "nop", "oracle s") else "left")
-    bad = 0
+        rows = check_tasks(tasks, work=work or Path(tmp), sandbox=sandbox, concurrency=concurrency) if tasks else []
+    root = str(resolve_tasks_path(path).resolve()) + "/"  # reasons name files relative to the dataset
+    rows = sorted(rows + refused, key=lambda r: ids.index(r["task"]))
     for row in rows:
-        ok = row["verdict"] == "ok"
-        bad += not ok
+        row["verdict"] = row["verdict"].replace(root, "")
+    table = Table(title=f"polar tasks check {escape(path)} ({len(rows)} tasks, sandbox {sandbox}, {time.monotonic() - t0:.1f} s)")
+    for col in ("task", "status", "oracle", "nop", "oracle s", "reason"):
+        table.add_column(col, justify="right" if col in ("oracle", "nop", "oracle s") else "left",
+                         no_wrap=col != "reason", max_width=70 if col == "reason" else None)
+    counts = {"passed": 0, "failed": 0, "refused": 0}
+    colours = {"passed": "green", "failed": "red", "refused": "yellow"}
+    for row in rows:
+        counts[row["status"]] += 1
         fmt = lambda v: "-" if v is None else f"{v:g}"  # noqa: E731
-        table.add_row(row["task"], fmt(row["oracle"]), fmt(row["nop"]), fmt(row["oracle_s"]),
-                      row["verdict"] if ok else f"[red]{row['verdict']}[/red]")
+        c = colours[row["status"]]
+        reason = "" if row["status"] == "passed" else row["verdict"]
+        table.add_row(escape(row["task"]), f"[{c}]{row['status']}[/{c}]", fmt(row["oracle"]), fmt(row["nop"]),
+                      fmt(row["oracle_s"]), escape(reason if len(reason) <= 140 else reason[:137] + "..."))
     console.print(table)
+    # every reason in full and every note, one line each (the table keeps to the terminal's width)
+    for row in rows:
+        if row["status"] != "passed":
+            console.print(f"{escape(row['task'])}: [{colours[row['status']]}]{row['status']}[/]: {escape(row['verdict'])}",
+                          markup=True, highlight=False, soft_wrap=True)
+        for note in row["notes"]:
+            console.print(f"{row['task']}: note: {note}", markup=False, highlight=False, soft_wrap=True)
+    if json_out is not None:
+        json_out.write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    bad = counts["failed"] + counts["refused"]
+    summary = f"{counts['passed']} passed, {counts['failed']} failed, {counts['refused']} refused of {len(rows)} tasks"
     if bad:
-        console.print(f"[red]{bad} of {len(rows)} tasks failed the check[/red]")
+        console.print(f"[red]{summary}[/red]")
         raise typer.Exit(1)
     console.print(f"all {len(rows)} tasks pass: oracle 1, nop below it")
 

@@ -12,6 +12,7 @@ fail at once with the build's error (the line and its output) instead of rebuild
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 import re
@@ -66,9 +67,33 @@ def missing_host_packages(pkgs: list[str]) -> list[str]:
     return missing
 
 
-def _copy(src: Path, dest: Path) -> None:
-    if src.is_dir():
-        shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True)
+def dockerignore(context: Path) -> list[str]:
+    """The patterns of the build context's ``.dockerignore`` (``!`` exceptions are not honoured)."""
+    f = context / ".dockerignore"
+    if not f.is_file() or f.is_symlink():
+        return []
+    pats = []
+    for line in f.read_text(errors="replace").splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", "!")):
+            pats.append(os.path.normpath(line.lstrip("/")))
+    return pats
+
+
+def _ignored(rel: str, patterns: list[str]) -> bool:
+    parts = rel.split("/")
+    return any(fnmatch.fnmatch(rel, p) or any(fnmatch.fnmatch("/".join(parts[:i]), p) for i in range(1, len(parts)))
+               or (p.startswith("**/") and fnmatch.fnmatch(parts[-1], p[3:])) for p in patterns)
+
+
+def _copy(src: Path, dest: Path, context: Path | None = None, patterns: list[str] | None = None) -> None:
+    if src.is_dir() and not src.is_symlink():
+        def ignore(d: str, names: list[str]) -> set[str]:
+            if not patterns or context is None:
+                return set()
+            base = os.path.relpath(d, context)
+            return {x for x in names if _ignored(os.path.normpath(os.path.join(base, x)), patterns)}
+        shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True, ignore=ignore)
     else:
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dest, follow_symlinks=False)
@@ -114,7 +139,7 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path) -> 
                 target = dest / s.name if (step.dest.endswith("/") or len(sources) > 1) and s.is_file() else dest
                 if root not in target.resolve().parents and target.resolve() != root:
                     raise BuildError(f"{where}: destination escapes the work dir")
-                _copy(s, target)
+                _copy(s, target, env_plan.context, dockerignore(env_plan.context))
         elif step.kind == "run":
             pkgs = apt_packages(step.text)
             if pkgs is not None and shutil.which("dpkg-query"):
@@ -124,13 +149,16 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path) -> 
                                      f"read-only); not on this host: {' '.join(missing)}")
                 notes.append(f"line {step.line}: apt step skipped, its packages are on the host: {' '.join(pkgs) or '-'}")
                 continue
+            command = step.text
+            if step.cwd and step.cwd != task.workdir:  # the Dockerfile's WORKDIR at that line
+                command = f"mkdir -p {shlex.quote(step.cwd)} 2>/dev/null; cd {shlex.quote(step.cwd)} || exit 1\n{command}"
             spec = SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, env=dict(env),
                                egress=registries(), **task.limits(),
                                timeout_s=task.build_timeout or DEFAULT_BUILD_TIMEOUT, image=task.image,
                                userns_caps=True)
             out_path = log_dir / f"build-step{i}.log"
             with open(out_path, "wb") as out:
-                res = sandbox.run(spec, ["bash", "-c", step.text], stdout=out, stderr=out)
+                res = sandbox.run(spec, ["bash", *shlex.split(step.shell), "-c", command], stdout=out, stderr=out)
             if res.timed_out or res.returncode != 0:
                 tail = out_path.read_text(errors="replace")[-1500:]
                 what = f"timed out after {spec.timeout_s:g} s" if res.timed_out else f"exited {res.returncode}"
@@ -163,3 +191,66 @@ def prepare_workdir(task: Task, workdir: Path, sandbox: Any, build_root: Path) -
     copy_tree(built / "work", workdir)  # links as links, no FIFO opened (a RUN step may leave one)
     os.chmod(workdir, 0o755)
     return [n for n in ready.read_text().splitlines() if n]
+
+
+#: a command that needs the network (downloads, package indexes)
+_NEEDS_NET = re.compile(
+    r"\b(curl|wget)\b[^\n|;&]*\b(https?|ftp)://(?!(?:localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|\[::1\])(?:[:/\s\"']|$)|\$)"
+    r"|\bgit\s+clone\b[^\n|;&]*?(https?://|git@|ssh://|git://)|\b(pip3?|python3?(\.\d+)?\s+-m\s+pip)\s+install\b"
+    r"|\buv\s+(pip\s+install|sync|add|tool\s+install)\b|\buvx\b|\bnpm\s+(install|ci|i)\b|\bcargo\s+install\b"
+    r"|\bgo\s+(get|install|mod\s+download)\b|\bapt(-get)?\s+(-\S+\s+)*(update|install)\b")
+
+
+def _script_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, command) of a shell script, comments and blank lines dropped."""
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        s = line.strip()
+        if s and not s.startswith("#"):
+            out.append((n, s))
+    return out
+
+
+def local_mode_refusal(task: Task) -> str | None:
+    """Why the local mode (the host's toolchain, read-only, no network unless the task allows it)
+    cannot run ``task``, found without running anything; None when nothing stands in its way. The
+    build itself may still fail: :func:`prepare_workdir` then says which line."""
+    env_plan = task.environment
+    assert env_plan is not None
+    dockerfile = f"{task.root / 'environment' / 'Dockerfile'}" if task.root else "setup"
+    has_dpkg = shutil.which("dpkg-query") is not None
+    for step in env_plan.steps:
+        if step.kind != "run":
+            continue
+        where = f"{dockerfile}:{step.line}" if step.line else dockerfile
+        pkgs = apt_packages(step.text)
+        if pkgs is not None:
+            missing = missing_host_packages(pkgs) if has_dpkg else pkgs
+            if missing:
+                return (f"{where}: installs apt packages this host lacks ({' '.join(missing)}); the local mode "
+                        "cannot install into the read-only host system")
+            continue
+        if not task.allow_internet:
+            m = _NEEDS_NET.search(step.text)
+            if m:
+                return (f"{where}: `{m.group(0).strip()[:60]}` needs the network, and the task has none "
+                        "(allow_internet / network_mode)")
+    if task.root is None:
+        return None
+    for rel, what in (("tests/test.sh", "the verifier"), ("solution/solve.sh", "the oracle")):
+        f = task.root / rel
+        if not f.is_file() or f.is_symlink():
+            continue
+        for n, line in _script_lines(f.read_text(errors="replace")):
+            pkgs = apt_packages(line)
+            if pkgs is not None:
+                missing = missing_host_packages(pkgs) if has_dpkg else pkgs
+                if missing:
+                    return (f"{f}:{n}: {what} installs apt packages this host lacks ({' '.join(missing)}); the "
+                            "local mode cannot install into the read-only host system")
+                continue
+            m = _NEEDS_NET.search(line)
+            if m and not task.allow_internet:
+                return (f"{f}:{n}: {what} runs `{m.group(0).strip()[:60]}`, which needs the network, and the task "
+                        "has none (allow_internet / network_mode)")
+    return None

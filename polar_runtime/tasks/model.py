@@ -49,6 +49,8 @@ class Step:
     dest: str = ""
     line: int = 0
     source: str = ""  # the Dockerfile line as written, for messages
+    cwd: str = ""  # ``run``: Docker's working directory at that line ("" = the work dir)
+    shell: str = ""  # ``run``: bash options of the Dockerfile's SHELL (``-o pipefail``)
 
 
 @dataclass
@@ -72,11 +74,16 @@ class Environment:
         neither the Dockerfile nor a file of its context changed."""
         h = hashlib.sha256(f"{self.workdir}\0{self.base_image}".encode())
         for s in self.steps:
-            h.update(f"\0{s.kind}\0{s.text}\0{s.src}\0{s.dest}".encode())
-        if self.context is not None and self.context.is_dir():
-            for p in sorted(self.context.rglob("*")):
-                if p.is_file():
-                    h.update(str(p.relative_to(self.context)).encode() + b"\0" + p.read_bytes())
+            h.update(f"\0{s.kind}\0{s.text}\0{s.src}\0{s.dest}\0{s.cwd}\0{s.shell}".encode())
+        if self.context is not None and self.context.is_dir() and not self.context.is_symlink():
+            for dirpath, dirnames, filenames in sorted(os.walk(self.context, followlinks=False)):
+                for name in sorted(dirnames + filenames):
+                    p = Path(dirpath) / name
+                    rel = str(p.relative_to(self.context)).encode() + b"\0"
+                    if p.is_symlink():  # a link is hashed as a link, never read through
+                        h.update(rel + b"->" + os.readlink(p).encode())
+                    elif p.is_file():
+                        h.update(rel + p.read_bytes())
         return h.hexdigest()[:16]
 
 
