@@ -130,8 +130,10 @@ def test_other_hosts_refused_by_option(helpers, upstream, proxy_factory, other_s
 
 def test_control_api_reachable_in_regular_mode(helpers, upstream, regular_proxy):
     """A plain (origin-form) request to a regular-mode proxy reaches its control API: this proxy's
-    own status, not a forwarded or refused request."""
-    ans = helpers.request(regular_proxy.url + "/_polar/status")
+    own status, not a forwarded or refused request (with the run's control secret; without it, 401)."""
+    assert helpers.request(regular_proxy.url + "/_polar/status").status == 401
+    ans = helpers.request(regular_proxy.url + "/_polar/status",
+                          headers={"Authorization": f"Bearer {regular_proxy.control_token}"})
     assert ans.status == 200 and ans.headers["content-type"].startswith("application/json")
     status = json.loads(ans.body)
     assert status["proxy_id"] and status["capture_dir"] == str(Path(regular_proxy.capture_dir).resolve())
