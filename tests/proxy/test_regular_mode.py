@@ -169,7 +169,7 @@ def test_polar_proxy_cli(upstream, tmp_path):
     import time
     from pathlib import Path
 
-    from polar_core.control import ProxyControl
+    from polar_core.control import ProxyControl, token_file
 
     port = free_port()
     env = {**os.environ, "POLAR_HOME": str(tmp_path)}
@@ -182,13 +182,16 @@ def test_polar_proxy_cli(upstream, tmp_path):
         deadline = time.monotonic() + 60
         while b"control:" not in log.read_bytes() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
-        status = ProxyControl(f"http://127.0.0.1:{port}", timeout=5).status()
+        secret = token_file(port, tmp_path / "mitmproxy")  # the proxy's control secret, for its owner only
+        assert secret.stat().st_mode & 0o777 == 0o600
+        status = ProxyControl(f"http://127.0.0.1:{port}", timeout=5, token=secret.read_text().strip()).status()
         assert status["upstreams"][0]["url"] == upstream.url
         assert status["capture_dir"] == str((tmp_path / "captures").resolve())
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     out = log.read_text()
+    assert str(secret) in out  # says where the control secret is
     assert "HTTPS_PROXY" in out and "NODE_EXTRA_CA_CERTS" in out and "mitmproxy-ca-cert.pem" in out
     assert proc.returncode == 0
     assert (tmp_path / "mitmproxy" / "mitmproxy-ca-cert.pem").exists()
