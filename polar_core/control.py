@@ -43,8 +43,9 @@ def remember_token(base_url: str, token: str) -> None:
     _known[base_url.rstrip("/")] = token
 
 
-def find_token(base_url: str) -> str | None:
-    """The control secret of the proxy at ``base_url`` (see the module docstring), or None."""
+def find_token(base_url: str, confdirs: Iterable[str | os.PathLike[str]] = ()) -> str | None:
+    """The control secret of the proxy at ``base_url`` (see the module docstring), or None.
+    ``confdirs``: where else to look first (a proxy started with its own confdir)."""
     base = base_url.rstrip("/")
     if base in _known:
         return _known[base]
@@ -55,7 +56,7 @@ def find_token(base_url: str) -> str | None:
         port = u.port or (443 if u.scheme == "https" else 80)
     except ValueError:
         return None
-    for confdir in (paths.mitmproxy_confdir(), Path.home() / ".mitmproxy"):
+    for confdir in (*confdirs, paths.mitmproxy_confdir(), Path.home() / ".mitmproxy"):
         try:
             text = token_file(port, confdir).read_text().strip()
         except OSError:

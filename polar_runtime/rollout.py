@@ -338,12 +338,13 @@ def open_stack(
     interception of the hosted API hostnames) for ``proxy`` runs. Everything started is stopped on
     exit, also on errors and Ctrl-C.
     """
-    from polar_core.control import ProxyControl
+    from polar_core.control import ProxyControl, find_token
     from polar_proxy.process import ProxyProcess
 
     with contextlib.ExitStack() as stack:
         if proxy:
-            control = ProxyControl(proxy)
+            # its control secret: in the proxy's confdir, where its CA is (or $POLAR_CONTROL_TOKEN)
+            control = ProxyControl(proxy, token=find_token(proxy, [ca_cert.parent] if ca_cert else []))
             status = control.status()
             proxy_dir = Path(status.get("capture_dir") or "")
             if capture_dir is not None and proxy_dir.resolve() != Path(capture_dir).resolve():
