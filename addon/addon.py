@@ -90,7 +90,17 @@ class Polar:
                           "Calls addressed to an upstream or to the proxy itself are always intercepted.")
         loader.add_option("polar_passthrough", bool, True,
                           "Regular mode: pass traffic to other hosts through untouched (never captured). "
-                          "False: refuse it.")
+                          "False: refuse it (CONNECT and absolute-form requests to any host not intercepted "
+                          "get a 403 that names the allowed hosts; polar rollout and polar demo set this).")
+        loader.add_option("polar_control_token", Optional[str], None,
+                          "Secret the control API (/_polar/...) requires: 'Authorization: Bearer <secret>' or "
+                          "x-polar-control-token. Unset: $POLAR_CONTROL_TOKEN, else a random one made at start. "
+                          "Written (mode 0600) to polar_control_token_file, where polar's clients find it.")
+        loader.add_option("polar_control_token_file", Optional[str], None,
+                          "Where the control secret is written. Unset: <confdir>/polar-control-<listen_port>.token.")
+        loader.add_option("polar_require_session_key", bool, False,
+                          "Refuse model calls that carry no session key issued by POST /_polar/sessions "
+                          "(polar rollout and polar demo set this: every sample's session is bound to its key).")
         loader.add_option("polar_stream_mode", str, "passthrough",
                           "passthrough: stream the upstream's tokens as they come; synthetic: call the upstream "
                           "non-streaming and replay the answer as a stream.", choices=list(STREAM_MODES))
@@ -196,6 +206,9 @@ class Polar:
             s.writer = writer
         if "polar_fsync" in updated and s.writer is not None:
             s.writer.fsync = o.polar_fsync
+        if "polar_control_token" in updated and o.polar_control_token:
+            self.state.control_token = o.polar_control_token
+        s.require_session_key = o.polar_require_session_key
         if "polar_pause" in updated:
             s.gate.set_paused(o.polar_pause)
         if "polar_policy_version" in updated:
@@ -274,6 +287,7 @@ class Polar:
         await s.relay.start()
         if ctx.options.polar_exact_history:
             s.exact = self._new_exact()
+        self._control_token_file = control.publish_token(s, ctx.options)
         _tune_gc()
         log.info(f"polar: proxy {s.proxy_id} upstreams={s.pool.urls if s.pool else []} "
                  f"capture={s.writer.root if s.writer else None} relay=127.0.0.1:{s.relay.port}")
@@ -291,6 +305,7 @@ class Polar:
             await s.http.close()
         if s.writer is not None:
             s.writer.close()
+        control.unpublish_token(s, getattr(self, "_control_token_file", None))
 
     # -- commands ----------------------------------------------------------------------------
     @command.command("polar.pause")
@@ -327,8 +342,14 @@ class Polar:
             del flow.request.headers["proxy-authorization"]
         if not self.intercept.host(flow.request.host, flow.request.port, flow, s.pool) and not s.passthrough:
             s.stats["refused"] += 1
-            flow.response = http.Response.make(403, b"polar: host not intercepted and passthrough disabled\n",
-                                               {"content-type": "text/plain"})
+            flow.response = self._refusal("CONNECT", f"{flow.request.host}:{flow.request.port}")
+
+    def _refusal(self, method: str, target: str) -> http.Response:
+        """The 403 a harness logs for traffic this proxy does not carry (passthrough off)."""
+        hosts = ", ".join(sorted(self.intercept.hosts) + [f"*{x}" for x in self.intercept.suffixes])
+        text = (f"polar: {method} {target} refused: this proxy carries model API calls only "
+                f"(hosts: {hosts}); polar_passthrough is off\n")
+        return http.Response.make(403, text.encode(), {"content-type": "text/plain"})
 
     def tls_clienthello(self, data: Any) -> None:
         """Terminate TLS only for intercepted hosts; everything else stays an opaque tunnel."""
@@ -347,14 +368,18 @@ class Polar:
             return  # not live: a flow read from a file (-r) replays its events; it is not a call
         s = self.state
         if flow.request.path.startswith(control.CONTROL_PREFIX) and self.intercept.control_allowed(flow, s.pool):
+            authorized = control.authorized(s, flow)  # before scrub: it drops the Authorization header
             scrub(flow)  # saved flows (-w) must never hold a key, whatever the path
-            await control.handle(s, flow)
+            if authorized:
+                await control.handle(s, flow)
+            else:
+                control.refuse(s, flow)
             return
         if not self.intercept.flow(flow, s.pool):
             if not s.passthrough:
                 s.stats["refused"] += 1
                 scrub(flow)
-                flow.response = http.Response.make(403, b"polar: host not intercepted\n", {"content-type": "text/plain"})
+                flow.response = self._refusal(flow.request.method, flow.request.pretty_url)
             else:
                 s.stats["passthrough"] += 1
                 flow.metadata["polar"] = {"passthrough": True}

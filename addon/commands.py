@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 
 from polar_core import paths
+from polar_core.control import token_file
 
 from .process import ProxyProcess
 
@@ -71,6 +72,7 @@ def proxy_command(
             print(f"export {k}={v}")  # plain lines: copy-paste safe, never wrapped
     print(f"# captures: {proxy.capture_dir}/sessions/<session>.jsonl   log: {proxy.log_file}")
     print(f"# control:  {proxy.url}/_polar/status   (pause, resume, policy_version, sessions)")
+    print(f"#           needs 'Authorization: Bearer <secret>', the secret in {token_file(proxy.port or port, proxy.confdir)}")
     if mode == "reverse":
         print("# session:  header x-polar-session, or API key polar-<session>")
     else:

@@ -82,11 +82,14 @@ async def model_call(s: ProxyState, flow: http.HTTPFlow) -> None:
 
     try:
         session = resolve_session(headers, query, proxy_auth=s.conn_proxy_auth.get(flow.client_conn.id),
-                                  connection_id=flow.client_conn.id)
+                                  connection_id=flow.client_conn.id, keys=s.session_keys, bound=s.key_of,
+                                  body=body, require_key=s.require_session_key)
     except SessionError as exc:
         s.stats["errors"] += 1
-        answer_error(flow, provider or guess_provider(path_only, headers), 400, "invalid_request", exc.message)
-        flow.metadata["polar"] = {"error": "invalid_session"}
+        if exc.status == 403:
+            s.stats["session_refused"] += 1  # spoke for a session not its own: nothing written
+        answer_error(flow, provider or guess_provider(path_only, headers), exc.status, exc.kind, exc.message)
+        flow.metadata["polar"] = {"error": "invalid_session" if exc.status != 403 else "session_refused"}
         return
 
     if provider is None:
@@ -116,6 +119,8 @@ async def model_call(s: ProxyState, flow: http.HTTPFlow) -> None:
     reg = s.registry.get(sid) or {}
     if reg.get("harness") and not headers.get("x-polar-harness"):
         rec.harness = reg["harness"]  # the runner knows; the user agent may only name an SDK
+    if session.source == "key":  # a bound session: its labels are the runner's, never the sample's
+        headers = {}
     rec.task_id = headers.get("x-polar-task") or reg.get("task_id")
     rec.group_id = headers.get("x-polar-group") or reg.get("group_id")
     sample = headers.get("x-polar-sample", reg.get("sample_index"))

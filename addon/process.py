@@ -4,12 +4,15 @@ Why a process and not an in-process master: the proxy is what harnesses, rollout
 tests talk to over sockets, exactly as in production; a child ``mitmdump`` keeps its event loop,
 its crash and its CPU separate from the caller. The client of the proxy's loopback control API
 (``/_polar/...``) is ``polar_core.control.ProxyControl``: the trainer and the rollout runner use it
-without importing the proxy.
+without importing the proxy. Each ``ProxyProcess`` makes its own control secret (``control_token``)
+and hands it to mitmdump through the environment (never the command line, which every process can
+read); ``self.control`` and every ``ProxyControl(self.url)`` of this process use it.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -21,7 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from polar_core import paths
-from polar_core.control import ProxyControl
+from polar_core.control import TOKEN_ENV, ProxyControl, remember_token
 from polar_core.net import free_port
 from polar_core.processes import kill_group
 
@@ -66,6 +69,7 @@ class ProxyProcess:
         startup_timeout: float = 30.0,
         web: bool = False,
         env: Mapping[str, str] | None = None,
+        control_token: str | None = None,
     ):
         if mode not in ("reverse", "regular"):
             raise ValueError("mode must be 'reverse' or 'regular'")
@@ -89,6 +93,7 @@ class ProxyProcess:
         self.startup_timeout = startup_timeout
         self.web = web
         self.env = dict(env) if env is not None else None
+        self.control_token = control_token or self.options.get("polar_control_token") or secrets.token_urlsafe(32)
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._own_log: Path | None = None
@@ -109,7 +114,7 @@ class ProxyProcess:
 
     @property
     def control(self) -> ProxyControl:
-        return ProxyControl(self.url)
+        return ProxyControl(self.url, token=self.control_token)
 
     def harness_env(self, session: str | None = None) -> dict[str, str]:
         """Environment a harness needs to go through this proxy (regular mode) or to it (reverse)."""
@@ -173,6 +178,8 @@ class ProxyProcess:
             env = dict(os.environ if self.env is None else self.env)
             for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
                 env.pop(k, None)
+            env[TOKEN_ENV] = self.control_token  # unless polar_control_token is set in options
+            remember_token(self.url, self.control_token)
             self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
             if self._wait_ready():
@@ -185,7 +192,7 @@ class ProxyProcess:
 
     def _wait_ready(self) -> bool:
         deadline = time.monotonic() + self.startup_timeout
-        ctl = ProxyControl(self.url, timeout=2)
+        ctl = ProxyControl(self.url, timeout=2, token=self.control_token)
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
                 return False

@@ -56,9 +56,15 @@ class ProxyState:
         self.session_calls: OrderedDict[str, int] = OrderedDict()  # next call index per session
         self.registry: OrderedDict[str, dict[str, Any]] = OrderedDict()  # what the runner said of a session
         self.conn_proxy_auth: dict[str, str] = {}  # regular mode: proxy user of each client connection
+        # -- who may speak for what (control.py, sessions.py) --------------------------------------
+        self.control_token: str | None = None  # the control API's secret (polar_control_token or made at start)
+        self.session_keys: dict[str, str] = {}  # issued session key -> the session it is bound to
+        self.key_of: dict[str, str] = {}  # session -> its issued key
+        self.require_session_key = False  # polar_require_session_key: calls without an issued key are refused
         self.max_sessions = 100_000
         self.stats = {"calls": 0, "errors": 0, "captured": 0, "capture_errors": 0, "streamed": 0,
-                      "streamed_at_once": 0, "side_calls": 0, "passthrough": 0, "refused": 0}
+                      "streamed_at_once": 0, "side_calls": 0, "passthrough": 0, "refused": 0,
+                      "control_refused": 0, "session_refused": 0}
 
     def client_timeout(self) -> aiohttp.ClientTimeout:
         """aiohttp's timeouts for ``self.timeout``, built once per value (this runs several times a call)."""

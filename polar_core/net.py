@@ -29,13 +29,15 @@ class HTTPStatusError(OSError, RuntimeError):
 
 
 def http_request(url: str, body: Any | None = None, *, method: str | None = None, timeout: float = 30.0,
-                 raw: bytes | None = None) -> tuple[int, bytes]:
+                 raw: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     """Send ``body`` as JSON (or ``raw`` bytes as they are); GET when there is neither. Returns the
     status and the body, error statuses included (connection failures raise ``OSError``)."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     req = urllib.request.Request(url, data=data, method=method or ("GET" if data is None else "POST"))
     if data is not None:
         req.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
     try:
         with OPENER.open(req, timeout=timeout) as resp:
             return resp.status, resp.read()

@@ -658,8 +658,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             proxy = ProxyProcess(server.base_url, cfg.captures, mode="reverse", served_model=served,
                                  options={"polar_max_tokens_cap": cfg.max_tokens, "save_stream_file": str(flows),
                                           "polar_sampling": r.sampling_spec(cfg.temperature, cfg.seed),
-                                          "polar_exact_history": cfg.exact_history},
-                                 log_file=cfg.out / "logs" / "proxy.log", startup_timeout=180.0)
+                                          "polar_exact_history": cfg.exact_history,
+                                          "polar_require_session_key": True},
+                                 log_file=cfg.out / "logs" / "proxy.log", startup_timeout=180.0,
+                                 passthrough=False)  # model calls only, each bound to its session's key
             stack.enter_context(proxy)
             proxy.control.set_policy_version(0)
             ph.detail = f"{proxy.url} -> {server.base_url}, max_tokens <= {cfg.max_tokens}"

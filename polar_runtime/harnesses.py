@@ -7,9 +7,11 @@ config, and which command line and environment make it reach the proxy either wa
 * ``proxy`` mode: the harness is left pointing at its hosted API (api.openai.com, ...) and only gets
   ``HTTPS_PROXY=http://<session>@127.0.0.1:PORT`` plus the proxy's CA, which it must trust.
 
-The session id reaches the proxy twice over: as the API key ``polar-<session>`` (Bearer,
-``x-api-key`` or ``x-goog-api-key`` depending on the wire format) and, in proxy mode, as the
-proxy-auth user. Telemetry and side calls are switched off where the CLI allows it.
+The session reaches the proxy twice over: as the API key (Bearer, ``x-api-key`` or
+``x-goog-api-key`` depending on the wire format) and, in proxy mode, as the proxy-auth user and
+password. In a rollout the key is the secret the proxy issued when the runner registered the
+session (``Session.key``): the proxy binds every call to it, so a sample cannot speak for another
+session; without one (``polar harness run`` against an open proxy) it is ``polar-<session>``. Telemetry and side calls are switched off where the CLI allows it.
 Running and timing out is the caller's business (``run_invocation`` kills the whole process group).
 """
 
@@ -157,11 +159,12 @@ class Endpoint:
         self.base_url = self.base_url.rstrip("/")
         self.ca_cert = paths.absolute(self.ca_cert) if self.ca_cert else None
 
-    def proxy_url_with_session(self, session_id: str) -> str:
-        """``http://<session>:polar@host:port``: the proxy-auth user names the session. The dummy
-        password matters: Bun (OpenCode) cannot connect through a proxy URL with a bare user name."""
+    def proxy_url_with_session(self, session_id: str, key: str | None = None) -> str:
+        """``http://<session>:<key>@host:port``: the proxy-auth user names the session, the password
+        is its issued key (``polar`` when it has none). A password matters anyway: Bun (OpenCode)
+        cannot connect through a proxy URL with a bare user name."""
         scheme, _, rest = self.proxy_url.partition("://")
-        return f"{scheme}://{session_id}:polar@{rest}"
+        return f"{scheme}://{session_id}:{key or 'polar'}@{rest}"
 
 
 @dataclass
@@ -184,6 +187,8 @@ class Session:
     host_workdir: Path | None = None
     #: the task's reference solution (host directory with solve.sh), for the ``oracle`` preset only
     solution_dir: Path | None = None
+    #: the secret the proxy issued for this session when it was registered (the harness's API key)
+    key: str | None = None
 
     def __post_init__(self) -> None:
         # The harness runs with ``workdir`` as its cwd: a relative HOME would point inside it.
@@ -193,7 +198,7 @@ class Session:
 
     @property
     def api_key(self) -> str:
-        return API_KEY_PREFIX + self.session_id
+        return self.key or API_KEY_PREFIX + self.session_id
 
 
 @dataclass
@@ -243,7 +248,7 @@ def base_env(s: Session) -> dict[str, str]:
     if ep.base_url:
         env["POLAR_BASE_URL"] = ep.base_url
     if ep.mode == "proxy":
-        proxy = ep.proxy_url_with_session(s.session_id)
+        proxy = ep.proxy_url_with_session(s.session_id, s.key)
         env["POLAR_PROXY_URL"] = proxy
         for k in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy", "ALL_PROXY", "all_proxy"):
             env[k] = proxy

@@ -252,15 +252,21 @@ class SessionRegistry:
             time.sleep(0.2)
 
     def register(self, session_id: str, task_id: str, group_id: str, sample_index: int,
-                 harness: str | None = None) -> None:
+                 harness: str | None = None) -> str | None:
+        """Register the session; returns the key the proxy issued for it (the harness's API key:
+        the proxy binds the session's calls to it), None without a control client."""
         if self.control is None:
-            return
+            return None
         item = {"session_id": session_id, "task_id": task_id, "group_id": group_id, "sample_index": sample_index}
         if harness:
             item["harness"] = harness
         answer = self.control.register_sessions([item])
         if answer.get("http_status", 200) >= 400:
             raise RuntimeError(f"proxy refused session {session_id}: {answer}")
+        key = (answer.get("keys") or {}).get(session_id)
+        if not key:
+            raise RuntimeError(f"the proxy issued no key for session {session_id} (an older proxy?): {answer}")
+        return key
 
 
 @dataclass
@@ -332,12 +338,13 @@ def open_stack(
     interception of the hosted API hostnames) for ``proxy`` runs. Everything started is stopped on
     exit, also on errors and Ctrl-C.
     """
-    from polar_core.control import ProxyControl
+    from polar_core.control import ProxyControl, find_token
     from polar_proxy.process import ProxyProcess
 
     with contextlib.ExitStack() as stack:
         if proxy:
-            control = ProxyControl(proxy)
+            # its control secret: in the proxy's confdir, where its CA is (or $POLAR_CONTROL_TOKEN)
+            control = ProxyControl(proxy, token=find_token(proxy, [ca_cert.parent] if ca_cert else []))
             status = control.status()
             proxy_dir = Path(status.get("capture_dir") or "")
             if capture_dir is not None and proxy_dir.resolve() != Path(capture_dir).resolve():
@@ -367,8 +374,11 @@ def open_stack(
             options["polar_sampling"] = sampling
         if exact_history:  # an upstream without the endpoints gets the normal path (records say so)
             options["polar_exact_history"] = True
+        # model calls and nothing else: no passthrough, every call bound to its session's issued key
+        options["polar_require_session_key"] = True
         px = ProxyProcess(upstream, capture_dir, mode="reverse" if mode == "base_url" else "regular",
-                          served_model=served, options=options, log_file=capture_dir / "logs" / "proxy.log")
+                          served_model=served, options=options, log_file=capture_dir / "logs" / "proxy.log",
+                          passthrough=False)
         (capture_dir / "logs").mkdir(parents=True, exist_ok=True)
         stack.enter_context(px)
         log(f"proxy ({px.mode} mode) on {px.url} -> {upstream}")
@@ -523,7 +533,7 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
         solution = sample_dir / "solution"
         task.write_solution(solution)
     try:
-        registry.register(sid, task.id, gid, i, harness=cfg.preset.name)
+        key = registry.register(sid, task.id, gid, i, harness=cfg.preset.name)
     except Exception as exc:  # noqa: BLE001 - an unreachable proxy fails this sample, visibly
         row["error"] = f"session registration failed: {exc}"
         return row
@@ -541,7 +551,7 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
         spec = agent_spec(cfg, task, workdir, home, max(1.0, limit - wall))
         session = Session(session_id=sid, task=text, workdir=Path(sandbox.inside(spec, workdir)), home=home,
                           model=cfg.model, endpoint=cfg.endpoint, trim=cfg.trim, extra_env=dict(extra_env),
-                          resume=turn > 0, host_workdir=workdir, solution_dir=solution)
+                          resume=turn > 0, host_workdir=workdir, solution_dir=solution, key=key)
         name = cfg.preset.name if turn == 0 else f"{cfg.preset.name}.turn{turn}"
         try:
             inv = cfg.preset.prepare(session)

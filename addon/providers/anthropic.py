@@ -284,6 +284,7 @@ _ERROR_TYPES = {
     "unsupported": (400, "invalid_request_error"),
     "context_length": (400, "invalid_request_error"),
     "not_found": (404, "not_found_error"),
+    "permission": (403, "permission_error"),
     "rate_limited": (429, "rate_limit_error"),
     "overloaded": (529, "overloaded_error"),  # what the real API (and Claude Code's retry) uses
     "timeout": (None, "timeout_error"),

@@ -281,6 +281,7 @@ _STATUS = {
     "unsupported": (400, "INVALID_ARGUMENT"),
     "context_length": (400, "INVALID_ARGUMENT"),
     "not_found": (404, "NOT_FOUND"),
+    "permission": (403, "PERMISSION_DENIED"),
     "rate_limited": (429, "RESOURCE_EXHAUSTED"),
     "overloaded": (503, "UNAVAILABLE"),
     "timeout": (504, "DEADLINE_EXCEEDED"),

@@ -115,6 +115,8 @@ def openai_error(status: int, kind: str, message: str) -> tuple[int, dict[str, A
             message = (f"This model's maximum context length is {numbers[1]} tokens. However, "
                        f"your messages resulted in {numbers[0]} tokens. Please reduce the length "
                        "of the messages.")
+    elif kind == "permission":
+        status, code = 403, "permission_denied"
     elif kind == "rate_limited":
         status, error_type, code = 429, "requests", "rate_limit_exceeded"
     elif kind == "overloaded":

@@ -130,8 +130,10 @@ def test_other_hosts_refused_by_option(helpers, upstream, proxy_factory, other_s
 
 def test_control_api_reachable_in_regular_mode(helpers, upstream, regular_proxy):
     """A plain (origin-form) request to a regular-mode proxy reaches its control API: this proxy's
-    own status, not a forwarded or refused request."""
-    ans = helpers.request(regular_proxy.url + "/_polar/status")
+    own status, not a forwarded or refused request (with the run's control secret; without it, 401)."""
+    assert helpers.request(regular_proxy.url + "/_polar/status").status == 401
+    ans = helpers.request(regular_proxy.url + "/_polar/status",
+                          headers={"Authorization": f"Bearer {regular_proxy.control_token}"})
     assert ans.status == 200 and ans.headers["content-type"].startswith("application/json")
     status = json.loads(ans.body)
     assert status["proxy_id"] and status["capture_dir"] == str(Path(regular_proxy.capture_dir).resolve())
@@ -167,7 +169,7 @@ def test_polar_proxy_cli(upstream, tmp_path):
     import time
     from pathlib import Path
 
-    from polar_core.control import ProxyControl
+    from polar_core.control import ProxyControl, token_file
 
     port = free_port()
     env = {**os.environ, "POLAR_HOME": str(tmp_path)}
@@ -180,13 +182,16 @@ def test_polar_proxy_cli(upstream, tmp_path):
         deadline = time.monotonic() + 60
         while b"control:" not in log.read_bytes() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
-        status = ProxyControl(f"http://127.0.0.1:{port}", timeout=5).status()
+        secret = token_file(port, tmp_path / "mitmproxy")  # the proxy's control secret, for its owner only
+        assert secret.stat().st_mode & 0o777 == 0o600
+        status = ProxyControl(f"http://127.0.0.1:{port}", timeout=5, token=secret.read_text().strip()).status()
         assert status["upstreams"][0]["url"] == upstream.url
         assert status["capture_dir"] == str((tmp_path / "captures").resolve())
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     out = log.read_text()
+    assert str(secret) in out  # says where the control secret is
     assert "HTTPS_PROXY" in out and "NODE_EXTRA_CA_CERTS" in out and "mitmproxy-ca-cert.pem" in out
     assert proc.returncode == 0
     assert (tmp_path / "mitmproxy" / "mitmproxy-ca-cert.pem").exists()

@@ -47,8 +47,10 @@ COMPLETE = {
 
 
 def build_call(provider: str, text: str, stream: bool, session: str | None = None,
-               session_via: str = "header") -> tuple[str, dict[str, str], bytes]:
-    """(path, headers, body) of a small native request of ``provider`` whose user text is ``text``."""
+               session_via: str = "header", key: str | None = None) -> tuple[str, dict[str, str], bytes]:
+    """(path, headers, body) of a small native request of ``provider`` whose user text is ``text``.
+    ``key``: the session's issued key (a registered session), sent where ``polar-<session>`` would be
+    (with ``header``: as the Bearer key, next to the header)."""
     headers = {"content-type": "application/json"}
     if provider == "openai_chat":
         body: dict[str, Any] = {"model": "gpt-x", "stream": stream, "messages": [{"role": "user", "content": text}]}
@@ -65,14 +67,17 @@ def build_call(provider: str, text: str, stream: bool, session: str | None = Non
     if provider == "google" and stream:
         path = path.replace(":generateContent", ":streamGenerateContent?alt=sse")
     if session is not None:
+        named = key or f"polar-{session}"
         if session_via == "header":
             headers["x-polar-session"] = session
+            if key:
+                headers["authorization"] = f"Bearer {key}"
         elif session_via == "bearer":
-            headers["authorization"] = f"Bearer polar-{session}"
+            headers["authorization"] = f"Bearer {named}"
         elif session_via == "x-api-key":
-            headers["x-api-key"] = f"polar-{session}"
+            headers["x-api-key"] = named
         elif session_via == "x-goog-api-key":
-            headers["x-goog-api-key"] = f"polar-{session}"
+            headers["x-goog-api-key"] = named
         else:
             raise ValueError(session_via)
     return path, headers, json.dumps(body).encode()
@@ -149,10 +154,10 @@ class Load:
     results: list[CallResult] = field(default_factory=list)
 
     async def call(self, session: Any, provider: str, text: str, stream: bool, sid: str, nonce: str,
-                   session_via: str = "header", timeout: float = 30.0) -> CallResult:
+                   session_via: str = "header", timeout: float = 30.0, key: str | None = None) -> CallResult:
         import aiohttp
 
-        path, headers, body = build_call(provider, f"{nonce} {text}", stream, sid, session_via)
+        path, headers, body = build_call(provider, f"{nonce} {text}", stream, sid, session_via, key)
         res = CallResult(sid, provider, stream, nonce)
         t0 = time.monotonic()
         try:

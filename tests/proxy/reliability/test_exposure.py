@@ -166,7 +166,7 @@ def test_no_secret_on_disk_on_any_path(rel, upstream_proc, proxies, tmp_path):
             if "/messages" in path:
                 h["anthropic-version"] = "2023-06-01"
             status, _, _ = _raw(rev.port, method, path + f"?key={q}", h, body)
-            assert status in (200, 400, 404, 500), (path, status)
+            assert status in (200, 400, 401, 404, 500), (path, status)  # 401: control API without its secret
         # regular mode: an intercepted call, a call to a non-intercepted host (passthrough), a refused one
         auth = "Basic " + base64.b64encode(f"sec-proxyuser:{SECRETS['proxy']}".encode()).decode()
         path, h, body = rel.build_call("openai_chat", "#scenario:text", False)
@@ -306,6 +306,10 @@ def test_bare_mitmdump_with_the_addon_listens_on_loopback(upstream_proc, tmp_pat
     """``mitmdump -s addon/polar.py`` without --listen-host (mitmproxy's default is every interface)."""
     import subprocess
 
+    import urllib.error
+    import urllib.request
+
+    from polar_core.control import token_file
     from polar_core.net import OPENER as opener  # never via HTTP(S)_PROXY
     from polar_core.net import free_port
     from polar_proxy.process import ENTRY_SCRIPT, mitmdump_path
@@ -320,10 +324,19 @@ def test_bare_mitmdump_with_the_addon_listens_on_loopback(upstream_proc, tmp_pat
         while True:
             try:
                 with opener.open(f"http://127.0.0.1:{port}/_polar/status", timeout=1):
-                    break
+                    raise AssertionError("the control API answered without its secret")
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 401  # plain mitmdump: the control API wants the run's secret too
+                break
             except OSError:
                 assert time.monotonic() < deadline and proc.poll() is None, "mitmdump did not start"
                 time.sleep(0.1)
+        secret = token_file(port, mitm_confdir)  # made at start, written for the owner only
+        assert secret.stat().st_mode & 0o777 == 0o600
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/_polar/status",
+                                     headers={"Authorization": f"Bearer {secret.read_text().strip()}"})
+        with opener.open(req, timeout=5) as resp:
+            assert resp.status == 200
         sockets = _listening(proc.pid)
         assert port in {p for _, p in sockets}
         assert all(addr in ("127.0.0.1", "::1") for addr, _ in sockets), sockets

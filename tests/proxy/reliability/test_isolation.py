@@ -1,7 +1,8 @@
 """Isolation: 100 sessions interleaved through one proxy; no record lands in another session's file.
 
-Sessions name themselves four different ways (x-polar-session, Bearer polar-<id>, x-api-key,
-x-goog-api-key), each is registered with its own task id through the control API, and every call
+Each session is registered with its own task id through the control API, which issues it a key;
+sessions send it four different ways (x-polar-session + Bearer key, Bearer, x-api-key,
+x-goog-api-key), and every call
 carries a nonce of its session in the user text. Each session file must hold exactly that
 session's calls, in its own order, with its own task id, nonce, request and answer tokens.
 """
@@ -25,8 +26,8 @@ def test_100_interleaved_sessions_stay_apart(rel, upstream_proc, proxies):
 
     proxy = proxies(upstream_proc.url)
     sids = [f"iso-{k:03d}" for k in range(N_SESSIONS)]
-    proxy.control.register_sessions([{"session_id": s, "task_id": f"task-{s}", "group_id": f"g-{k % 7}",
-                                      "sample_index": k} for k, s in enumerate(sids)])
+    keys = proxy.control.register_sessions([{"session_id": s, "task_id": f"task-{s}", "group_id": f"g-{k % 7}",
+                                             "sample_index": k} for k, s in enumerate(sids)])["keys"]
     load = rel.Load(proxy.url)
     rng = random.Random(7)
 
@@ -36,7 +37,7 @@ def test_100_interleaved_sessions_stay_apart(rel, upstream_proc, proxies):
             provider = rel.PROVIDERS[(k + i) % 4]
             words = 3 + (k % 5) + i  # answers of different lengths per session and call
             await load.call(s, provider, f"#scenario:words:{words}", (k + i) % 2 == 0, sids[k],
-                            f"nonce-{sids[k]}-{i}", session_via=VIA[k % 4])
+                            f"nonce-{sids[k]}-{i}", session_via=VIA[k % 4], key=keys[sids[k]])
 
     async def main():
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -56,7 +57,7 @@ def test_100_interleaved_sessions_stay_apart(rel, upstream_proc, proxies):
         assert [r["t_request_in"] for r in records] == sorted(r["t_request_in"] for r in records)
         for i, rec in enumerate(records):
             assert rec["session_id"] == sid and rec["task_id"] == f"task-{sid}" and rec["sample_index"] == k
-            assert rec["session_source"] == ("header" if VIA[k % 4] == "header" else "api_key")
+            assert rec["session_source"] == "key"  # every way: bound by the issued key
             native = json.dumps(rec["native_request"])
             normalized = json.dumps(rec["normalized_request"])
             assert f"nonce-{sid}-{i}" in native and f"nonce-{sid}-{i}" in normalized

@@ -56,5 +56,5 @@ def test_rollout_through_a_running_proxy(mode, tmp_path):
         c = calls[0]
         assert (c["task_id"], c["group_id"], c["sample_index"]) == ("hi", "hi.st0", row["sample_index"])
         assert c["harness"] == "generic"  # the preset's name, registered by the runner
-        assert c["session_source"] == ("api_key" if mode == "base_url" else "proxy_auth")
+        assert c["session_source"] == "key"  # bound by the key the proxy issued at registration
         assert c["requested_model"] == "gpt-4o-mini"

@@ -146,7 +146,8 @@ class _Service:
 
 
 PROBE = r"""
-import socket, sys
+import json, socket, sys
+proxy, secret, key = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 def probe(port):
     try:
         s = socket.create_connection(("127.0.0.1", port), timeout=3)
@@ -154,23 +155,70 @@ def probe(port):
         return s.recv(100).decode() or "empty"
     except OSError as e:
         return f"refused:{e.errno}"
-print(probe(int(sys.argv[1])), probe(int(sys.argv[2])))
+def http(head, body=b""):
+    try:
+        s = socket.create_connection(("127.0.0.1", proxy), timeout=10)
+        extra = f"content-length: {len(body)}\r\n" if body else ""
+        s.sendall(head.encode() + extra.encode() + b"\r\n" + body)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return int(data.split(b" ", 2)[1]) if data else 0
+    except OSError as e:
+        return f"refused:{e.errno}"
+host = f"host: 127.0.0.1:{proxy}\r\ncontent-type: application/json\r\n"
+out = {"secret": probe(secret)}
+for name, body in (("status", b""), ("pause", b"{}"), ("policy_version", b'{"policy_version": 998}'),
+                   ("resume", b'{"policy_version": 998}'),
+                   ("sessions", b'{"session_id": "intruder", "group_id": "g-other"}')):
+    out[name] = http(f"{'POST' if body else 'GET'} /_polar/{name} HTTP/1.1\r\n{host}", body)
+out["connect"] = http(f"CONNECT 127.0.0.1:{secret} HTTP/1.1\r\nhost: 127.0.0.1:{secret}\r\n")
+out["connect_pypi"] = http("CONNECT pypi.org:443 HTTP/1.1\r\nhost: pypi.org:443\r\n")
+out["absolute"] = http(f"GET http://127.0.0.1:{secret}/ HTTP/1.1\r\nhost: 127.0.0.1:{secret}\r\n")
+call = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi #scenario:text"}]}).encode()
+out["model_call"] = http(f"POST /v1/chat/completions HTTP/1.1\r\n{host}authorization: Bearer {key}\r\n", call)
+print(json.dumps(out))
 """
 
 
-def test_connects_to_host_loopback_but_only_reaches_the_proxy(sandbox, sample):
+def test_connects_to_host_loopback_but_only_reaches_the_proxy(sandbox, sample, tmp_path):
+    """The real proxy as ``polar rollout`` runs it (regular mode, no passthrough, session keys): from
+    inside, the sample reaches only its port; there the control API answers 401 and changes
+    nothing, CONNECT and absolute-form requests to a host service are refused, and its own model
+    call (with the key the runner registered) is served."""
+    import json
+
+    from polar_proxy.process import ProxyProcess
+    from polar_testing.scripted_upstream import ServerThread
+
     work, home, _ = sample
-    proxy, secret = _Service(b"PROXY-OK"), _Service(b"SECRET-SERVICE")
+    secret = _Service(b"SECRET-SERVICE")
     (work / "probe.py").write_text(PROBE)
     try:
-        res, _, log = run(sandbox, work, home, f"/usr/bin/python3 probe.py {proxy.port} {secret.port} > probe.txt",
-                          proxy_port=proxy.port)
+        with ServerThread(served_model="scripted") as up, \
+                ProxyProcess(up.url, tmp_path / "captures", mode="regular", confdir=tmp_path / "mitm",
+                             served_model="scripted", passthrough=False,
+                             options={"polar_require_session_key": True}) as proxy:
+            proxy.control.set_policy_version(5)
+            key = proxy.control.register_sessions([{"session_id": "probe", "task_id": "t"}])["keys"]["probe"]
+            before = proxy.control.status()
+            res, _, log = run(sandbox, work, home,
+                              f"/usr/bin/python3 probe.py {proxy.port} {secret.port} {key} > probe.txt",
+                              proxy_port=proxy.port)
+            after = proxy.control.status()
+            sessions = proxy.control.sessions()["sessions"]
     finally:
-        proxy.close()
         secret.close()
-    got = (work / "probe.txt").read_text().split()
-    assert secret.accepted == 0 and "SECRET-SERVICE" not in got, "reached a host service other than the proxy"
-    assert got[0] == "PROXY-OK" and proxy.accepted == 1, f"the proxy must stay reachable: {got} {log}"
+    got = json.loads((work / "probe.txt").read_text())
+    assert secret.accepted == 0 and "SECRET-SERVICE" not in json.dumps(got), "reached a host service other than the proxy"
+    assert got["model_call"] == 200, f"the proxy must stay reachable: {got} {log}"
+    assert all(got[n] == 401 for n in ("status", "pause", "policy_version", "resume", "sessions")), got
+    assert got["connect"] == 403 and got["connect_pypi"] == 403 and got["absolute"] == 403, got
+    assert after["paused"] is False and after["policy_version"] == 5 and "intruder" not in sessions
+    assert after["control_refused"] == before["control_refused"] + 5 and after["refused"] == before["refused"] + 3
     assert any("127.0.0.1:%d" % proxy.port in n for n in res.notes), res.notes
 
 
