@@ -193,12 +193,38 @@ def prepare_workdir(task: Task, workdir: Path, sandbox: Any, build_root: Path) -
     return [n for n in ready.read_text().splitlines() if n]
 
 
-#: a command that needs the network (downloads, package indexes)
-_NEEDS_NET = re.compile(
-    r"\b(curl|wget)\b[^\n|;&]*\b(https?|ftp)://(?!(?:localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|\[::1\])(?:[:/\s\"']|$)|\$)"
-    r"|\bgit\s+clone\b[^\n|;&]*?(https?://|git@|ssh://|git://)|\b(pip3?|python3?(\.\d+)?\s+-m\s+pip)\s+install\b"
-    r"|\buv\s+(pip\s+install|sync|add|tool\s+install)\b|\buvx\b|\bnpm\s+(install|ci|i)\b|\bcargo\s+install\b"
-    r"|\bgo\s+(get|install|mod\s+download)\b|\bapt(-get)?\s+(-\S+\s+)*(update|install)\b")
+#: an install from a package registry (build steps and the verifier reach the registries through
+#: the sandbox's filtering proxy, ``sandbox/egress.py``; the agent and oracle phases do not)
+_REGISTRY_INSTALL = re.compile(
+    r"\b(pip3?|python3?(\.\d+)?\s+-m\s+pip)\s+(install|download)\b|\buv\s+(pip\s+install|sync|add|tool\s+install)\b"
+    r"|\buvx\b(?!\s+(-p|--python)\b)|\bnpm\s+(install|ci|i)\b")
+#: a URL fetched (curl, wget, git clone): allowed only when its host is a registry
+_URL_FETCH = re.compile(
+    r"\b(curl|wget|git\s+clone)\b[^\n|;&]*?\b(?:https?|ftp|git|ssh)://(?:[^@/\s\"']*@)?(?P<host>[A-Za-z0-9.\-\[\]:]+)")
+#: what needs more than the registries (toolchains and interpreters downloaded from elsewhere)
+_OTHER_NET = re.compile(r"\bcargo\s+install\b|\bgo\s+(get|install|mod\s+download)\b|\buv\s+python\s+install\b"
+                        r"|\buvx\s+(-p|--python)\b|\bgit\s+clone\b[^\n|;&]*git@")
+_LOCAL_HOST = re.compile(r"^(localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|\[::1\])(:\d+)?$")
+
+
+def network_refusal(line: str, *, registries_reachable: bool) -> str | None:
+    """Why ``line`` cannot run in its phase's network (None when it can): build steps and the
+    verifier reach the package registries only; the agent and oracle phases reach nothing."""
+    from polar_runtime.sandbox.egress import allowed_host, registries
+
+    m = _OTHER_NET.search(line)
+    if m:
+        return f"`{m.group(0).strip()[:60]}` downloads from outside the package registries"
+    for m in _URL_FETCH.finditer(line):
+        host = m["host"].split(":")[0].strip("[]") if not m["host"].startswith("[") else m["host"]
+        if _LOCAL_HOST.match(m["host"]) or "$" in m["host"]:
+            continue
+        if not registries_reachable or not allowed_host(host, registries()):
+            return f"`{m.group(0).strip()[:60]}` fetches from {host}, not a package registry"
+    m = _REGISTRY_INSTALL.search(line)
+    if m and not registries_reachable:
+        return f"`{m.group(0).strip()[:60]}` needs a package registry, which this phase cannot reach"
+    return None
 
 
 def _script_lines(text: str) -> list[tuple[int, str]]:
@@ -212,7 +238,8 @@ def _script_lines(text: str) -> list[tuple[int, str]]:
 
 
 def local_mode_refusal(task: Task) -> str | None:
-    """Why the local mode (the host's toolchain, read-only, no network unless the task allows it)
+    """Why the local mode (the host's toolchain, read-only, the package registries only in build
+    steps and the verifier, no network for the agent and oracle)
     cannot run ``task``, found without running anything; None when nothing stands in its way. The
     build itself may still fail: :func:`prepare_workdir` then says which line."""
     env_plan = task.environment
@@ -230,11 +257,10 @@ def local_mode_refusal(task: Task) -> str | None:
                 return (f"{where}: installs apt packages this host lacks ({' '.join(missing)}); the local mode "
                         "cannot install into the read-only host system")
             continue
-        if not task.allow_internet:
-            m = _NEEDS_NET.search(step.text)
-            if m:
-                return (f"{where}: `{m.group(0).strip()[:60]}` needs the network, and the task has none "
-                        "(allow_internet / network_mode)")
+        why = network_refusal(step.text, registries_reachable=True)
+        if why:
+            return (f"{where}: {why}; build steps reach only the package registries "
+                    "(POLAR_SANDBOX_REGISTRIES; allow_internet widens nothing)")
     if task.root is None:
         return None
     for rel, what in (("tests/test.sh", "the verifier"), ("solution/solve.sh", "the oracle")):
@@ -249,8 +275,9 @@ def local_mode_refusal(task: Task) -> str | None:
                     return (f"{f}:{n}: {what} installs apt packages this host lacks ({' '.join(missing)}); the "
                             "local mode cannot install into the read-only host system")
                 continue
-            m = _NEEDS_NET.search(line)
-            if m and not task.allow_internet:
-                return (f"{f}:{n}: {what} runs `{m.group(0).strip()[:60]}`, which needs the network, and the task "
-                        "has none (allow_internet / network_mode)")
+            why = network_refusal(line, registries_reachable=(what == "the verifier"))
+            if why:
+                reach = ("reaches only the package registries" if what == "the verifier"
+                         else "has no network (it runs as the agent does)")
+                return f"{f}:{n}: {what} runs {why}; {what} {reach}"
     return None

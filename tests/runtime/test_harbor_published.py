@@ -273,18 +273,28 @@ def test_links_inside_the_task_are_fine(tmp_path):
 # --- 4. what the local mode cannot run, said before running it -----------------------------------
 
 @pytest.mark.parametrize("dockerfile,test_sh,toml,why", [
-    ("FROM python:3.12\nWORKDIR /app\nRUN pip install numpy==2.0\n", "true\n", "",
-     "Dockerfile:3: `pip install` needs the network"),
+    ("FROM python:3.12\nWORKDIR /app\nRUN curl -fsSL https://example.com/tool.tgz | tar xz\n", "true\n", "",
+     "Dockerfile:3: `curl -fsSL https://example.com` fetches from example.com, not a package registry"),
     ("FROM ubuntu:24.04\nWORKDIR /app\n", "apt-get update\napt-get install -y curl\n"
      "curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh\n", "", "tests/test.sh:4: the verifier runs `curl"),
     ("FROM ubuntu:24.04\nWORKDIR /app\nRUN git clone --depth 1 https://github.com/x/y.git src\n", "true\n", "",
-     "Dockerfile:3: `git clone --depth 1 https://` needs the network"),
+     "Dockerfile:3: `git clone --depth 1 https://github.com` fetches from github.com, not a package registry"),
     ("FROM ubuntu:24.04\nWORKDIR /app\nRUN apt-get update && apt-get install -y no-such-pkg-polar37\n", "true\n", "",
      "installs apt packages this host lacks (no-such-pkg-polar37)"),
 ])
 def test_local_mode_refusals_name_the_file_and_line(tmp_path, dockerfile, test_sh, toml, why):
     t = one(task(tmp_path, dockerfile=dockerfile, test_sh=test_sh, toml=toml))
     assert why in (local_mode_refusal(t) or "")
+
+
+def test_registry_installs_are_fine_in_build_steps_and_the_verifier_but_not_the_oracle(tmp_path):
+    """Build steps and the verifier reach the package registries (sandbox/egress.py); the oracle
+    runs as the agent does, with nothing but the model."""
+    t = one(task(tmp_path / "a", dockerfile="FROM python:3.12\nWORKDIR /app\nRUN pip install numpy==2.0\n",
+                 test_sh="pip install pytest==8.4.1\nnpm install left-pad\n"))
+    assert local_mode_refusal(t) is None
+    t = one(task(tmp_path / "b", solve_sh="pip install requests\n"))
+    assert "the oracle runs `pip install`" in (local_mode_refusal(t) or "")
 
 
 def test_requests_to_the_sandbox_itself_are_not_downloads(tmp_path):

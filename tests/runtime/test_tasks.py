@@ -167,16 +167,17 @@ def test_reward_files(tmp_path, test_sh, want):
     assert (row["reward"], row["evaluator_status"]) == want, row["evaluator_output"]
 
 
-def test_internet_is_off_unless_the_task_allows_it(tmp_path):
-    """Without allow_internet the sandbox has its own network namespace with only a loopback; with
-    it, the host's interfaces."""
+def test_allow_internet_never_opens_the_hosts_network(tmp_path):
+    """With or without allow_internet the agent phase has its own network namespace with only a
+    loopback; the verifier reaches the package registries through the filtering proxy only."""
     probe = "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | sort > ifaces.txt"
-    write = 'test "$(cat ifaces.txt)" {op} lo && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n'
-    make_task(tmp_path / "ds", "closed", test_sh=write.format(op="="))
-    make_task(tmp_path / "ds", "opened", toml="[environment]\nallow_internet = true\n", test_sh=write.format(op="!="))
+    write = ('test "$(cat ifaces.txt)" = lo && case "$HTTPS_PROXY" in http://127.0.0.1:*) true ;; *) false ;; esac'
+             ' && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n')
+    make_task(tmp_path / "ds", "closed", test_sh=write)
+    make_task(tmp_path / "ds", "opened", toml="[environment]\nallow_internet = true\n", test_sh=write)
     rows = {row["task_id"]: row for row in rollout(tmp_path, load_tasks(tmp_path / "ds"), "generic", probe)}
-    assert rows["closed"]["reward"] == 1.0, (Path(rows["closed"]["workdir"]) / "ifaces.txt").read_text()
-    assert rows["opened"]["reward"] == 1.0, (Path(rows["opened"]["workdir"]) / "ifaces.txt").read_text()
+    for name in ("closed", "opened"):
+        assert rows[name]["reward"] == 1.0, (Path(rows[name]["workdir"]) / "ifaces.txt").read_text()
 
 
 def test_oracle_runs_the_solution_with_its_env_in_the_agent_sandbox(tmp_path):
