@@ -124,18 +124,24 @@ class CaptureWriter:
             # the last write of this session failed and may have left a line without its end: start
             # on a fresh line (a blank line is skipped by every reader)
             line = b"\n" + line
+        counted = False
         try:
             n = os.write(fd, line)
             if n != len(line):
                 # A short write (disk full): terminate the torn line so the next record starts clean.
                 self._failed(sid)
-                os.write(fd, b"\n")
-                self._torn.discard(sid)
+                counted = True
+                try:
+                    os.write(fd, b"\n")
+                    self._torn.discard(sid)
+                except OSError:
+                    pass  # still torn: the next record starts with the newline
                 raise CaptureError(f"short write ({n} of {len(line)} bytes) for session {sid}")
             if self.fsync:
                 os.fsync(fd)
         except OSError as exc:
-            self._failed(sid)
+            if not counted:
+                self._failed(sid)
             if exc.errno == errno.EBADF:
                 self._fds.pop(sid, None)
             raise CaptureError(f"cannot write capture for {sid}: {exc}") from exc
