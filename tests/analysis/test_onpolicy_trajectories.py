@@ -134,6 +134,21 @@ def test_sequences_carry_their_calls_sampling_and_name_the_call_when_the_trainer
         assert rows[sid]["temperature"] is None and says in issue and records[ord(sid) - ord("a")].call_id in issue
 
 
+@pytest.mark.parametrize("param,value", [("min_p", 0.05), ("repetition_penalty", 1.1), ("repetition_penalty", 0.9),
+                                         ("presence_penalty", 0.5), ("presence_penalty", -0.5),
+                                         ("frequency_penalty", 0.3), ("frequency_penalty", -0.3)])
+def test_each_sampling_parameter_the_trainer_cannot_reproduce_is_refused_by_name(param, value):
+    """min-p and each penalty (either side of neutral) reshape the distribution in ways the trainer's
+    temperature/top-k/top-p do not: a call sampled with one is refused, naming the call and the
+    parameter; the same call with the neutral value passes."""
+    from polar_analysis.trajectories.common import trainer_sampling
+
+    t, top_k, top_p, issue = trainer_sampling(dict(PLAIN_SAMPLING, **{param: value}), "call c9 (session s)")
+    assert t is None and issue is not None
+    assert f"{param}={value}" in issue and "call c9" in issue and "does not reproduce" in issue
+    assert trainer_sampling(dict(PLAIN_SAMPLING), "call c9") == (1.0, 0, 1.0, None)
+
+
 def test_prefix_merge_never_joins_calls_of_different_distributions(tmp_path):
     c1 = rec("s", 0, [1, 2], [20, EOT])
     c2 = rec("s", 1, [1, 2, 20, EOT, 5], [21, EOT], sampling=dict(PLAIN_SAMPLING, temperature=0.6))
