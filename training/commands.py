@@ -104,7 +104,13 @@ def train_command(
         proxy_control=proxy_control,
         show_progress=progress,
     )
-    result = run_training(job, console=console)
+    from .identity import TokenizerMismatch
+
+    try:
+        result = run_training(job, console=console)
+    except TokenizerMismatch as exc:
+        console.print(f"[red]polar train: {exc}[/red]")
+        raise typer.Exit(2) from None
     from . import distributed as pdist
 
     if pdist.is_main():

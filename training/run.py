@@ -12,6 +12,7 @@ Works the same under ``torchrun`` (FSDP2; rank 0 writes files and draws the prog
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,9 @@ from polar_core.schema import TRAJECTORY_COLUMNS
 
 from . import checkpoint as ckpt
 from . import distributed as pdist
+from .identity import check_trajectories
+
+log = logging.getLogger("polar.train")
 
 #: Columns the trainer reads (the rest of the trajectory schema is carried for provenance only).
 NEEDED_COLUMNS = ("trajectory_id", "session_id", "group_id", "input_ids", "loss_mask", "logprobs", "reward", "status")
@@ -93,6 +97,11 @@ def run_training(job: TrainJob, console=None) -> RunResult:
     model_dir = str(resume_dir) if resume_dir else job.model
     base_model = ckpt.base_model_of(model_dir) if resume_dir else ckpt.base_model_of(job.model)
     cfg = job.config
+    frame = load_trajectories(job.trajectories)
+    # before any model loads: another tokenizer's ids are refused, naming both (identity.py)
+    warning = check_trajectories(frame, model_dir)
+    if warning and main:
+        (console.print(f"[yellow]warning: {warning}") if console is not None else log.warning(warning))
     torch.manual_seed(cfg.seed)
     model, ref = load_models(model_dir, cfg, ref_dir=job.ref_model or base_model, dtype=job.dtype)
     trainer = GRPOTrainer(model, cfg, ref_model=ref)
@@ -100,7 +109,6 @@ def run_training(job: TrainJob, console=None) -> RunResult:
     if resume_dir:
         trainer.load_state_dict(ckpt.load_trainer_state(resume_dir))
 
-    frame = load_trajectories(job.trajectories)
     prep = trainer.prepare(frame)
     summary = "; ".join(st.describe() for st in prep.stats)
     if main and console is not None:

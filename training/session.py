@@ -185,6 +185,7 @@ class TrainSession:
         self._probe: tuple[list[int], list[float] | None] | None = None  # ids, logprobs before the last step
         self._handoff: Path | None = None
         self.metrics_path = self.out / "metrics.jsonl"
+        self._fingerprint: str | None = None  # of the model's tokenizer ("" when it has none)
         # the one metrics writer `polar train` uses too (run.py): metrics.jsonl, TensorBoard event
         # files under <out>/tensorboard and W&B when installed; the demo trains through this class
         from .metrics_log import MetricsLog
@@ -217,6 +218,15 @@ class TrainSession:
         _reset_peak_rss()
         timings: dict[str, float] = {}
         frame = load_trajectories(list(trajectories)) if isinstance(trajectories, (list, tuple)) else trajectories
+        from .identity import check_trajectories
+
+        if self._fingerprint is None:
+            from polar_core.tokenizer_identity import fingerprint_of_dir
+
+            self._fingerprint = fingerprint_of_dir(self.model_dir) or ""
+        warning = check_trajectories(frame, self.model_dir, self._fingerprint or None)  # raises on a mismatch
+        if warning:
+            self.log(f"warning: {warning}")
         timings["load_reference_s"] = self._attach_reference()
         t0 = time.perf_counter()
         prep = self.trainer.prepare(frame)

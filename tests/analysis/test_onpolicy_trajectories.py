@@ -222,3 +222,26 @@ def test_effective_sampling_follows_vllm_priority(tmp_path):
     enforced = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
     assert sampling.effective(dict(enforced), server, enforced)["enforced"] == ["temperature", "top_k", "top_p"]
     assert np.isfinite(got["temperature"])
+
+
+# ---- which model and tokenizer the sequences belong to --------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["per-request", "prefix-merge"])
+def test_sequences_record_the_served_model_and_the_tokenizer_fingerprint(tmp_path, renderer, tiny_qwen_dir, mode):
+    """What `polar train` checks before it trains: the served model's name (from the captures) and
+    the fingerprint of the tokenizer found for it (the renderer's)."""
+    import dataclasses
+
+    from polar_analysis import alignment, trajectories
+    from polar_core.tokenizer_identity import fingerprint_of_dir
+
+    records = [dataclasses.replace(rec("s", 0, [1, 2], [20, EOT]), served_model="qwen2.5-coder-0.5b-instruct"),
+               dataclasses.replace(rec("s", 1, [1, 2, 20, EOT, 5], [21, EOT]), served_model="qwen2.5-coder-0.5b-instruct")]
+    fp = alignment.tokenizer_fingerprint(renderer)
+    assert fp == fingerprint_of_dir(tiny_qwen_dir)
+    df, _ = trajectories.build(load(tmp_path, records), mode, tokenizer_fingerprint=fp)
+    assert set(df["served_model"].to_list()) == {"qwen2.5-coder-0.5b-instruct"}
+    assert set(df["tokenizer_fingerprint"].to_list()) == {fp}
+    df, _ = trajectories.build(load(tmp_path / "again", records), mode)  # no tokenizer found: null, not a guess
+    assert df["tokenizer_fingerprint"].null_count() == df.height
