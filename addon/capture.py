@@ -81,6 +81,10 @@ class CaptureWriter:
         self._fds: OrderedDict[str, int] = OrderedDict()
         self.records = 0
         self.bytes = 0
+        #: records whose write failed (the proxy's status counts them as ``capture_errors``)
+        self.failed = 0
+        #: sessions whose last write failed: their next record starts on a fresh line, in full
+        self._torn: set[str] = set()
 
     def path_for(self, session_id: str) -> Path:
         """The session's file; refuses anything that could leave the sessions directory."""
@@ -114,24 +118,50 @@ class CaptureWriter:
                 rec[f] = _plain(rec[f])
             out, kept = self.deltas.encode(rec)
             line = encode_record(record if out is rec else out)
-        fd = self._fd(record.session_id)
+        sid = record.session_id
+        fd = self._fd(sid)
+        if sid in self._torn:
+            # the last write of this session failed and may have left a line without its end: start
+            # on a fresh line (a blank line is skipped by every reader)
+            line = b"\n" + line
+        counted = False
         try:
             n = os.write(fd, line)
             if n != len(line):
                 # A short write (disk full): terminate the torn line so the next record starts clean.
-                os.write(fd, b"\n")
-                raise CaptureError(f"short write ({n} of {len(line)} bytes) for session {record.session_id}")
+                self._failed(sid)
+                counted = True
+                try:
+                    os.write(fd, b"\n")
+                    self._torn.discard(sid)
+                except OSError:
+                    pass  # still torn: the next record starts with the newline
+                raise CaptureError(f"short write ({n} of {len(line)} bytes) for session {sid}")
             if self.fsync:
                 os.fsync(fd)
         except OSError as exc:
+            if not counted:
+                self._failed(sid)
             if exc.errno == errno.EBADF:
-                self._fds.pop(record.session_id, None)
-            raise CaptureError(f"cannot write capture for {record.session_id}: {exc}") from exc
+                self._fds.pop(sid, None)
+            raise CaptureError(f"cannot write capture for {sid}: {exc}") from exc
+        self._torn.discard(sid)
         self.records += 1
         self.bytes += n
         if self.deltas is not None:
-            self.deltas.remember(record.session_id, kept)
+            # only now may a later record refer to this one: a failed write is never a reference
+            self.deltas.remember(sid, kept)
         return n
+
+    def _failed(self, session_id: str) -> None:
+        """A write of this session failed (disk full, I/O error): what reached the file is unknown,
+        so the session's next record is written self-contained (no reference to any earlier one:
+        a reader that lost a line around the failure still reads every later record) and starts on
+        a fresh line."""
+        self.failed += 1
+        self._torn.add(session_id)
+        if self.deltas is not None:
+            self.deltas.forget(session_id)
 
     def existing_calls(self, session_id: str) -> int:
         """Complete lines already in the session's file: where call indexes resume after a restart."""

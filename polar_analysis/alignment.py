@@ -431,6 +431,17 @@ def renderer_for_calls(calls_lf: pl.LazyFrame, model: str | Path | None = None) 
     return None
 
 
+def tokenizer_fingerprint(renderer: Renderer | None) -> str | None:
+    """``polar_core.tokenizer_identity.fingerprint`` of a chat-template renderer's tokenizer (what
+    the trajectories record for the trainer to check); None without one (tiktoken, none found)."""
+    tok = getattr(renderer, "tokenizer", None)
+    if tok is None:
+        return None
+    from polar_core.tokenizer_identity import fingerprint
+
+    return fingerprint(tok)
+
+
 def template_info_for(renderer: Renderer | None, calls_lf: pl.LazyFrame | None = None) -> TemplateInfo | None:
     """Template facts with the chat_template_kwargs the capture used (e.g. enable_thinking)."""
     if renderer is None:

@@ -321,10 +321,16 @@ def register(app: typer.Typer, *, translate=None) -> None:
         if report:
             console.print(_scan_line(report))
         template = None
+        renderer = _renderer(lf, model, required=False)
         if mode == Mode.prefix_merge:
-            template = alignment.template_info_for(_renderer(lf, model, required=False), lf)
+            template = alignment.template_info_for(renderer, lf)
+        fingerprint = alignment.tokenizer_fingerprint(renderer)
+        if fingerprint is None:
+            console.print("[yellow]no tokenizer found for this capture's model (pass --model DIR): the trajectories "
+                          "carry no tokenizer fingerprint, and `polar train` cannot check it[/yellow]")
         table = rw.resolve(source if source.is_dir() else None, rewards)
-        df, stats = trajectories.build(lf, mode.value, strict=strict, template=template, rewards=table)
+        df, stats = trajectories.build(lf, mode.value, strict=strict, template=template, rewards=table,
+                                       tokenizer_fingerprint=fingerprint)
         out.parent.mkdir(parents=True, exist_ok=True)
         df.write_parquet(out)
         console.print(_stats_table(stats))

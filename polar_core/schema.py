@@ -162,6 +162,11 @@ TRAJECTORY_COLUMNS = {
     "top_k": "int",
     "top_p": "float",
     "sampling_issue": "str",
+    # Which model sampled the sequence and whose token ids they are: the served model's name and
+    # ``polar_core.tokenizer_identity.fingerprint`` of its tokenizer (null: no tokenizer found when
+    # the trajectories were built). ``polar train`` refuses a model whose tokenizer differs.
+    "served_model": "str",
+    "tokenizer_fingerprint": "str",
 }
 
 

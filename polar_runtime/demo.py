@@ -305,6 +305,7 @@ def build_trajectories(cfg: DemoConfig, data: StepData, model_dir: Path) -> None
     table = rewards.load_rewards(cfg.captures / rewards.ROLLOUTS_FILE).filter(pl.col("session_id").is_in(sids))
     # An evaluator that could not give a verdict leaves the reward null: that sample takes no part in
     # its group (zero advantage), like a failed run, instead of stopping the trainer.
+    df = common.stamp_tokenizer(df, alignment.tokenizer_fingerprint(renderer))
     df = common.attach_rewards(df, table).with_columns(
         status=pl.when(pl.col("reward").is_null()).then(pl.lit("failed")).otherwise(pl.col("status")))
     out = cfg.out / "trajectories" / f"step-{data.step}.parquet"

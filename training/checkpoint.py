@@ -10,6 +10,10 @@ Layout of ``<out>/step-000007/``::
     polar_checkpoint.json               step / policy_version, base model, time, last metrics
     adapter_model.safetensors           LoRA runs only: the adapters (model.safetensors has them merged)
 
+A LoRA run saved with ``--lora-save adapter`` has no ``config.json``/``model.safetensors``: it is a
+PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors`` under PEFT's names)
+plus the files above, served on the base model by vLLM with ``--enable-lora``.
+
 A checkpoint is written into a temporary sibling directory and renamed into place, so a reader
 (vLLM reloading weights, a resumed run) never sees half of one. ``<out>/latest`` names the newest.
 
@@ -143,17 +147,25 @@ def save_checkpoint(
     update_latest: bool = True,
     policy: torch.nn.Module | None = None,
     probe_before: list[float] | None = None,
+    adapter_only: bool = False,
 ) -> Path:
     """Write ``out_dir`` atomically (collective under FSDP: call on every rank; rank 0 writes).
 
     ``policy``: the trainer's (possibly sharded) ``TokenLogprobs`` wrapping ``model``; weights and
-    the probe are then taken through it.
+    the probe are then taken through it. ``adapter_only`` (a LoRA model, ``--lora-save adapter``):
+    the checkpoint is a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``
+    under PEFT's names) with no full weights; vLLM serves it on the base model with ``--enable-lora``.
     """
     from . import lora
 
     out = Path(out_dir)
     adapter = None
-    if lora.is_lora(model):  # vLLM gets the adapters merged into the base weights (lora.py says why)
+    state_dict: dict[str, Any] = {}
+    if adapter_only and not lora.is_lora(model):
+        raise ValueError("adapter_only needs a LoRA model")
+    if adapter_only:
+        pass  # the adapters alone, written below
+    elif lora.is_lora(model):  # vLLM gets the adapters merged into the base weights (lora.py says why)
         state_dict = lora.merged_state_dict(model)
         adapter = lora.adapter_state_dict(model) if trainer_state is not None else None
     elif policy is not None:
@@ -168,7 +180,7 @@ def save_checkpoint(
     if not pdist.is_main():
         return out
     tied = is_tied(model)
-    if tied:
+    if tied and not adapter_only:
         k_in, k_out = _embedding_keys(model)
         if k_in and k_out:
             state_dict = dict(state_dict)
@@ -176,11 +188,14 @@ def save_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _set_tied(model, False)
-        try:
-            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        finally:
-            _set_tied(model, tied)
+        if adapter_only:
+            lora.save_peft_adapter(model, tmp, base_model=(meta or {}).get("lora_base") or str(tokenizer_dir))
+        else:
+            _set_tied(model, False)
+            try:
+                model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            finally:
+                _set_tied(model, tied)
         copy_tokenizer_files(tokenizer_dir, tmp)
         if trainer_state is not None:
             torch.save(trainer_state, tmp / STATE_FILE)
@@ -216,10 +231,15 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     pointer = run / LATEST_FILE
     if pointer.is_file():
         cand = run / pointer.read_text().strip()
-        if (cand / "config.json").is_file():
+        if _is_checkpoint(cand):
             return cand
-    steps = sorted(p for p in run.glob("step-*") if (p / "config.json").is_file())
+    steps = sorted(p for p in run.glob("step-*") if _is_checkpoint(p))
     return steps[-1] if steps else None
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """A complete checkpoint: a model's config, or a LoRA adapter's (``--lora-save adapter``)."""
+    return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
 
 
 def resolve_resume(resume: str | os.PathLike) -> Path:

@@ -75,6 +75,14 @@ def train_command(
         help="float32 (fast on CPUs without bf16) | bfloat16 (mixed precision: float32 master weights and optimizer "
              "state, bf16 compute). float16 is refused.")] = _TRAIN.compute_dtype,
     seed: Annotated[int, typer.Option()] = _TRAIN.seed,
+    lora_rank: Annotated[int, typer.Option(
+        help="Train LoRA adapters of this rank on every projection (peft; alpha = 2 x rank, as in `polar demo`) "
+             "instead of all weights; 0: full fine-tuning. LoRA wants a larger --lr (e.g. 1e-5). A resumed LoRA run "
+             "stays one. Single process: refused under torchrun (FSDP).")] = 0,
+    lora_save: Annotated[Optional[str], typer.Option(
+        help="LoRA checkpoints: merged (default: the adapters merged into full weights, servable and --push-to "
+             "reloadable like any model) | adapter (a PEFT adapter directory, no full weights: vLLM serves it on "
+             "the base model with --enable-lora --lora-modules NAME=DIR).")] = None,
     push_to: Annotated[Optional[str], typer.Option(
         help="Base URL of the running vLLM to reload the new weights into.")] = None,
     proxy_control: Annotated[Optional[str], typer.Option(
@@ -93,6 +101,18 @@ def train_command(
                           loss=LossConfig(**_fields(LossConfig, options)))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    lora = None
+    if lora_rank < 0:
+        raise typer.BadParameter("--lora-rank must be >= 0 (0: full fine-tuning)")
+    if lora_rank:
+        from .lora import LoraSettings
+
+        lora = LoraSettings(rank=lora_rank, alpha=2.0 * lora_rank)
+    if lora_save not in (None, "merged", "adapter"):
+        raise typer.BadParameter(f"--lora-save must be merged or adapter, not {lora_save!r}")
+    if lora_save == "adapter" and push_to:
+        raise typer.BadParameter("--push-to reloads full weights into vLLM; serve a --lora-save adapter checkpoint "
+                                 "with --enable-lora instead (or keep the default, --lora-save merged)")
     job = TrainJob(
         model=str(model),
         trajectories=[str(p) for p in trajectories],
@@ -103,8 +123,16 @@ def train_command(
         push_to=push_to,
         proxy_control=proxy_control,
         show_progress=progress,
+        lora=lora,
+        lora_save=lora_save,
     )
-    result = run_training(job, console=console)
+    from .identity import TokenizerMismatch
+
+    try:
+        result = run_training(job, console=console)
+    except TokenizerMismatch as exc:
+        console.print(f"[red]polar train: {exc}[/red]")
+        raise typer.Exit(2) from None
     from . import distributed as pdist
 
     if pdist.is_main():

@@ -104,3 +104,48 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapters alone (what a resumed LoRA run or vLLM's ``--enable-lora`` needs)."""
     return {k: v.detach() for k, v in model.state_dict().items() if ".lora_" in k}
+
+
+#: ``--lora-save``: how a LoRA run's checkpoints hold the policy
+LORA_SAVE = ("merged", "adapter")
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT's file names (``base_model.model.<module>.lora_A.weight``: no
+    adapter name), what ``PeftModel.from_pretrained`` and vLLM's ``--enable-lora`` read."""
+    out = {}
+    for k, v in adapter_state_dict(model).items():
+        out[PEFT_PREFIX + k.replace(f".{ADAPTER}.", ".")] = v.contiguous()
+    return out
+
+
+def from_peft_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """PEFT's names back to the injected model's (``...lora_A.default.weight``); ours pass as they are."""
+    out = {}
+    for k, v in sd.items():
+        if k.startswith(PEFT_PREFIX):
+            k = k[len(PEFT_PREFIX):]
+            for part in ("lora_A", "lora_B"):
+                k = k.replace(f".{part}.weight", f".{part}.{ADAPTER}.weight")
+        out[k] = v
+    return out
+
+
+def save_peft_adapter(model: torch.nn.Module, out_dir: Any, base_model: str) -> None:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``out_dir`` (PEFT's
+    adapter directory: ``vllm serve BASE --enable-lora --lora-modules NAME=DIR``, or
+    ``POST /v1/load_lora_adapter``). The base weights are not written: a step costs the adapters'
+    megabytes instead of the model's gigabytes."""
+    from pathlib import Path
+
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    s: LoraSettings = model.polar_lora  # type: ignore[attr-defined]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=list(s.targets),
+                     bias="none", task_type="CAUSAL_LM", base_model_name_or_path=str(base_model))
+    cfg.save_pretrained(str(out))
+    save_file(peft_state_dict(model), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})

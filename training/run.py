@@ -12,6 +12,7 @@ Works the same under ``torchrun`` (FSDP2; rank 0 writes files and draws the prog
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,9 @@ from polar_core.schema import TRAJECTORY_COLUMNS
 
 from . import checkpoint as ckpt
 from . import distributed as pdist
+from .identity import check_trajectories
+
+log = logging.getLogger("polar.train")
 
 #: Columns the trainer reads (the rest of the trajectory schema is carried for provenance only).
 NEEDED_COLUMNS = ("trajectory_id", "session_id", "group_id", "input_ids", "loss_mask", "logprobs", "reward", "status")
@@ -41,6 +45,8 @@ class TrainJob:
     resume: str | None = None  # checkpoint dir, run dir, or "auto" (latest in ``out``)
     ref_model: str | None = None  # default: the base model the policy descends from
     dtype: str | None = None  # compute dtype, overrides config.compute_dtype when set
+    lora: Any = None  # LoraSettings: train LoRA adapters instead of all weights (a resumed LoRA run stays one)
+    lora_save: str | None = None  # merged (default: full weights, adapters merged) | adapter (a PEFT adapter dir)
     push_to: str | None = None  # base URL of a running vLLM to reload
     proxy_control: str | None = None  # base URL of the proxy's /_polar control API
     show_progress: bool = True
@@ -93,14 +99,28 @@ def run_training(job: TrainJob, console=None) -> RunResult:
     model_dir = str(resume_dir) if resume_dir else job.model
     base_model = ckpt.base_model_of(model_dir) if resume_dir else ckpt.base_model_of(job.model)
     cfg = job.config
+    frame = load_trajectories(job.trajectories)
+    # before any model loads: another tokenizer's ids are refused, naming both (identity.py)
+    warning = check_trajectories(frame, model_dir)
+    if warning and main:
+        (console.print(f"[yellow]warning: {warning}") if console is not None else log.warning(warning))
     torch.manual_seed(cfg.seed)
-    model, ref = load_models(model_dir, cfg, ref_dir=job.ref_model or base_model, dtype=job.dtype)
+    prev = ckpt.read_meta(resume_dir) if resume_dir else {}
+    lora_settings = job.lora if job.lora is not None else prev.get("lora")  # a LoRA run goes on as one
+    lora_save = job.lora_save or prev.get("lora_save") or "merged"
+    lora_base = None
+    if lora_settings is None:
+        if job.lora_save == "adapter":
+            raise ValueError("--lora-save adapter needs --lora-rank (a LoRA run)")
+        model, ref = load_models(model_dir, cfg, ref_dir=job.ref_model or base_model, dtype=job.dtype)
+    else:
+        model, ref, lora_settings, lora_base = _load_lora(job, cfg, lora_settings, lora_save, resume_dir, prev,
+                                                          model_dir, base_model)
     trainer = GRPOTrainer(model, cfg, ref_model=ref)
     del ref  # the trainer's reference is its only one, so fit(last_batch=True) can free it
     if resume_dir:
         trainer.load_state_dict(ckpt.load_trainer_state(resume_dir))
 
-    frame = load_trajectories(job.trajectories)
     prep = trainer.prepare(frame)
     summary = "; ".join(st.describe() for st in prep.stats)
     if main and console is not None:
@@ -161,6 +181,8 @@ def run_training(job: TrainJob, console=None) -> RunResult:
         "last_metrics": history[-1] if history else {},
         "pack_summary": summary,
     }
+    if lora_settings is not None:
+        meta.update(lora=lora_settings.to_dict(), lora_base=lora_base, lora_save=lora_save)
     meta.update(job.extra_meta)
     state = trainer.state_dict()  # collective under FSDP
     meta["compute_dtype"] = cfg.compute_dtype
@@ -174,6 +196,7 @@ def run_training(job: TrainJob, console=None) -> RunResult:
         probe_ids=probe_ids,
         policy=trainer.policy,
         probe_before=probe_before,
+        adapter_only=lora_save == "adapter" and lora_settings is not None,
     )
     result = RunResult(checkpoint=ckpt_dir, step=trainer.step, history=history, pack_summary=summary)
     if main:
@@ -187,3 +210,36 @@ def run_training(job: TrainJob, console=None) -> RunResult:
 
         dist.barrier()
     return result
+
+
+def _load_lora(job: TrainJob, cfg: Any, settings: Any, save: str, resume_dir: Path | None, prev: dict[str, Any],
+               model_dir: str, base_model: str) -> tuple[Any, Any, Any, str]:
+    """Policy with LoRA adapters on its frozen base (resumed: the run's base model and the
+    checkpoint's adapters), the reference, the settings and that base. Single process only:
+    under torchrun (FSDP2) the merged and PEFT state dicts would be taken from sharded
+    parameters, which ``lora.py`` does not gather, so LoRA is refused there rather than saved wrong."""
+    from . import lora as lo
+    from .trainer import load_models
+
+    if pdist.is_distributed():
+        raise ValueError("LoRA (--lora-rank) is single-process: under torchrun (FSDP) train all weights, "
+                         "or run polar train without torchrun")
+    if save not in lo.LORA_SAVE:
+        raise ValueError(f"--lora-save must be one of {', '.join(lo.LORA_SAVE)}, not {save!r}")
+    if save == "adapter" and job.push_to:
+        raise ValueError("--push-to reloads full weights into vLLM; a --lora-save adapter checkpoint is served "
+                         "with --enable-lora instead (or use the default, --lora-save merged)")
+    settings = settings if isinstance(settings, lo.LoraSettings) else lo.LoraSettings(**settings)
+    # the frozen base the adapters sit on: the original model, also when resuming (a merged
+    # checkpoint's weights file has the adapters in it, an adapter checkpoint has no weights)
+    weights_dir = prev.get("lora_base") or (base_model if resume_dir else model_dir)
+    model, ref = load_models(weights_dir, cfg, ref_dir=job.ref_model or base_model, dtype=job.dtype)
+    model = lo.apply_lora(model, settings)
+    if resume_dir:
+        from safetensors.torch import load_file
+
+        loaded = model.load_state_dict(lo.from_peft_state_dict(load_file(str(resume_dir / ckpt.ADAPTER_FILE))),
+                                       strict=False)
+        if loaded.unexpected_keys:
+            raise ValueError(f"adapter keys of {resume_dir} not in the model: {loaded.unexpected_keys[:3]}")
+    return model, ref, settings, weights_dir

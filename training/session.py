@@ -185,6 +185,12 @@ class TrainSession:
         self._probe: tuple[list[int], list[float] | None] | None = None  # ids, logprobs before the last step
         self._handoff: Path | None = None
         self.metrics_path = self.out / "metrics.jsonl"
+        self._fingerprint: str | None = None  # of the model's tokenizer ("" when it has none)
+        # the one metrics writer `polar train` uses too (run.py): metrics.jsonl, TensorBoard event
+        # files under <out>/tensorboard and W&B when installed; the demo trains through this class
+        from .metrics_log import MetricsLog
+
+        self.metrics_log: MetricsLog | None = MetricsLog(self.out, config=config.to_dict())
         self.load_s = time.perf_counter() - t0
 
     @property
@@ -212,6 +218,15 @@ class TrainSession:
         _reset_peak_rss()
         timings: dict[str, float] = {}
         frame = load_trajectories(list(trajectories)) if isinstance(trajectories, (list, tuple)) else trajectories
+        from .identity import check_trajectories
+
+        if self._fingerprint is None:
+            from polar_core.tokenizer_identity import fingerprint_of_dir
+
+            self._fingerprint = fingerprint_of_dir(self.model_dir) or ""
+        warning = check_trajectories(frame, self.model_dir, self._fingerprint or None)  # raises on a mismatch
+        if warning:
+            self.log(f"warning: {warning}")
         timings["load_reference_s"] = self._attach_reference()
         t0 = time.perf_counter()
         prep = self.trainer.prepare(frame)
@@ -242,8 +257,11 @@ class TrainSession:
         return out
 
     def _on_step(self, m: dict[str, float]) -> None:
-        with open(self.metrics_path, "a") as fh:
-            fh.write(json.dumps(m) + "\n")
+        if self.metrics_log is None:  # closed, then stepped again: the JSONL is never given up
+            from .metrics_log import MetricsLog
+
+            self.metrics_log = MetricsLog(self.out, config=self.cfg.to_dict())
+        self.metrics_log.write(m)
         self.log(f"train step {m['step']}: loss {m['loss']:+.5f}  reward {m.get('reward_mean', float('nan')):.3f}  "
                  f"kl {m['kl']:.2e}  {m['tokens_per_s']:.0f} tok/s")
 
@@ -299,6 +317,9 @@ class TrainSession:
         elif self.last_checkpoint_step == self.trainer.step:
             path = self.last_checkpoint
         self.remove_handoff()
+        if self.metrics_log is not None:
+            self.metrics_log.close()
+            self.metrics_log = None
         return path
 
     def remove_handoff(self) -> None:

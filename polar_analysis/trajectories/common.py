@@ -49,6 +49,8 @@ TRAJECTORY_SCHEMA: dict[str, pl.DataType] = {
     "top_k": pl.Int32,
     "top_p": pl.Float64,
     "sampling_issue": pl.String,
+    "served_model": pl.String,
+    "tokenizer_fingerprint": pl.String,
 }
 assert set(TRAJECTORY_COLUMNS) <= set(TRAJECTORY_SCHEMA), "every schema column must have a type"
 
@@ -78,7 +80,7 @@ CALL_COLUMNS = (
     "call_id", "session_id", "task_id", "group_id", "call_index", "status", "finish_reason",
     "policy_version", "prompt_token_ids", "sampled_token_ids", "sampled_logprobs",
     "normalized_request", "output_text", "output_reasoning", "output_tool_calls", "t_request_in", "sampling",
-    "history_cause",
+    "history_cause", "served_model",
 )
 
 
@@ -104,6 +106,7 @@ class Call:
     sampling_json: str | None = None  # CallRecord.sampling (JSON), None on records before schema 2
     has_logprobs: bool = True  # one finite logprob per sampled id (else excluded, counted)
     history_cause: str | None = None  # the proxy's exact-history cause (CallRecord.history_cause)
+    served_model: str | None = None  # the model the engine served (CallRecord.served_model)
     _request: Any = field(default=None, repr=False)
     _request_src: Any = field(default=None, repr=False)  # (Series or _SessionRequests, key): JSON read on first use
 
@@ -155,7 +158,8 @@ def _list_arrays(series: pl.Series, dtype: Any) -> list[np.ndarray]:
 _ARENA = ("prompt_arena", "prompt_ids_start", "n_prompt_ids")
 
 _SCALARS = ("call_id", "session_id", "task_id", "group_id", "call_index", "status", "finish_reason",
-            "policy_version", "output_text", "output_reasoning", "output_tool_calls", "sampling", "history_cause")
+            "policy_version", "output_text", "output_reasoning", "output_tool_calls", "sampling", "history_cause",
+            "served_model")
 
 
 def trainer_sampling(sampling: dict[str, Any] | None, label: str) -> tuple[float | None, int, float, str | None]:
@@ -278,6 +282,7 @@ def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
                 sampling_json=get["sampling"][i],
                 has_logprobs=has_lp,
                 history_cause=get["history_cause"][i],
+                served_model=get["served_model"][i] or None,
                 _request_src=(requests, keys[i]),
             )
         )
@@ -575,6 +580,8 @@ def sequences_frame(seqs: list[Sequence], stats: BuildStats) -> pl.DataFrame:
         rows["top_k"].append(top_k)
         rows["top_p"].append(top_p)
         rows["sampling_issue"].append(issue)
+        rows["served_model"].append(next((c.served_model for c in seq.calls if c.served_model), None))
+        rows["tokenizer_fingerprint"].append(None)  # the builder has no tokenizer: see stamp_tokenizer
         stats.sequence_tokens += int(input_ids.size)
     stats.sequences = len(seqs)
     stats.covered_tokens = covered_count(stats.session_sampled, seqs_session_ids(seqs), ids, masks)
@@ -589,6 +596,14 @@ def sequences_frame(seqs: list[Sequence], stats: BuildStats) -> pl.DataFrame:
         else:
             cols[name] = pl.Series(name, rows[name], dtype=dtype)
     return pl.DataFrame({n: s.alias(n) for n, s in cols.items()})
+
+
+def stamp_tokenizer(traj: pl.DataFrame, fingerprint: str | None) -> pl.DataFrame:
+    """Every sequence's ``tokenizer_fingerprint``: the tokenizer the captures' ids belong to (the
+    served model's, as found for the chat template), which ``polar train`` checks."""
+    if fingerprint is None:
+        return traj
+    return traj.with_columns(tokenizer_fingerprint=pl.lit(fingerprint, dtype=pl.String))
 
 
 def attach_rewards(traj: pl.DataFrame, rewards: pl.LazyFrame | None) -> pl.DataFrame:

@@ -134,6 +134,21 @@ def test_sequences_carry_their_calls_sampling_and_name_the_call_when_the_trainer
         assert rows[sid]["temperature"] is None and says in issue and records[ord(sid) - ord("a")].call_id in issue
 
 
+@pytest.mark.parametrize("param,value", [("min_p", 0.05), ("repetition_penalty", 1.1), ("repetition_penalty", 0.9),
+                                         ("presence_penalty", 0.5), ("presence_penalty", -0.5),
+                                         ("frequency_penalty", 0.3), ("frequency_penalty", -0.3)])
+def test_each_sampling_parameter_the_trainer_cannot_reproduce_is_refused_by_name(param, value):
+    """min-p and each penalty (either side of neutral) reshape the distribution in ways the trainer's
+    temperature/top-k/top-p do not: a call sampled with one is refused, naming the call and the
+    parameter; the same call with the neutral value passes."""
+    from polar_analysis.trajectories.common import trainer_sampling
+
+    t, top_k, top_p, issue = trainer_sampling(dict(PLAIN_SAMPLING, **{param: value}), "call c9 (session s)")
+    assert t is None and issue is not None
+    assert f"{param}={value}" in issue and "call c9" in issue and "does not reproduce" in issue
+    assert trainer_sampling(dict(PLAIN_SAMPLING), "call c9") == (1.0, 0, 1.0, None)
+
+
 def test_prefix_merge_never_joins_calls_of_different_distributions(tmp_path):
     c1 = rec("s", 0, [1, 2], [20, EOT])
     c2 = rec("s", 1, [1, 2, 20, EOT, 5], [21, EOT], sampling=dict(PLAIN_SAMPLING, temperature=0.6))
@@ -207,3 +222,26 @@ def test_effective_sampling_follows_vllm_priority(tmp_path):
     enforced = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
     assert sampling.effective(dict(enforced), server, enforced)["enforced"] == ["temperature", "top_k", "top_p"]
     assert np.isfinite(got["temperature"])
+
+
+# ---- which model and tokenizer the sequences belong to --------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["per-request", "prefix-merge"])
+def test_sequences_record_the_served_model_and_the_tokenizer_fingerprint(tmp_path, renderer, tiny_qwen_dir, mode):
+    """What `polar train` checks before it trains: the served model's name (from the captures) and
+    the fingerprint of the tokenizer found for it (the renderer's)."""
+    import dataclasses
+
+    from polar_analysis import alignment, trajectories
+    from polar_core.tokenizer_identity import fingerprint_of_dir
+
+    records = [dataclasses.replace(rec("s", 0, [1, 2], [20, EOT]), served_model="qwen2.5-coder-0.5b-instruct"),
+               dataclasses.replace(rec("s", 1, [1, 2, 20, EOT, 5], [21, EOT]), served_model="qwen2.5-coder-0.5b-instruct")]
+    fp = alignment.tokenizer_fingerprint(renderer)
+    assert fp == fingerprint_of_dir(tiny_qwen_dir)
+    df, _ = trajectories.build(load(tmp_path, records), mode, tokenizer_fingerprint=fp)
+    assert set(df["served_model"].to_list()) == {"qwen2.5-coder-0.5b-instruct"}
+    assert set(df["tokenizer_fingerprint"].to_list()) == {fp}
+    df, _ = trajectories.build(load(tmp_path / "again", records), mode)  # no tokenizer found: null, not a guess
+    assert df["tokenizer_fingerprint"].null_count() == df.height

@@ -153,6 +153,87 @@ def test_capture_refuses_escape_and_counts_existing(tmp_path):
     w.close()
 
 
+def test_a_failed_capture_write_is_counted_logged_and_never_referred_to(tmp_path, monkeypatch, caplog):
+    """Disk full once in a growing session: the failed record is counted in the proxy's status and
+    logged; the next record of that session is self-contained (no delta reference), and every
+    later record reads back whole (a delta against the failed record would lose them all)."""
+    import logging
+
+    from polar_core import capture_delta as cd
+    from polar_core.schema import read_capture_lines
+    from polar_proxy import capture, control
+    from polar_proxy.calls import finalize
+
+    s = ProxyState()
+    s.writer = CaptureWriter(tmp_path)
+    real_write, fail = os.write, {"left": 0}
+
+    def flaky(fd, data):
+        if fail["left"]:
+            fail["left"] -= 1
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(capture.os, "write", flaky)
+
+    def call(i: int) -> Call:
+        rec = CallRecord(call_id=f"s-{i}", session_id="s", call_index=i, provider="openai_chat", status="ok",
+                         native_request={"messages": [{"role": "user", "content": "x" * 100}] * (i + 1)})
+        c = Call(rec, PROVIDERS["openai_chat"], tflow.tflow())
+        c.tokens.prompt_token_ids = list(range(100 + 30 * i))
+        c.tokens.sampled_token_ids, c.tokens.sampled_logprobs = [i] * 5, [-0.5] * 5
+        s.calls[c.flow.id] = c
+        return c
+
+    with caplog.at_level(logging.ERROR, logger="polar"):
+        finalize(s, call(0))
+        fail["left"] = 1
+        finalize(s, call(1))  # ENOSPC
+        for i in (2, 3, 4):
+            finalize(s, call(i))
+    st = control.status(s)
+    assert st["capture_errors"] == 1 and st["captured"] == 4
+    assert any("capture failed" in r.getMessage() and "s" in r.getMessage() for r in caplog.records)
+    raw = [orjson.loads(x) for x in (tmp_path / "sessions" / "s.jsonl").read_bytes().splitlines() if x.strip()]
+    assert [r["call_id"] for r in raw] == ["s-0", "s-2", "s-3", "s-4"]
+    assert "ref" not in raw[1][cd.DELTA_KEY] and raw[1]["prompt_token_ids"] == list(range(160))  # self-contained
+    assert raw[2][cd.DELTA_KEY]["ref"] == "s-2"  # later records are deltas again, against written ones
+    got = list(read_capture_lines(tmp_path / "sessions" / "s.jsonl"))
+    assert [(r["call_id"], len(r["prompt_token_ids"])) for r in got] == [("s-0", 100), ("s-2", 160), ("s-3", 190),
+                                                                          ("s-4", 220)]
+    s.writer.close()
+
+
+def test_a_torn_failed_write_does_not_swallow_the_next_record(tmp_path, monkeypatch):
+    """A short write whose closing newline fails too leaves a line without its end: the next
+    record must start on a fresh line, or it is glued to the torn one and lost."""
+    from polar_core.schema import read_capture_lines
+    from polar_proxy import capture
+
+    w = CaptureWriter(tmp_path)
+    real_write, state = os.write, {"mode": None}
+
+    def flaky(fd, data):
+        if state["mode"] == "short":
+            state["mode"] = "full"
+            return real_write(fd, data[: len(data) // 2])
+        if state["mode"] == "full":
+            state["mode"] = None
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(capture.os, "write", flaky)
+    w.write(_record("t", 0))
+    state["mode"] = "short"
+    with pytest.raises(CaptureError):
+        w.write(_record("t", 1))
+    w.write(_record("t", 2))
+    w.write(_record("t", 3))
+    assert [r["call_id"] for r in read_capture_lines(tmp_path / "sessions" / "t.jsonl")] == ["t-0", "t-2", "t-3"]
+    assert w.failed == 1
+    w.close()
+
+
 def test_capture_writer_is_fast(tmp_path):
     w = CaptureWriter(tmp_path)
     rec = _record("fast", 0, 2000)

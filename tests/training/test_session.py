@@ -105,6 +105,25 @@ def test_a_batch_without_sampled_tokens_changes_nothing(small_qwen_dir, make_fra
     assert session.close() is None and not list((tmp_path / "run").glob("step-*"))
 
 
+def test_the_persistent_trainer_writes_tensorboard_event_files(small_qwen_dir, make_frame, tmp_path):
+    """The demo trains through TrainSession: its metrics go through the same writer as `polar
+    train`'s (metrics.jsonl and TensorBoard event files under <run>/tensorboard, W&B when there)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    session = TrainSession(small_qwen_dir, out, _cfg())
+    session.step([_data(make_frame, tmp_path, 1)])
+    session.close(checkpoint=False)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    events = list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert events, "no TensorBoard event files under <run>/tensorboard"
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    loss = acc.Scalars("loss")
+    assert [e.step for e in loss] == [r["step"] for r in rows] == [1, 2]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+
+
 @pytest.mark.slow
 def test_trainer_process_over_a_pipe(small_qwen_dir, make_frame, tmp_path):
     """The demo's client: the session in a child process that stays up between steps; a bad command
