@@ -11,17 +11,21 @@ What one phase sees (docs/sandbox.md has the full table):
   whatever it left running is counted and killed, and a timeout kills the whole namespace;
 * no network at all (``--unshare-net``: only its own loopback), except the model proxy: the host
   relays a job-private Unix socket to the proxy's port, and inside, 127.0.0.1:<same port> relays to
-  that socket, so HTTPS_PROXY and base-URL modes are unchanged; ``network=True`` shares the
-  host's network instead;
-* pids/memory/CPU limits through a cgroup where one can be created (``cgroups.py``), the work dir's
-  size through RLIMIT_FSIZE (one file) and a watchdog that kills the phase when the dir outgrows
-  ``disk_mb`` (polled every 0.25 s, or less often for a big dir: a walk takes at most a tenth of
-  the time; so a fast writer may overshoot by what it writes in that time).
+  that socket, so HTTPS_PROXY and base-URL modes are unchanged; ``egress``: the package registries
+  through a filtering proxy (``egress.py``); ``network=True`` (a model proxy on another machine
+  only) shares the host's network;
+* a root caller's phase holds no privilege (``_init.py``): an unprivileged host uid range, uid 0
+  inside a user and mount namespace of its own, no capability (or, with ``userns_caps``, only over
+  its own namespaces), no_new_privs, a seccomp filter;
+* pids/memory/CPU limits through a cgroup where one can be created (``cgroups.py``); the work dir,
+  HOME and the other writable binds together on one loop-mounted image of ``disk_mb``
+  (``diskimage.py``: hard, ENOSPC); without root, RLIMIT_FSIZE and a watchdog that kills the phase
+  when the work dir outgrows ``disk_mb`` (polled every 0.25 s: a fast writer overshoots).
 
-Start-up (``benchmarks/bench_sandbox.py``, ``true``, medians of 20 interleaved rounds): 67.5 ms
-against 2.0 ms for a plain subprocess; 119.8 ms with a cgroup per phase and the disk cap; 76.6 ms
-with the proxy relay. bwrap itself is ~15 ms of it, the in-sandbox Python init most of the rest;
-a harness phase takes tens of seconds.
+Start-up (``benchmarks/bench_sandbox.py``, ``true``, medians of 20 interleaved rounds, quiet
+machine, before the root hardening): 67.5 ms against 2.0 ms for a plain subprocess; 119.8 ms with a
+cgroup per phase and the disk cap; 76.6 ms with the proxy relay. The hardening adds ~1-6 ms, the
+disk image ~35 ms (under load, 2026-12-03). A harness phase takes tens of seconds.
 """
 
 from __future__ import annotations
