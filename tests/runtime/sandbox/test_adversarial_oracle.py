@@ -123,7 +123,9 @@ def test_escape_attempts_through_the_oracle(tmp_path):
         ("a process outlived the oracle phase", (work["late-writer"] / "late.txt").exists()),
         ("no note of the leftover process", "leftover" not in notes["late-writer"]),
         ("no pids cap on the fork bomb", "pids limit hit" not in notes["fork-bomb"]),
-        (f"the work dir reached {used >> 20} MiB with storage_mb = 32", used >= 128 * 1024 * 1024),
+        # hard (a disk image of 32 MiB for the work dir and HOME): no poll gap to overshoot in,
+        # whatever the load (the watchdog it replaced let 141 MiB through in a loaded CI run)
+        (f"the work dir reached {used / 2**20:.1f} MiB with storage_mb = 32", used > 33 * 1024 * 1024),
         ("no note of the disk cap", "disk limit hit" not in notes["fill-disk"]),
         ("not run in bubblewrap", any(row["sandbox"] != "bubblewrap" for row in rows.values())),
     ] if bad]
