@@ -53,8 +53,8 @@ async def model_call(s: ProxyState, flow: http.HTTPFlow) -> None:
     path_only = req.path.split("?", 1)[0]
     scrub(flow)
 
-    try:
-        raw = req.get_content(strict=False) or b""
+    try:  # no content-encoding (nearly always): the bytes as they are, without get_content's header lookups
+        raw = (req.get_content(strict=False) if "content-encoding" in headers else req.raw_content) or b""
     except ValueError:
         raw = req.raw_content or b""
     body: Any = None
