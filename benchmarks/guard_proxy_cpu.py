@@ -82,8 +82,11 @@ def compare(ratio: float, baseline: float | None, tolerance: float = TOLERANCE) 
 
 
 def measure(rounds: int, duration: float, sessions: int, seed: int, profile: Path | None,
-            log=print) -> dict[str, Any]:
-    """CPU ms per call of bare mitmdump and Polar, ``rounds`` interleaved rounds at ``sessions``."""
+            log=print, compare_with: Path | None = None) -> dict[str, Any]:
+    """CPU ms per call of bare mitmdump and Polar, ``rounds`` interleaved rounds at ``sessions``.
+    ``compare_with``: a directory holding another version's ``polar_proxy`` and ``polar_core``
+    packages (e.g. symlinks into ``git archive`` of an older commit), measured as a third target
+    ``polar_other`` in the same rounds: before/after figures from one run."""
     bench = _load_bench_proxy()
     multi = (os.cpu_count() or 1) >= 2
     proxy_cpus, client_cpus = ({0}, {1}) if multi else (None, None)
@@ -112,11 +115,23 @@ def measure(rounds: int, duration: float, sessions: int, seed: int, profile: Pat
             common.pin(proxy.proc.pid, proxy_cpus)
             urls["polar"] = proxy.url
             pids = {"mitmdump": svc.pid, "polar": proxy.proc.pid}
-            plans = bench.build_plans(urls, fixtures, delay_ms=5)
-            cpu: dict[str, list[float]] = {"mitmdump": [], "polar": []}
-            rps: dict[str, list[float]] = {"mitmdump": [], "polar": []}
+            if compare_with is not None:
+                env = {**os.environ, "PYTHONPATH": str(compare_with)}  # ahead of the editable install
+                other = ProxyProcess(urls["direct"], tmp / "captures-other", confdir=tmp / "mitm",
+                                     served_model=common.SERVED_MODEL, env=env).start()
+                services.append(other)
+                common.pin(other.proc.pid, proxy_cpus)
+                urls["polar_other"] = other.url
+                pids["polar_other"] = other.proc.pid
+            plans = bench.build_plans({k: v for k, v in urls.items() if k != "polar_other"}, fixtures, delay_ms=5)
+            if "polar_other" in urls:  # the harness's own requests, as Polar gets them
+                plans["mix-polar_other"] = bench.build_plans({"polar": urls["polar_other"]}, fixtures,
+                                                             delay_ms=5)["mix-polar"]
+            names = [t for t in pids]
+            cpu: dict[str, list[float]] = {t: [] for t in names}
+            rps: dict[str, list[float]] = {t: [] for t in names}
             with common.LoadGen(client_cpus) as lg:
-                for t in ("mitmdump", "polar"):
+                for t in names:
                     lg.load(f"mix-{t}", plans[f"mix-{t}"])
                     lg.latency(f"mix-{t}")  # warm-up: connections, caches, first-call set-up
                     lg.throughput(f"mix-{t}", sessions, 1.0)
@@ -128,8 +143,8 @@ def measure(rounds: int, duration: float, sessions: int, seed: int, profile: Pat
                         rps[t].append(m["rps"])
                         if m["errors"]:
                             raise RuntimeError(f"{t}: {m['errors']} errors, e.g. {m['error_samples'][:2]}")
-                    log(f"  round {r + 1}/{rounds}: mitmdump {cpu['mitmdump'][-1]:.3f} ms/call, "
-                        f"Polar {cpu['polar'][-1]:.3f} ms/call, ratio {cpu['mitmdump'][-1] / cpu['polar'][-1]:.3f}")
+                    log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{t} {v[-1]:.3f} ms/call" for t, v in cpu.items())
+                        + f"; ratio {cpu['mitmdump'][-1] / cpu['polar'][-1]:.3f}")
                 if profile is not None:
                     _profile(lg, pids["polar"], sessions, duration * 3, profile, log)
             status = proxy.control.status()
@@ -143,6 +158,9 @@ def measure(rounds: int, duration: float, sessions: int, seed: int, profile: Pat
         "cpu_ms_per_call_rounds": cpu,
         "rps": {t: statistics.median(v) for t, v in rps.items()},
         "ratio_rounds": [a / b for a, b in zip(cpu["mitmdump"], cpu["polar"])],
+        **({"ratio_other": med["mitmdump"] / med["polar_other"],
+            "ratio_other_rounds": [a / b for a, b in zip(cpu["mitmdump"], cpu["polar_other"])]}
+           if "polar_other" in med else {}),
         "sessions": sessions, "rounds": rounds, "duration_s": duration,
         "captured": status.get("captured"), "proxy_errors": status.get("errors"),
         "load_start": load0, "load_end": os.getloadavg()[0], "cpus": os.cpu_count(),
@@ -204,11 +222,13 @@ def main(
     write: bool = typer.Option(False, "--write", help=f"Write the measured figure to {RESULTS.name} (commit it)."),
     profile: Path = typer.Option(None, help="Also py-spy the proxy during one more run; summary written here."),
     seed: int = typer.Option(0, help="Order of targets within rounds."),
+    compare_with: Path = typer.Option(None, help="Also measure another version: a directory with its "
+                                                 "polar_proxy and polar_core packages (see measure())."),
 ) -> None:
     t0 = time.monotonic()
     print(f"guard: bare mitmdump vs Polar, CPU per call @{sessions} sessions, {rounds} rounds x {duration:g} s "
           f"(load {os.getloadavg()[0]:.2f}, {os.cpu_count()} cpus)")
-    fig = measure(rounds, duration, sessions, seed, profile)
+    fig = measure(rounds, duration, sessions, seed, profile, compare_with=compare_with)
     fig["date"] = time.strftime("%Y-%m-%d %H:%M")
     base = committed_figure()
     ok, verdict = compare(fig["ratio"], base.get("ratio") if base else None, tolerance)
@@ -216,8 +236,11 @@ def main(
           f"ms/call (req/s {fig['rps']['mitmdump']:.0f} vs {fig['rps']['polar']:.0f}); ratios per round "
           f"{', '.join(f'{r:.3f}' for r in fig['ratio_rounds'])}; load {fig['load_start']:.2f} -> "
           f"{fig['load_end']:.2f}; {time.monotonic() - t0:.0f} s")
+    if "ratio_other" in fig:
+        print(f"other version ({compare_with}): {fig['cpu_ms_per_call']['polar_other']:.3f} ms/call, ratio "
+              f"{fig['ratio_other']:.3f} (rounds {', '.join(f'{r:.3f}' for r in fig['ratio_other_rounds'])})")
     print(verdict)
-    if write:
+    if write and compare_with is None:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(fig, indent=2) + "\n")
         print(f"written: {RESULTS}")
