@@ -21,7 +21,8 @@ ratio dropped more than 5%. Run it whenever ``addon/`` or ``polar_core/`` change
 
 It is not a timed test in CI on purpose: on a shared 2-core machine CPU per call is steady enough
 for a ratio measured side by side, not for a pass/fail gate under somebody else's load (the
-run-to-run spread of the ratio is about +-0.03 at load ~1; see benchmarks/README.md).
+run-to-run spread of the ratio is about +-0.04 at load ~1, and rounds spread +-0.1 at load 3-4: the
+command says when the machine was busy; see benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ import common  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "proxy_cpu_guard.json"
 #: A drop of the ratio by more than this fraction of the committed figure fails the guard.
 TOLERANCE = 0.05
+#: Above this load average the per-round ratios spread by +-0.1 (measured: 0.72-0.94 at load 2.5-4.4,
+#: issue 42), more than the tolerance: the verdict says so.
+BUSY_LOAD = 1.5
 app = typer.Typer(add_completion=False)
 
 
@@ -240,6 +244,10 @@ def main(
         print(f"other version ({compare_with}): {fig['cpu_ms_per_call']['polar_other']:.3f} ms/call, ratio "
               f"{fig['ratio_other']:.3f} (rounds {', '.join(f'{r:.3f}' for r in fig['ratio_other_rounds'])})")
     print(verdict)
+    if max(fig["load_start"], fig["load_end"]) > BUSY_LOAD:
+        print(f"note: load average above {BUSY_LOAD:g} during the run: other jobs share the cores and the "
+              f"ratio moved by up to +-0.1 between rounds in such runs; rerun on a quieter machine before "
+              f"trusting a FAIL (or a --write)")
     if write and compare_with is None:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(fig, indent=2) + "\n")
