@@ -25,7 +25,7 @@ import orjson
 
 from polar_proxy import jsonutil
 
-from polar_core.capture_delta import REQUEST_FIELDS, SessionDeltas
+from polar_core.capture_delta import SessionDeltas
 from polar_core.schema import CALL_FIELDS, SESSIONS_SUBDIR, CallRecord, valid_session_id
 
 _FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
@@ -58,9 +58,11 @@ def _dumps(value: Any) -> bytes:
 
 
 def _plain(value: Any) -> Any:
-    """A RawJSON field (the harness's body, the ids as the engine sent them) parsed: a delta needs
-    its elements (parsing a 30k-id prompt and a 100 kB request: about 1 ms)."""
-    return value.value() if isinstance(value, jsonutil.RawJSON) else value
+    """A RawJSON request (the harness's body, the body sent upstream) as parsed objects, for its
+    digests: the proxy's own parse when it kept it (``RawJSON.parsed``), else parsed here."""
+    if isinstance(value, jsonutil.RawJSON):
+        return value.parsed if value.parsed is not None else value.value()
+    return value
 
 
 class CaptureWriter:
@@ -73,7 +75,7 @@ class CaptureWriter:
                  delta: bool = True):
         self.root = Path(capture_dir).resolve()
         #: None: every record in full (schema version 2's layout)
-        self.deltas = SessionDeltas(dumps=_dumps) if delta else None
+        self.deltas = SessionDeltas(dumps=_dumps, fragment=jsonutil.RawJSON, parsed=_plain) if delta else None
         self.dir = self.root / SESSIONS_SUBDIR
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
@@ -114,8 +116,6 @@ class CaptureWriter:
             line = encode_record(record)
         else:
             rec = {f: getattr(record, f) for f in CALL_FIELDS}
-            for f in ("prompt_token_ids", *REQUEST_FIELDS):
-                rec[f] = _plain(rec[f])
             out, kept = self.deltas.encode(rec)
             line = encode_record(record if out is rec else out)
         sid = record.session_id

@@ -53,8 +53,8 @@ async def model_call(s: ProxyState, flow: http.HTTPFlow) -> None:
     path_only = req.path.split("?", 1)[0]
     scrub(flow)
 
-    try:
-        raw = req.get_content(strict=False) or b""
+    try:  # no content-encoding (nearly always): the bytes as they are, without get_content's header lookups
+        raw = (req.get_content(strict=False) if "content-encoding" in headers else req.raw_content) or b""
     except ValueError:
         raw = req.raw_content or b""
     body: Any = None
@@ -111,7 +111,7 @@ async def model_call(s: ProxyState, flow: http.HTTPFlow) -> None:
         user_agent=headers.get("user-agent", ""),
         policy_version=s.policy_version,
         native_path=native_path,
-        native_request=(jsonutil.raw_json(raw) or body) if isinstance(body, dict) else None,
+        native_request=(jsonutil.raw_json(raw, body) or body) if isinstance(body, dict) else None,
         stream_mode=s.stream_mode,
         t_request_in=t_in,
         proxy_id=s.proxy_id,
@@ -218,7 +218,7 @@ async def exchange(s: ProxyState, call: Call, normalized: NormalizedCall) -> Non
             continue
         chat = prepare(s, call, normalized, up, stream_upstream)
         upstream_body = jsonutil.dumps(chat)
-        rec.normalized_request = jsonutil.raw_json(upstream_body) or chat  # written as sent
+        rec.normalized_request = jsonutil.raw_json(upstream_body, chat) or chat  # written as sent
         rec.served_model = up.served_model or ""
         rec.upstream = up.url
         call.upstream = up
@@ -338,7 +338,7 @@ async def budget_retry(s: ProxyState, call: Call, resp: aiohttp.ClientResponse, 
     chat["max_tokens"] = call.max_tokens_sent = room[0]
     rec.translation_notes.append(f"max_tokens lowered to the {room[0]} tokens the {room[1]}-token prompt leaves")
     body = jsonutil.dumps(chat)
-    rec.normalized_request = jsonutil.raw_json(body) or chat
+    rec.normalized_request = jsonutil.raw_json(body, chat) or chat
     try:
         return await s.http.post(
             up.url + "/v1/chat/completions", data=body,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mitmproxy import http
+from mitmproxy.net.http import url
 from mitmproxy.proxy import mode_specs
 
 from polar_core.flowmeta import META_KEY, TOKENS_KEY, pack_tokens
@@ -73,8 +74,14 @@ def show_as_called(flow: http.HTTPFlow) -> None:
         return
     req = flow.request
     scheme, host, port = target
-    if (req.scheme, req.host, req.port) != (scheme, host, port):
-        req.scheme, req.host, req.port = scheme, host, port
+    data = req.data
+    if (data.scheme, data.host, data.port) != (scheme.encode(), host, port):
+        # the fields themselves: the host and port setters each rewrote the Host header and the
+        # authority (mitmproxy's case-insensitive header scans, ~1% of the proxy's CPU, issue 42);
+        # the result is the same: Host as the harness sent it, the authority (if any) likewise
+        data.scheme, data.host, data.port = scheme.encode(), host, port
+        if data.authority:
+            req.authority = url.hostport(scheme, host, port)
         if "host" in req.headers:
             default = 443 if scheme == "https" else 80
             req.headers["host"] = host if port == default else f"{host}:{port}"

@@ -18,12 +18,18 @@ import orjson
 
 
 class RawJSON:
-    """One JSON value kept as its encoded bytes (no raw newlines: it goes into JSON lines)."""
+    """One JSON value kept as its encoded bytes (no raw newlines: it goes into JSON lines).
 
-    __slots__ = ("json",)
+    ``parsed``: the value those bytes parse to, when the proxy parsed or built it anyway (the
+    harness's body, the chat request it serialized); the capture writer digests it instead of
+    parsing the bytes again (issue 42: that parse was ~0.1 ms of the 0.35 ms per call lost).
+    Read-only: it must stay equal to the bytes."""
 
-    def __init__(self, data: bytes):
+    __slots__ = ("json", "parsed")
+
+    def __init__(self, data: bytes, parsed: Any = None):
         self.json = data
+        self.parsed = parsed
 
     def value(self) -> Any:
         return loads(self.json)
@@ -45,7 +51,7 @@ class RawIds(RawJSON):
     __slots__ = ("_n",)
 
     def __init__(self, data: bytes, count: int):
-        super().__init__(data)
+        super().__init__(data, None)
         self._n = count
 
     def __len__(self) -> int:
@@ -61,11 +67,12 @@ class RawIds(RawJSON):
         return self._n > 0
 
 
-def raw_json(data: bytes) -> RawJSON | None:
-    """``data`` as a RawJSON when it can go into a JSON line as is (no raw line breaks)."""
+def raw_json(data: bytes, parsed: Any = None) -> RawJSON | None:
+    """``data`` as a RawJSON when it can go into a JSON line as is (no raw line breaks);
+    ``parsed``: what ``data`` parses to, if the caller has it (see ``RawJSON.parsed``)."""
     if b"\n" in data or b"\r" in data:
         return None
-    return RawJSON(data)
+    return RawJSON(data, parsed)
 
 
 def loads(data: bytes | str) -> Any:

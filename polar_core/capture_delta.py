@@ -65,7 +65,14 @@ def dumps(value: Any) -> bytes:
     except TypeError:
         import json
 
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=_std_fragment).encode()
+
+
+def _std_fragment(obj: Any) -> Any:
+    """The standard library's view of the writer's ``prompt_new`` bytes (orjson writes them as is)."""
+    if isinstance(obj, orjson.Fragment):
+        return orjson.loads(orjson.dumps(obj))  # a Fragment's bytes come back from dumps as they are
+    raise TypeError(f"Type is not JSON serializable: {type(obj).__name__}")
 
 
 class DeltaError(ValueError):
@@ -147,7 +154,9 @@ def apply_request_delta(ref: Any, instructions: dict[str, Any]) -> dict[str, Any
 @dataclass
 class _Kept:
     call_id: str
-    prompt: np.ndarray
+    #: the prompt's ids as compact JSON without brackets (``b"1,2,3"``): what the writer compares
+    #: byte-wise with the next prompt (never parsed into ints: see ``prompt_json``)
+    prompt: bytes
     requests: dict[str, RequestDigest | None]
 
 
@@ -164,7 +173,27 @@ def lcp(a: np.ndarray, b: np.ndarray) -> int:
     return n
 
 
+def lcp_bytes(a: bytes, b: bytes) -> int:
+    """Length of the common prefix of two byte strings. One ``startswith`` (a memcmp, no copy)
+    answers the common case, a prompt that extends the other; otherwise growing blocks of numpy
+    views (no copies either: slicing the bytes copied both sides, 49 us on a 100 kB prompt
+    against ~15 us now)."""
+    n = min(len(a), len(b))
+    if (b.startswith(a) if len(a) <= len(b) else a.startswith(b)):
+        return n
+    x, y = np.frombuffer(a, np.uint8, n), np.frombuffer(b, np.uint8, n)
+    start, block = 0, 4096
+    while start < n:
+        end = min(n, start + block)
+        diff = np.flatnonzero(x[start:end] != y[start:end])
+        if diff.size:
+            return start + int(diff[0])
+        start, block = end, block * 4
+    return n
+
+
 def _as_ids(ids: Any) -> np.ndarray | None:
+    """Ids as an int32 array (the reader's form), None when they are not plain token ids."""
     if ids is None:
         return np.zeros(0, np.int32)
     if isinstance(ids, list) and ids and any(isinstance(v, (bool, float)) for v in (ids[0], ids[-1])):
@@ -178,17 +207,102 @@ def _as_ids(ids: Any) -> np.ndarray | None:
     return arr.astype(np.int32)
 
 
+_COMMA, _ZERO, _NINE = ord(","), ord("0"), ord("9")
+
+
+def _commas(data: bytes, end: int) -> int:
+    """Commas in ``data[:end]`` (numpy: 15 us on 125 kB where ``bytes.count`` took 130 us; below
+    4 kB ``count`` is quicker than numpy's call overhead)."""
+    if end < 4096:
+        return data.count(b",", 0, end) if end > 0 else 0
+    return int(np.count_nonzero(np.frombuffer(data, np.uint8, end) == _COMMA))
+
+
+@dataclass
+class PromptJSON:
+    """A prompt's ids as the writer handles them: compact JSON without brackets (``b"1,2,3"``)."""
+
+    body: bytes
+    size: int
+
+    def shared_with(self, ref: bytes, p: int | None = None) -> tuple[int, int]:
+        """(ids this prompt shares with the prompt ``ref`` from the start, the byte offset in
+        ``body`` where its first unshared id begins). An id counts as shared only when it is whole
+        in both: equal bytes up to a comma at the same place (or the end of both). ``p``: their
+        common prefix in bytes, when known."""
+        a, b = ref, self.body
+        if not a or not b:
+            return 0, 0
+        p = lcp_bytes(a, b) if p is None else p
+        at_end_a, at_end_b = p == len(a), p == len(b)
+        if (at_end_a and (at_end_b or b[p] == _COMMA)) or (at_end_b and a[p] == _COMMA):
+            # one is a prefix of the other at an id boundary: the id ending at p is shared too
+            return _commas(b, p) + 1, min(p + 1, len(b))
+        last = b.rfind(b",", 0, p)  # the ids before the last comma in the common bytes are whole in both
+        return (_commas(b, last) + 1, last + 1) if last >= 0 else (0, 0)
+
+
+def prompt_json(ids: Any) -> PromptJSON | None:
+    """Prompt ids as ``PromptJSON``, or None when they are not plain token ids (a float, a bool, a
+    negative number or one of 10 digits, beyond what an int32 surely holds, would not read back
+    as the same id: that prompt is stored in full; no vocabulary comes near 1e9).
+
+    ``ids``: a list or an array (serialized and checked here), or the engine's own bytes: an
+    object with ``json`` (``b"[1,2,3]"``) and ``len()`` that its maker already checked to be
+    digits and commas only (the proxy's ``RawIds``, from ``engines.vllm.lift_prompt_ids``), used
+    as they are: never parsed, not scanned again.
+
+    Why bytes: the writer only needs the shared prefix and the new tail. Parsing a 20k-id prompt
+    into ints and then into an int32 array cost 2.2 ms on the benchmark machine (loads 1.3 ms +
+    fromiter 0.95 ms, load ~2), where the byte comparison takes tens of microseconds; with the
+    request parse it was most of the CPU per call the proxy lost (issue 42, benchmarks/README.md)."""
+    raw = getattr(ids, "json", None)
+    if isinstance(raw, (bytes, bytearray)) and raw[:1] == b"[" and raw[-1:] == b"]":
+        return PromptJSON(bytes(raw[1:-1]), len(ids))
+    if ids is None:
+        return PromptJSON(b"", 0)
+    if isinstance(ids, np.ndarray):
+        ids = ids.tolist()
+    if not isinstance(ids, list):
+        return None
+    try:
+        data = orjson.dumps(ids)
+    except TypeError:
+        return None
+    body = data[1:-1]
+    if not body:
+        return PromptJSON(b"", 0)
+    arr = np.frombuffer(body, np.uint8)
+    is_comma = arr == _COMMA
+    if not (is_comma | ((arr >= _ZERO) & (arr <= _NINE))).all():
+        return None  # a sign, a dot, an exponent, true/false
+    ends = np.concatenate(([-1], np.flatnonzero(is_comma), [len(body)]))
+    gaps = np.diff(ends)
+    if gaps.min() < 2 or gaps.max() > 10:
+        return None  # an empty id, or one of 10 digits
+    return PromptJSON(body, len(ids))
+
+
 class SessionDeltas:
     """Per session, what the writer needs to write the next record as a delta: the last
-    ``window`` written records' prompt ids and request digests; an LRU over ``max_sessions``
-    (a session pushed out just writes its next record in full). Bounded: at most
-    ``max_sessions * window`` prompts (128 x 4 x 30k ids = 61 MB in the worst case)."""
+    ``window`` written records' prompt ids (as JSON bytes, ~6 bytes an id) and request digests;
+    an LRU over ``max_sessions`` (a session pushed out just writes its next record in full).
+    Bounded: at most ``max_sessions * window`` prompts (128 x 4 x 30k ids = 92 MB in the worst
+    case).
+
+    ``fragment`` wraps the new prompt ids' JSON bytes (``b"[4,5]"``) for the record: by default an
+    ``orjson.Fragment``, written verbatim by ``orjson.dumps``; ``parsed(value)``: the parsed form
+    of a request field when the caller already holds it (the proxy keeps the harness's body and
+    the body it sent as bytes; see ``addon/capture.py``)."""
 
     def __init__(self, *, window: int = WRITE_WINDOW, max_sessions: int = 128,
-                 dumps: Callable[[Any], bytes] = dumps):
+                 dumps: Callable[[Any], bytes] = dumps, fragment: Callable[[bytes], Any] = orjson.Fragment,
+                 parsed: Callable[[Any], Any] = lambda v: v):
         self.window = window
         self.max_sessions = max_sessions
         self.dumps = dumps
+        self.fragment = fragment
+        self.parsed = parsed
         self.writer = uuid.uuid4().hex[:12]
         self._sessions: OrderedDict[str, deque[_Kept]] = OrderedDict()
 
@@ -196,29 +310,32 @@ class SessionDeltas:
         """(the dict to write, what to remember once it is written). ``rec`` is a shallow dict of
         a full record; the returned dict replaces the fields a delta stands for."""
         sid = rec.get("session_id") or ""
-        prompt = _as_ids(rec.get("prompt_token_ids"))
-        digests = {f: digest_request(rec.get(f), self.dumps) for f in REQUEST_FIELDS}
-        kept = _Kept(rec["call_id"], prompt, digests) if prompt is not None and rec.get("call_id") else None
+        prompt = prompt_json(rec.get("prompt_token_ids"))
+        requests = {f: self.parsed(rec.get(f)) for f in REQUEST_FIELDS}
+        digests = {f: digest_request(requests[f], self.dumps) for f in REQUEST_FIELDS}
+        kept = _Kept(rec["call_id"], prompt.body, digests) if prompt is not None and rec.get("call_id") else None
         past = self._sessions.get(sid)
         out = dict(rec)
         delta: dict[str, Any] = {"writer": self.writer}
         out[DELTA_KEY] = delta
         if not past or prompt is None:
             return out, kept
-        best, best_n = past[-1], -1
+        # the longest common prefix in bytes shares the most ids (ids counted only for that one)
+        best, best_p = past[-1], -1
         for e in reversed(past):
-            n = lcp(e.prompt, prompt)
-            if n > best_n:
-                best, best_n = e, n
+            p = lcp_bytes(e.prompt, prompt.body)
+            if p > best_p:
+                best, best_p = e, p
+        best_n, best_at = prompt.shared_with(best.prompt, best_p)
         delta["ref"] = best.call_id
         if prompt.size and best_n >= min(MIN_SHARED, prompt.size):
             delta["prompt_shared"] = best_n
-            delta["prompt_new"] = rec["prompt_token_ids"][best_n:]
+            delta["prompt_new"] = self.fragment(b"[" + prompt.body[best_at:] + b"]")
             out["prompt_token_ids"] = None
         for f in REQUEST_FIELDS:
             cur, ref = digests[f], best.requests.get(f)
             if cur is not None and ref is not None:
-                delta[f] = request_delta(rec[f], cur, ref)
+                delta[f] = request_delta(requests[f], cur, ref)
                 out[f] = None
         if len(delta) == 2:
             del delta["ref"]

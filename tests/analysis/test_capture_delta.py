@@ -224,3 +224,68 @@ def test_raw_json_fields_as_the_proxy_holds_them_are_written_as_deltas(tmp_path)
     assert [g["prompt_token_ids"] for g in got] == [r.prompt_token_ids for r in recs]
     assert [g["native_request"] for g in got] == [r.native_request for r in recs]
     assert [g["normalized_request"] for g in got] == [r.normalized_request for r in recs]
+
+
+def test_raw_json_with_the_proxys_own_parse_is_digested_without_parsing_again(tmp_path, monkeypatch):
+    """Issue 42: the proxy hands the writer the objects it parsed (the harness's body) or built
+    (the chat request) with their bytes (``RawJSON.parsed``): the writer digests those and never
+    parses the bytes again; the prompt ids (RawIds) are compared as bytes, never parsed either.
+    The records read back are the same."""
+    from polar_proxy import jsonutil
+
+    parses = []
+    monkeypatch.setattr(jsonutil.RawJSON, "value", lambda self: parses.append(self) or jsonutil.loads(self.json))
+    recs = growing_session("s", 6)
+    w = CaptureWriter(tmp_path)
+    for r in recs:
+        w.write(dataclasses.replace(
+            r, native_request=jsonutil.raw_json(orjson.dumps(r.native_request), r.native_request),
+            normalized_request=jsonutil.raw_json(orjson.dumps(r.normalized_request), r.normalized_request),
+            prompt_token_ids=jsonutil.RawIds(orjson.dumps(r.prompt_token_ids), len(r.prompt_token_ids))))
+    w.close()
+    assert parses == []
+    path = tmp_path / "sessions" / "s.jsonl"
+    raw = list(read_capture_lines(path, expand=False))
+    assert [bool(r["delta"].get("prompt_shared")) for r in raw] == [False] + [True] * 5
+    got = list(read_capture_lines(path))
+    assert [g["prompt_token_ids"] for g in got] == [r.prompt_token_ids for r in recs]
+    assert [g["native_request"] for g in got] == [r.native_request for r in recs]
+    assert [g["normalized_request"] for g in got] == [r.normalized_request for r in recs]
+
+
+def test_prompt_bytes_share_only_whole_ids_and_refuse_what_would_not_read_back():
+    """The writer compares prompts as JSON bytes: a shared id must be whole in both (``[1,2,34]``
+    vs ``[1,2,3]`` share 2 ids, not 3), the tail is exactly the new ids, and ids that would not
+    read back as the same int32 ids are not written as a delta."""
+    rng = np.random.default_rng(3)
+    for _ in range(2000):
+        a = rng.integers(0, int(rng.choice([3, 20, 1000, 150_000])), int(rng.integers(0, 40))).tolist()
+        b = a[: int(rng.integers(0, len(a) + 1))] + rng.integers(0, 30, int(rng.integers(0, 6))).tolist()
+        pa, pb = cd.prompt_json(a), cd.prompt_json(b)
+        n, at = pb.shared_with(pa.body)
+        true = 0
+        while true < min(len(a), len(b)) and a[true] == b[true]:
+            true += 1
+        assert true - 1 <= n <= true and a[:n] == b[:n] and pb.size == len(b)
+        assert orjson.loads(b"[" + pb.body[at:] + b"]") == b[n:]
+    assert cd.prompt_json([1, 2, 34]).shared_with(cd.prompt_json([1, 2, 3]).body)[0] == 2
+    for bad in ([1.0], [-1], [True], [2**31], [10**9], [2**70]):
+        assert cd.prompt_json(bad) is None, bad
+    assert cd.prompt_json([999_999_999]).size == 1 and cd.prompt_json([]).size == 0
+
+
+def test_a_session_of_prompts_with_every_kind_of_boundary_reads_back(tmp_path):
+    """End to end through the writer and the reader: prompts that extend, shrink, and differ
+    inside an id (``...,12`` then ``...,123``), as lists and as the engine's bytes."""
+    from polar_proxy import jsonutil
+
+    base = list(range(100, 140))
+    prompts = [base, base + [12], base + [123, 5], base[:30], base[:30] + [7] * 20, base[:29] + [1001] * 25]
+    w = CaptureWriter(tmp_path)
+    for i, p in enumerate(prompts):
+        ids = jsonutil.RawIds(orjson.dumps(p), len(p)) if i % 2 else p
+        w.write(CallRecord(call_id=f"c{i}", session_id="b", call_index=i, prompt_token_ids=ids))
+    w.close()
+    path = tmp_path / "sessions" / "b.jsonl"
+    assert sum(bool(r["delta"].get("prompt_shared")) for r in read_capture_lines(path, expand=False)) == 5
+    assert [g["prompt_token_ids"] for g in read_capture_lines(path)] == prompts
