@@ -14,6 +14,7 @@ from polar_analysis import commands as analysis_commands
 from polar_proxy import commands as proxy_commands
 from polar_runtime import commands as runtime_commands
 from polar_runtime import demo, evaluation, rollout_commands
+from polar_runtime.loop import commands as loop_commands
 from polar_training import commands as training_commands
 
 app = typer.Typer(
@@ -38,6 +39,7 @@ evaluation.register(app)  # eval
 analysis_commands.register(app, translate=_translate)  # calls, inspect, align, drift, trajectories, flows
 training_commands.register(app)  # train
 demo.register(app)  # demo
+loop_commands.register(app)  # loop
 
 
 @app.command()

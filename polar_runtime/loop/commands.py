@@ -1,0 +1,82 @@
+"""``polar loop CONFIG.toml``: the RL loop driven by one TOML file; the same command resumes it."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+console = Console(width=None if sys.stdout.isatty() else 120)
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    t = Table(title=f"polar loop: {report['out']}", title_justify="left")
+    for c in ("step", "policy", "samples", "mean reward", "groups w/ variance", "trained -> pushed", "note"):
+        t.add_column(c, justify="left" if c == "note" else "right")
+    for s in report["steps"]:
+        rw = s["rewards"]
+        mean = "-" if rw["mean_reward"] is None else f"{rw['mean_reward']:.3f}"
+        tr = s.get("train") or {}
+        pushed = f"v{tr['policy_version']} ({(s.get('push') or {}).get('method', '-')})" if tr.get("updated") else "-"
+        t.add_row(str(s["step"]), f"v{s['policy_version']}", str(rw["samples"]), mean,
+                  str(len(s.get("groups_with_variance") or [])), pushed, s.get("note") or "")
+    console.print(t)
+    console.print(f"staleness of trained tokens (versions behind: tokens): {report['staleness_tokens'] or '-'}")
+    console.print(f"resumes: {report['resumes']}   finished: {report['finished']}   policy v{report['policy_version']}"
+                  f"   checkpoint: {report['checkpoint'] or '-'}")
+
+
+def loop_command(
+    config: Annotated[Optional[Path], typer.Argument(help="The loop's TOML file (`polar loop --example` prints one).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Run directory (overrides the file's `out`).")] = None,
+    fresh: Annotated[bool, typer.Option(help="Start over: remove the run directory instead of resuming it.")] = False,
+    example: Annotated[bool, typer.Option(help="Print a complete configuration with every default, and exit.")] = False,
+) -> None:
+    """The RL loop (rollouts -> GRPO step -> push) from one TOML file. Run the same command again after
+    an interruption (even kill -9): it resumes from the last finished step."""
+    from polar_core import paths
+
+    from .config import ConfigError, example_toml, load_config
+
+    if example:
+        print(example_toml(), end="")
+        return
+    if config is None:
+        raise typer.BadParameter("a CONFIG.toml is needed (or --example)")
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    if out is not None:
+        cfg.out = str(out)
+    run_dir = paths.absolute(Path(cfg.out))
+    if fresh and run_dir.exists():
+        console.print(f"[yellow]--fresh: removing {run_dir}[/yellow]")
+        shutil.rmtree(run_dir)
+    from polar_core.processes import interruptible, stop_all_children
+
+    from .loop import LoopError, run_loop
+    from .placement import make_placement
+
+    try:
+        with interruptible():
+            report = run_loop(cfg, make_placement(cfg, run_dir), run_dir, log=console.print)
+    except KeyboardInterrupt:
+        stop_all_children()
+        console.print("[yellow]interrupted: run the same command again to resume[/yellow]")
+        raise typer.Exit(130) from None
+    except (LoopError, RuntimeError, FileNotFoundError, ValueError) as exc:
+        console.print(f"[red]polar loop failed:[/red] {escape(str(exc))}")
+        raise typer.Exit(1) from None
+    print_summary(report)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("loop")(loop_command)

@@ -1,0 +1,329 @@
+"""Where the loop's work runs, behind one small interface.
+
+:class:`Placement` is what the loop (``loop.py``) asks for, phase by phase: serve a policy version,
+run a step's groups, turn them into trajectories, train one GRPO step (a full checkpoint each
+time: resume needs weights, AdamW moments and RNG on disk), push the new weights, evaluate. The
+loop owns the schedule and the progress file; a placement owns processes and machines.
+
+:class:`LocalPlacement` (the default, ``placement.kind = "local"``) runs everything on this machine
+with the demo's building blocks: a real vLLM, the Polar proxy in front of it, the harness through
+the rollout runner, the persistent trainer (``polar_training.session``) as a child process.
+``placement.kind = "module:attribute"`` names another factory (``factory(cfg, out) -> Placement``):
+the seam where a multi-machine placement goes, and where the tests put their fakes.
+
+``kill -9`` leaves children behind (vLLM and the proxy run in process groups of their own, and the
+trainer finishes its command before it sees its pipe close): the local placement records their
+pids with their start times in ``<out>/loop-children.json``, and a resumed run stops exactly those
+(a recycled pid has another start time and is left alone) before it starts its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol
+
+from .config import LoopConfig
+
+CHILDREN_FILE = "loop-children.json"
+
+
+@dataclass
+class TrainOutcome:
+    updated: bool  # False: nothing learned (no update), the policy stays
+    policy_version: int  # the trainer's step count after this step
+    checkpoint: Optional[str] = None  # full checkpoint of the new weights (servable, resumable)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    note: Optional[str] = None
+
+
+class Placement(Protocol):
+    """The loop's view of the machines. Every method may raise; the loop records nothing of a phase
+    that did not return."""
+
+    def start(self, serve_from: Optional[str], policy_version: int) -> None:
+        """Serve ``serve_from`` (a checkpoint; None: the base model) as ``policy_version``; the trainer,
+        when started, resumes from the same checkpoint."""
+
+    def task_ids(self) -> list[str]:
+        """The configured tasks, in order (each step's groups are drawn from them)."""
+
+    def rollout(self, step: int, task_ids: list[str], policy_version: int) -> list[dict[str, Any]]:
+        """One group per task id (``samples_per_group`` samples): the rows of the rollout runner
+        (``session_id``, ``group_id``, ``task_id``, ``status``, ``reward``, ``calls``, ...). Samples
+        finished before an earlier kill are returned without running again."""
+
+    def trajectories(self, step: int, rows: list[dict[str, Any]]) -> tuple[Optional[str], dict[str, Any]]:
+        """Training sequences of the step's samples (a Parquet path, None when nothing was sampled), stats."""
+
+    def train(self, step: int, trajectories: str) -> TrainOutcome:
+        """One GRPO iteration; writes a full checkpoint of the new weights."""
+
+    def push(self, checkpoint: str, policy_version: int) -> dict[str, Any]:
+        """Serve ``checkpoint`` as ``policy_version`` (the proxy holds calls only for the swap)."""
+
+    def evaluate(self, step: int, policy_version: int) -> Optional[dict[str, Any]]:
+        """An evaluation of the served policy (``eval.every``), or None when off."""
+
+    def close(self) -> None:
+        """Stop everything started; the trainer's memory goes back to the system."""
+
+
+def make_placement(cfg: LoopConfig, out: Path) -> Placement:
+    if cfg.placement.kind == "local":
+        return LocalPlacement(cfg, out)
+    module, _, attr = cfg.placement.kind.partition(":")
+    factory = getattr(importlib.import_module(module), attr)
+    return factory(cfg, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# children left by a killed run
+
+
+def _start_time(pid: int) -> Optional[str]:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22: start time in clock ticks since boot
+
+
+class ChildRecord:
+    """The pids this run started, with their start times, in ``<out>/loop-children.json``."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = Path(out) / CHILDREN_FILE
+        self._lock = threading.Lock()
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(self.path.read_text())
+        return {}
+
+    def add(self, name: str, pid: Optional[int], group: bool) -> None:
+        if not pid:
+            return
+        with self._lock:
+            data = self._read()
+            data[name] = {"pid": pid, "start": _start_time(pid), "group": group}
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, self.path)
+
+    def stop_leftovers(self, log: Callable[[str], None]) -> list[str]:
+        """SIGKILL what an earlier (killed) run of this directory left running; returns their names."""
+        stopped = []
+        for name, rec in self._read().items():
+            pid, start = int(rec["pid"]), rec.get("start")
+            if pid == os.getpid() or start is None or _start_time(pid) != start:
+                continue  # gone, or the pid now belongs to another process
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if rec.get("group"):
+                    os.killpg(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+                stopped.append(name)
+        if stopped:
+            log(f"stopped what the interrupted run left running: {', '.join(stopped)}")
+            time.sleep(1.0)
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        return stopped
+
+
+# ---------------------------------------------------------------------------------------------
+# this machine
+
+
+def demo_config_of(cfg: LoopConfig, out: Path) -> Any:
+    """The demo's settings that the building blocks in polar_runtime.demo read."""
+    from polar_runtime.demo import DemoConfig
+
+    return DemoConfig(
+        out=out, harness=cfg.harness.name, model=cfg.model.name, tasks=cfg.tasks.source, task_ids=list(cfg.tasks.ids),
+        n_tasks=cfg.tasks.limit, samples=cfg.rollout.samples_per_group, iterations=cfg.rollout.iterations,
+        max_tokens=cfg.resolved_max_tokens(), temperature=cfg.sampling.temperature,
+        seed=None if cfg.sampling.seed is None or cfg.sampling.seed < 0 else cfg.sampling.seed,
+        timeout=cfg.resolved_timeout(), concurrency=cfg.harness.concurrency, lr=cfg.trainer.lr,
+        kl_coef=cfg.resolved_kl_coef(), max_model_len=cfg.model.max_model_len, kv_cache_gib=cfg.model.kv_cache_gib,
+        server_during_train=cfg.trainer.server_during_train, tool_parser=cfg.model.tool_parser,
+        exact_history=cfg.harness.exact_history, gpu=cfg.on_gpu, notebooks=cfg.notebooks, keep=True,
+        checkpoint_every=0, lora_rank=cfg.trainer.lora_rank, eval_every=cfg.eval.every, eval_samples=cfg.eval.samples)
+
+
+class LocalPlacement:
+    """vLLM, the proxy, the harness runs and the trainer, all on this machine."""
+
+    def __init__(self, cfg: LoopConfig, out: Path, log: Callable[[str], None] | None = None) -> None:
+        from polar_runtime import demo
+
+        self.cfg = cfg
+        self.out = Path(out)
+        self.dcfg = demo_config_of(cfg, self.out)
+        self.log = log or demo.console.print
+        self.tl = demo.Timeline(demo.console)
+        self.children = ChildRecord(self.out)
+        self.stack = contextlib.ExitStack()
+        self.trainer: Any = None
+        self.checkpoint: Optional[str] = None  # what the trainer resumes from when (re)started
+        self.stop_event = threading.Event()
+
+    # ---- start ----------------------------------------------------------------------------------
+    def start(self, serve_from: Optional[str], policy_version: int) -> None:
+        from polar_proxy.process import ProxyProcess
+        from polar_runtime import demo
+        from polar_runtime import harnesses as h
+        from polar_runtime import rollout as r
+        from polar_runtime.serve import VLLMServer
+
+        cfg, d = self.cfg, self.dcfg
+        self.children.stop_leftovers(self.log)
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        self.checkpoint = serve_from
+        with self.tl.phase("setup", "venvs, model, harness (built only when missing)") as ph:
+            self.model_dir, self.served = demo.ensure_setup(d, self.log)
+            self.serve_dir = demo.servable_dir(self.model_dir, self.log)
+            self.preset = h.get_preset(d.harness)
+            tasks = r.load_tasks(d.tasks)
+            if d.task_ids:
+                wanted = set(d.task_ids)
+                tasks = [t for t in tasks if t.id in wanted]
+                if wanted - {t.id for t in tasks}:
+                    raise demo.DemoError(f"no task(s) {sorted(wanted - {t.id for t in tasks})} in {d.tasks}")
+            elif d.n_tasks:
+                tasks = tasks[: d.n_tasks]
+            if not tasks:
+                raise demo.DemoError(f"no tasks selected from {d.tasks}")
+            self.tasks = {t.id: t for t in tasks}
+            ph.detail = f"{self.served}, {self.preset.name}, {len(tasks)} tasks"
+        with self.tl.phase("serve", f"vLLM serving {self.served} v{policy_version}") as ph:
+            extra = ("--gpu-memory-utilization", "0.35") if d.gpu else ()
+            self.server = VLLMServer(Path(serve_from) if serve_from else self.serve_dir, served_model_name=self.served,
+                                     max_model_len=d.max_model_len, kv_cache_gib=d.kv_cache_gib, extra_args=extra,
+                                     gpu=d.gpu, tool_parser=d.tool_parser, log_path=self.out / "logs" / "vllm.log")
+            self.stack.enter_context(self.server)
+            self.children.add("vllm", getattr(self.server.proc, "pid", None), group=True)
+            ph.detail = f"ready in {self.server.start_seconds} s at {self.server.base_url}"
+        with self.tl.phase("proxy", "Polar proxy (mitmproxy addon), reverse mode"):
+            self.proxy = ProxyProcess(self.server.base_url, d.captures, mode="reverse", served_model=self.served,
+                                      options={"polar_max_tokens_cap": d.max_tokens,
+                                               "save_stream_file": str(d.captures / "flows.mitm"),
+                                               "polar_sampling": r.sampling_spec(d.temperature, d.seed),
+                                               "polar_exact_history": d.exact_history,
+                                               "polar_require_session_key": True},
+                                      log_file=self.out / "logs" / "proxy.log", startup_timeout=180.0, passthrough=False)
+            self.stack.enter_context(self.proxy)
+            self.children.add("proxy", getattr(self.proxy.proc, "pid", None), group=True)
+            self.proxy.control.set_policy_version(policy_version)
+        self.endpoint = h.Endpoint(mode="base_url", base_url=self.proxy.url, proxy_url=self.proxy.url,
+                                   ca_cert=self.proxy.ca_cert)
+        self.stack.callback(lambda: self.trainer is not None and self.trainer.stop(5.0))
+
+    def task_ids(self) -> list[str]:
+        return list(self.tasks)
+
+    # ---- phases ---------------------------------------------------------------------------------
+    def rollout(self, step: int, task_ids: list[str], policy_version: int) -> list[dict[str, Any]]:
+        from polar_runtime import demo
+        from polar_runtime import rollout as r
+
+        rcfg = r.RolloutConfig(tasks=[self.tasks[t] for t in task_ids], preset=self.preset, endpoint=self.endpoint,
+                               capture_dir=self.dcfg.captures, model=self.served, samples=self.dcfg.samples,
+                               concurrency=self.dcfg.concurrency, timeout=self.dcfg.timeout, step=step,
+                               sandbox=self.cfg.sandbox.backend, pids=self.cfg.sandbox.pids)
+        with self.tl.phase(f"rollout {step}", f"{len(task_ids)} groups x {self.dcfg.samples}, policy v{policy_version}"):
+            rows = demo.run_rollouts(rcfg, self.proxy.control, self.stop_event, f"rollout {step}").to_dicts()
+        problem = r.failure_summary(rows, self.preset.name)
+        if problem:
+            raise demo.DemoError(f"rollout step {step} produced nothing to learn from: {problem}")
+        return rows
+
+    def trajectories(self, step: int, rows: list[dict[str, Any]]) -> tuple[Optional[str], dict[str, Any]]:
+        import polars as pl
+
+        from polar_runtime import demo
+
+        data = demo.StepData(step, pl.DataFrame(rows))
+        with self.tl.phase(f"trajectories {step}", "prefix merge, drift causes, rewards"):
+            demo.build_trajectories(self.dcfg, data, self.model_dir)
+        stats = {**data.stats, "drift": data.drift}
+        return (str(data.trajectories) if data.stats.get("sampled_tokens") else None), stats
+
+    def _start_trainer(self) -> Any:
+        from polar_runtime import demo
+        from polar_training.session import TrainerProcess
+
+        lora = None
+        if self.dcfg.lora_rank:
+            from polar_training.lora import LoraSettings
+
+            lora = LoraSettings(rank=self.dcfg.lora_rank, alpha=2.0 * self.dcfg.lora_rank)
+        t = TrainerProcess(self.model_dir, self.out / "train", demo.train_config(self.dcfg), resume=self.checkpoint,
+                           lora=lora)
+        t.start()
+        self.children.add("trainer", t.pid, group=False)
+        return t
+
+    def train(self, step: int, trajectories: str) -> TrainOutcome:
+        from polar_runtime import demo
+
+        d = self.dcfg
+        held = int(self.trainer.rss_gib * 2**30) if self.trainer is not None else 0
+        need = 0 if d.gpu else max(demo.train_memory_estimate(self.model_dir, lora=d.lora_rank > 0) - held, 0)
+        self.server_stopped = d.server_during_train == "stop" or (
+            d.server_during_train == "auto" and not d.gpu and demo.mem_available() < need)
+        if self.server_stopped:
+            self.log(f"vLLM stopped while training (needs ~{need / 2**30:.1f} GiB)")
+            self.server.stop()
+        with self.tl.phase(f"train {step}", "GRPO iteration, full checkpoint (resume needs it)") as ph:
+            if self.trainer is None:
+                self.trainer = self._start_trainer()
+            res = self.trainer.call({"cmd": "step", "trajectories": [trajectories], "checkpoint": True, "handoff": False})
+            ph.detail = f"step {res['step']}, peak RSS {float(res.get('peak_rss_gib') or 0):.1f} GiB"
+        if self.server_stopped:  # memory back before vLLM starts again
+            self.trainer.stop(60.0)
+            self.trainer = None
+        if not res.get("updated"):
+            if self.server_stopped:
+                self.server.restart(model_dir=self.checkpoint or self.serve_dir)
+            return TrainOutcome(False, int(res["step"]), note="the trainer made no update")
+        self.checkpoint = res.get("checkpoint")
+        return TrainOutcome(True, int(res["step"]), checkpoint=self.checkpoint, metrics=res.get("metrics") or {})
+
+    def push(self, checkpoint: str, policy_version: int) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        from polar_runtime import demo
+        from polar_training.weights_push import push_weights
+
+        target: Any = demo._Stopped(self.server) if getattr(self, "server_stopped", False) else self.server
+        with self.tl.phase(f"push v{policy_version}", "new weights into vLLM (proxy holds calls)") as ph:
+            res = push_weights(checkpoint, target, self.proxy.url, policy_version)
+            ph.detail = f"via {res.method} in {res.reload_s:.1f} s"
+        self.children.add("vllm", getattr(self.server.proc, "pid", None), group=True)  # a restart is a new pid
+        return asdict(res)
+
+    def evaluate(self, step: int, policy_version: int) -> Optional[dict[str, Any]]:
+        from polar_runtime import demo
+
+        if not self.dcfg.eval_every:
+            return None
+        return demo.run_eval(self.dcfg, self.tl, list(self.tasks.values()), self.endpoint, self.proxy.control,
+                             self.stop_event, self.served, step, policy_version)
+
+    def close(self) -> None:
+        self.stop_event.set()
+        if self.trainer is not None:
+            self.trainer.close(checkpoint=False)
+            self.trainer = None
+        self.stack.close()
+        with contextlib.suppress(OSError):
+            self.children.path.unlink()

@@ -1,0 +1,123 @@
+"""A fake placement for the loop's tests: the expensive parts (vLLM, harnesses, the trainer) become
+files, with the same durability rules as the real ones, so resume can be tested by ``kill -9``.
+
+- "weights" are a hash chain; the trainer state is (weights, AdamW step count, Python RNG state);
+  a full checkpoint ``train/step-N/state.json`` is written to a temp file and renamed (like
+  polar_training.checkpoint);
+- the trainer lives in the loop's process: a killed run loses its memory, exactly like a killed
+  trainer process; it is rebuilt from the checkpoint the loop hands to ``start``;
+- a sample's result is written when it finishes (like the rollout runner's result store) and a
+  line is appended to ``executed.log`` whenever a sample runs, so a test can count reruns;
+- ``POLAR_FAKE_HANG=<phase>:<step>[:<n>]`` makes the phase write ``hang.marker`` and sleep (the
+  test then kills the process): rollout after n samples finished, train before its checkpoint,
+  push before the swap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from polar_runtime.loop.placement import TrainOutcome
+
+TASKS = ["alpha", "beta", "gamma"]
+
+
+def _atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+class FakePlacement:
+    def __init__(self, cfg: Any, out: Path) -> None:
+        self.cfg = cfg
+        self.out = Path(out)
+        spec = os.environ.get("POLAR_FAKE_HANG", "")
+        parts = spec.split(":") if spec else []
+        self.hang = (parts[0], int(parts[1]), int(parts[2]) if len(parts) > 2 else 0) if parts else None
+        self.calls: list[str] = []
+
+    def _maybe_hang(self, phase: str, step: int, done: int = 0) -> None:
+        if self.hang and self.hang[0] == phase and self.hang[1] == step and done >= self.hang[2]:
+            (self.out / "hang.marker").write_text(f"{phase}:{step}:{done}")
+            time.sleep(3600)
+
+    # ---- the interface ------------------------------------------------------------------------
+    def start(self, serve_from: Optional[str], policy_version: int) -> None:
+        self.calls.append(f"start {serve_from} v{policy_version}")
+        if serve_from:
+            st = json.loads((Path(serve_from) / "state.json").read_text())
+            self.trainer = {"weights": st["weights"], "adam": st["adam"], "step": st["step"], "rng": st["rng"]}
+        else:
+            self.trainer = {"weights": "w0", "adam": 0, "step": 0, "rng": None}
+        self.served = (self.trainer["weights"], policy_version)
+        assert self.trainer["step"] == policy_version, (self.trainer, policy_version)
+
+    def task_ids(self) -> list[str]:
+        return TASKS[: self.cfg.tasks.limit or len(TASKS)]
+
+    def rollout(self, step: int, task_ids: list[str], policy_version: int) -> list[dict[str, Any]]:
+        assert self.served[1] == policy_version
+        rows, done = [], 0
+        for t in task_ids:
+            for i in range(self.cfg.rollout.samples_per_group):
+                path = self.out / "rollouts" / f"{t}.st{step}.s{i}.json"
+                if path.exists():
+                    rows.append(json.loads(path.read_text()))
+                    done += 1
+                    continue
+                self._maybe_hang("rollout", step, done)
+                with open(self.out / "executed.log", "a") as fh:
+                    fh.write(f"{t}.st{step}.s{i}\n")
+                h = int(hashlib.sha1(f"{self.served[0]}|{step}|{t}|{i}".encode()).hexdigest()[:8], 16) >> 3
+                row = {"session_id": f"{t}.st{step}.s{i}", "group_id": f"{t}.st{step}", "task_id": t, "sample_index": i,
+                       "status": "ok", "reward": float(h % 2), "calls": 1, "policy_version": policy_version,
+                       "weights": self.served[0]}
+                _atomic(path, row)
+                rows.append(row)
+                done += 1
+        return rows
+
+    def trajectories(self, step: int, rows: list[dict[str, Any]]) -> tuple[Optional[str], dict[str, Any]]:
+        path = self.out / "trajectories" / f"step-{step}.json"
+        _atomic(path, sorted(rows, key=lambda r: r["session_id"]))
+        return str(path), {"sampled_tokens": 10 * len(rows)}
+
+    def train(self, step: int, trajectories: str) -> TrainOutcome:
+        tr = self.trainer
+        rng = random.Random()
+        if tr["rng"] is None:
+            rng.seed(1234)
+        else:
+            rng.setstate((tr["rng"][0], tuple(tr["rng"][1]), tr["rng"][2]))
+        noise = rng.random()
+        data = Path(trajectories).read_text()
+        tr["weights"] = hashlib.sha1(f"{tr['weights']}|{data}|{noise}".encode()).hexdigest()[:16]
+        tr["adam"] += 1
+        tr["step"] += 1
+        tr["rng"] = list(rng.getstate())
+        with open(self.out / "trained.log", "a") as fh:
+            fh.write(f"{step}\n")
+        self._maybe_hang("train", step)
+        ckpt = self.out / "train" / f"step-{tr['step']}"
+        _atomic(ckpt / "state.json", tr)
+        return TrainOutcome(True, tr["step"], checkpoint=str(ckpt), metrics={"noise": noise})
+
+    def push(self, checkpoint: str, policy_version: int) -> dict[str, Any]:
+        self._maybe_hang("push", policy_version - 1)
+        st = json.loads((Path(checkpoint) / "state.json").read_text())
+        self.served = (st["weights"], policy_version)
+        return {"method": "fake", "policy_version": policy_version}
+
+    def evaluate(self, step: int, policy_version: int) -> Optional[dict[str, Any]]:
+        return {"step": step, "policy_version": policy_version}
+
+    def close(self) -> None:
+        self.calls.append("close")
