@@ -65,11 +65,13 @@ CALLS = [  # (name, path, body, headers): what a mix of harnesses sends
 def _run(helpers, proxy) -> dict[str, bytes]:
     """The calls above plus the runner's control traffic; the body each call received."""
     ctl = ProxyControl(proxy.url)
-    ctl.register_sessions([{"session_id": "flows-a", "task_id": "t1", "group_id": "g1", "sample_index": 0,
-                            "harness": "pi-chat"}])
+    keys = ctl.register_sessions([{"session_id": "flows-a", "task_id": "t1", "group_id": "g1", "sample_index": 0,
+                                   "harness": "pi-chat"}])["keys"]
     ctl.status()
     got = {}
     for name, path, body, headers in CALLS:
+        if headers.get("x-polar-session") in keys:  # a registered session's calls carry its issued key
+            headers = {**headers, "authorization": f"Bearer {keys[headers['x-polar-session']]}"}
         ans = helpers.request(proxy.url + path, body, headers=headers)
         assert ans.status in (200, 500), (name, ans.status, ans.body[:300])
         got[name] = ans.body
