@@ -4,9 +4,13 @@ The project is ``inflection`` 0.5.1 (MIT, one 426-line module, no dependencies),
 PyPI sdist into each task's environment build context. Each task introduces one bug into
 ``inflection/__init__.py`` and phrases it as an issue; its hidden tests are SWE-bench's two lists:
 FAIL_TO_PASS (fail on the buggy code, pass once fixed) and PASS_TO_PASS (pass either way: a fix
-must not break them). ``tests/test.sh`` runs both with the standard library's unittest (no pytest
-needed in the sandbox) and writes reward.json: ``reward`` 1 when every test of both lists passes,
-plus the two pass rates. ``solution/solve.sh`` reverts the bug.
+must not break them), each case an expression and its expected value (``tests/config.json``).
+``tests/test.sh`` makes ``/tests`` root-only, hands each list's expressions to a runner that imports
+the tested code as nobody and prints one JSON line a case (the result's repr, or the error), compares
+them, as root and without importing the tested code, with the expected values, and writes
+reward.json: ``reward`` 1 when every case of both lists passes, plus the two pass rates. Nothing the
+tested code prints is taken as a result unless it equals the expected value, which it cannot read.
+``solution/solve.sh`` reverts the bug.
 
 Re-run from the repository root to regenerate the task directories (needs PyPI, or a pip cache
 that has the sdist):
@@ -38,15 +42,15 @@ TASKS = [
             `th`, as 11, 12 and 13 do. Fix the bug in the `inflection` package in the current directory.""",
         "good": "    if number % 100 in (11, 12, 13):\n",
         "bad": "    if number in (11, 12, 13):\n",
-        "f2p": ["self.assertEqual(inflection.ordinalize(111), '111th')",
-                "self.assertEqual(inflection.ordinalize(1012), '1012th')",
-                "self.assertEqual(inflection.ordinalize(-113), '-113th')"],
-        "p2p": ["self.assertEqual(inflection.ordinalize(1), '1st')",
-                "self.assertEqual(inflection.ordinalize(2), '2nd')",
-                "self.assertEqual(inflection.ordinalize(3), '3rd')",
-                "self.assertEqual(inflection.ordinalize(11), '11th')",
-                "self.assertEqual(inflection.ordinalize(21), '21st')",
-                "self.assertEqual(inflection.ordinalize(1002), '1002nd')"],
+        "f2p": [("inflection.ordinalize(111)", '111th'),
+                ("inflection.ordinalize(1012)", '1012th'),
+                ("inflection.ordinalize(-113)", '-113th')],
+        "p2p": [("inflection.ordinalize(1)", '1st'),
+                ("inflection.ordinalize(2)", '2nd'),
+                ("inflection.ordinalize(3)", '3rd'),
+                ("inflection.ordinalize(11)", '11th'),
+                ("inflection.ordinalize(21)", '21st'),
+                ("inflection.ordinalize(1002)", '1002nd')],
     },
     {
         "id": "inflection-underscore-acronyms",
@@ -56,13 +60,13 @@ TASKS = [
             `'io_error'`. Fix the bug in the `inflection` package in the current directory.""",
         "good": "    word = re.sub(r\"([A-Z]+)([A-Z][a-z])\", r'\\1_\\2', word)\n",
         "bad": "",
-        "f2p": ["self.assertEqual(inflection.underscore('HTTPServer'), 'http_server')",
-                "self.assertEqual(inflection.underscore('IOError'), 'io_error')",
-                "self.assertEqual(inflection.tableize('XMLRecord'), 'xml_records')"],
-        "p2p": ["self.assertEqual(inflection.underscore('DeviceType'), 'device_type')",
-                "self.assertEqual(inflection.underscore('Product'), 'product')",
-                "self.assertEqual(inflection.underscore('area51Controller'), 'area51_controller')",
-                "self.assertEqual(inflection.underscore('special-guest'), 'special_guest')"],
+        "f2p": [("inflection.underscore('HTTPServer')", 'http_server'),
+                ("inflection.underscore('IOError')", 'io_error'),
+                ("inflection.tableize('XMLRecord')", 'xml_records')],
+        "p2p": [("inflection.underscore('DeviceType')", 'device_type'),
+                ("inflection.underscore('Product')", 'product'),
+                ("inflection.underscore('area51Controller')", 'area51_controller'),
+                ("inflection.underscore('special-guest')", 'special_guest')],
     },
     {
         "id": "inflection-parameterize-trailing",
@@ -72,14 +76,13 @@ TASKS = [
             Fix the bug in the `inflection` package in the current directory.""",
         "good": "        string = re.sub(r\"(?i)^{sep}|{sep}$\".format(sep=re_sep), '', string)\n",
         "bad": "        string = re.sub(r\"(?i)^{sep}\".format(sep=re_sep), '', string)\n",
-        "f2p": ["self.assertEqual(inflection.parameterize('Hello, World!'), 'hello-world')",
-                "self.assertEqual(inflection.parameterize('Trailing bad characters!@#'), 'trailing-bad-characters')",
-                "self.assertEqual(inflection.parameterize('Trailing bad characters!@#', '_'), 'trailing_bad_characters')"],
-        "p2p": ["self.assertEqual(inflection.parameterize('Donald E. Knuth'), 'donald-e-knuth')",
-                "self.assertEqual(inflection.parameterize('Random text with *(bad)* characters'), "
-                "'random-text-with-bad-characters')",
-                "self.assertEqual(inflection.parameterize('Allow_Under_Scores'), 'allow_under_scores')",
-                "self.assertEqual(inflection.parameterize('!Leading bad characters'), 'leading-bad-characters')"],
+        "f2p": [("inflection.parameterize('Hello, World!')", 'hello-world'),
+                ("inflection.parameterize('Trailing bad characters!@#')", 'trailing-bad-characters'),
+                ("inflection.parameterize('Trailing bad characters!@#', '_')", 'trailing_bad_characters')],
+        "p2p": [("inflection.parameterize('Donald E. Knuth')", 'donald-e-knuth'),
+                ("inflection.parameterize('Random text with *(bad)* characters')", 'random-text-with-bad-characters'),
+                ("inflection.parameterize('Allow_Under_Scores')", 'allow_under_scores'),
+                ("inflection.parameterize('!Leading bad characters')", 'leading-bad-characters')],
     },
 ]
 
@@ -113,10 +116,13 @@ COPY project/ /app/
 RUN python3 -c "import inflection; print(inflection.__version__)"
 """
 
-TEST_SH = """\
-#!/usr/bin/env bash
-# SWE-style verdict: every FAIL_TO_PASS test (they fail on the buggy code) and every PASS_TO_PASS
-# test (they pass either way) must pass. reward.json: reward 1 or 0, and the two pass rates.
+TEST_SH = r"""#!/usr/bin/env bash
+# SWE-style verdict: every FAIL_TO_PASS case (they fail on the buggy code) and every PASS_TO_PASS
+# case (they pass either way) must pass. reward.json: reward 1 or 0, and the two pass rates.
+# The expected values stay in /tests/config.json, which only this script (uid 0) reads: the tested
+# code runs as nobody, gets only the case expressions and prints what they evaluate to; this script,
+# which never imports it, compares.
+chmod -R go-rwx /tests
 mkdir -p /logs/verifier
 cd /app || exit 2
 # The tested code runs as nobody (uid 65534 of the sandbox): it cannot write /logs/verifier,
@@ -131,31 +137,59 @@ os.execvp(sys.argv[1], sys.argv[1:])' "$@"
 }
 chmod -R a+rX /app 2>/dev/null
 export PYTHONDONTWRITEBYTECODE=1
-rate() {  # run one list as nobody, print "passed total" (its last line: the tested code may print)
-  # -I: /app is searched after the standard library, so an /app/unittest.py shadows nothing
-  untrusted python3 -I - "$1" <<'EOF' | tail -n 1
-import sys, unittest
+# as nobody: the expressions on stdin (JSON), one JSON line a case on stdout: its repr, or the error.
+# -I: /app is searched after the standard library, so an /app/json.py shadows nothing
+RUNNER='import json, os, sys
+exprs = json.load(sys.stdin)
+out = open(os.dup(1), "w")
+os.dup2(2, 1)  # what the tested code prints goes to the log
 sys.path.append("/app")
-suite = unittest.defaultTestLoader.discover("/tests", pattern=sys.argv[1], top_level_dir="/tests")
-result = unittest.TextTestRunner(stream=sys.stderr, verbosity=2).run(suite)
-bad = len(result.failures) + len(result.errors)
-print(result.testsRun - bad, result.testsRun)
-EOF
-}
-read -r f_ok f_all < <(rate 'test_fail_to_pass.py')
-read -r p_ok p_all < <(rate 'test_pass_to_pass.py')
-case "$f_ok$f_all$p_ok$p_all" in *[!0-9]*) f_ok=0 f_all=0 p_ok=0 p_all=0 ;; esac
-reward=0
-if [ "${f_all:-0}" -gt 0 ] && [ "$f_ok" = "$f_all" ] && [ "$p_ok" = "$p_all" ]; then reward=1; fi
-echo "FAIL_TO_PASS ${f_ok:-0}/${f_all:-0}  PASS_TO_PASS ${p_ok:-0}/${p_all:-0}  reward $reward"
-printf '{"reward": %s, "fail_to_pass": "%s/%s", "pass_to_pass": "%s/%s"}\\n' \\
-  "$reward" "${f_ok:-0}" "${f_all:-0}" "${p_ok:-0}" "${p_all:-0}" > /logs/verifier/reward.json
+def emit(i, **kw):
+    out.write(json.dumps(dict(case=i, **kw)) + "\n")
+    out.flush()
+try:
+    import inflection
+except BaseException as e:
+    inflection = e
+for i, expr in enumerate(exprs):
+    try:
+        if isinstance(inflection, BaseException):
+            raise inflection
+        emit(i, repr=repr(eval(expr, {"inflection": inflection})))
+    except BaseException as e:
+        emit(i, error=type(e).__name__)
+        print(f"case {i}: {expr}: {type(e).__name__}: {e}", file=sys.stderr)'
+# as root, never importing the tested code: a case passes when exactly one line names it and that
+# line's repr is the expected one (lines the tested code prints itself earn nothing)
+GRADER='import json, sys
+cfg = json.load(open("/tests/config.json"))
+if sys.argv[1] == "exprs":
+    print(json.dumps([c["expr"] for c in cfg[sys.argv[2]]]))
+    raise SystemExit
+def rate(name):
+    seen = {}
+    for line in open(f"{sys.argv[2]}/{name}", errors="replace"):
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(d, dict) and type(d.get("case")) is int:
+            seen.setdefault(d["case"], []).append(d.get("repr"))
+    cases = cfg[name]
+    return sum(seen.get(i) == [c["want"]] for i, c in enumerate(cases)), len(cases)
+(f_ok, f_all), (p_ok, p_all) = rate("FAIL_TO_PASS"), rate("PASS_TO_PASS")
+reward = int(f_all > 0 and f_ok == f_all and p_ok == p_all)
+print(f"FAIL_TO_PASS {f_ok}/{f_all}  PASS_TO_PASS {p_ok}/{p_all}  reward {reward}")
+with open("/logs/verifier/reward.json", "w") as f:
+    f.write(json.dumps({"reward": reward, "fail_to_pass": f"{f_ok}/{f_all}", "pass_to_pass": f"{p_ok}/{p_all}"}) + "\n")'
+grade() { (cd / && python3 -I -c "$GRADER" "$@"); }
+got=$(mktemp -d)  # root's (0700): what each run printed
+for list in FAIL_TO_PASS PASS_TO_PASS; do
+  grade exprs "$list" | untrusted python3 -I -c "$RUNNER" | head -c 1048576 > "$got/$list"
+done
+grade tally "$got"
+rm -rf "$got"
 """
-
-
-def tests_module(name: str, lines: list[str]) -> str:
-    body = "\n".join(f"    def test_{i}(self):\n        {line}\n" for i, line in enumerate(lines))
-    return f'"""{name} (hidden from the agent; placed at /tests after its phase)."""\n\nimport unittest\n\nimport inflection\n\n\nclass Test(unittest.TestCase):\n{body}'
 
 
 def solve_sh(good: str, bad: str) -> str:
@@ -192,10 +226,9 @@ def main() -> int:
             (d / "environment" / "Dockerfile").write_text(DOCKERFILE)
             (d / "tests").mkdir()
             (d / "tests" / "test.sh").write_text(TEST_SH)
-            (d / "tests" / "test_fail_to_pass.py").write_text(tests_module("FAIL_TO_PASS", t["f2p"]))
-            (d / "tests" / "test_pass_to_pass.py").write_text(tests_module("PASS_TO_PASS", t["p2p"]))
             (d / "tests" / "config.json").write_text(json.dumps(
-                {"FAIL_TO_PASS": t["f2p"], "PASS_TO_PASS": t["p2p"]}, indent=2) + "\n")
+                {name: [{"expr": expr, "want": repr(want)} for expr, want in t[key]]
+                 for name, key in (("FAIL_TO_PASS", "f2p"), ("PASS_TO_PASS", "p2p"))}, indent=2) + "\n")
             (d / "solution").mkdir()
             (d / "solution" / "solve.sh").write_text(solve_sh(t["good"], t["bad"]))
             for sh in (d / "tests" / "test.sh", d / "solution" / "solve.sh"):

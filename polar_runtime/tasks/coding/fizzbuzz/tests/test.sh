@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # reward = the fraction of fizzbuzz.py's 15 lines that are right (partial credit)
+# the expected answers below are this script's own: nobody, who runs the tested program, cannot read /tests
+chmod -R go-rwx /tests
 cd /app || exit 2
 mkdir -p /logs/verifier
 # The tested program runs as nobody (uid 65534 of the sandbox): it cannot write /logs/verifier,
