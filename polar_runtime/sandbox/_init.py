@@ -170,10 +170,15 @@ def _no_new_privs_and_seccomp() -> None:
     _check(ctypes, libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
 
 
-def _enter_user_namespace(to_parent: int, from_parent: int) -> None:
-    """In the child: a user + mount namespace of its own; the parent writes the uid/gid maps
+def _enter_user_namespace(to_parent: int, from_parent: int, host_uid: int) -> None:
+    """In the child: first the unprivileged host uid (so the new user namespace is *its*, and the
+    kernel charges what the phase uses, inotify instances, namespaces, to that uid, not to the
+    host's root), then a user + mount namespace of its own; the parent writes the uid/gid maps
     (``_map_ids``); then uid/gid 0 inside, no supplementary groups."""
     ctypes, libc = _libc()
+    os.setgroups([])
+    os.setresgid(host_uid, host_uid, host_uid)
+    os.setresuid(host_uid, host_uid, host_uid)
     _check(ctypes, libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "unshare(user, mount)")
     os.write(to_parent, b"u")
     if os.read(from_parent, 1) != b"m":
@@ -222,7 +227,7 @@ def _spawn_and_wait(argv: list[str], drop: dict | None = None, harden: bool = Fa
             if drop:
                 os.close(up_r)
                 os.close(down_w)
-                _enter_user_namespace(up_w, down_r)
+                _enter_user_namespace(up_w, down_r, int(drop["uid_base"]))
                 os.close(up_w)
                 os.close(down_r)
                 if not drop.get("keep_caps"):

@@ -62,9 +62,12 @@ UID_BASE = int(os.environ.get("POLAR_SANDBOX_UID_BASE", "2000000000"))
 UID_COUNT = 65536
 #: the in-sandbox init's own unprivileged uid once the phase has started (outside the phase's range)
 INIT_UID = UID_BASE + UID_COUNT
-#: What the in-sandbox init keeps of a root caller's capabilities: mapping the phase's ids and
-#: ending its leftover processes. Nothing of it reaches the phase's own processes.
-INIT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL")
+#: What the in-sandbox init keeps of a root caller's capabilities, only until the phase's ids are
+#: mapped (before any code of the phase runs; then it drops to INIT_UID and the kernel clears them
+#: all): writing another uid's user-namespace maps with uid 0 in them takes CAP_SETUID/SETGID,
+#: CAP_SETFCAP (Linux 5.12+) and CAP_SYS_ADMIN over that namespace, which is the phase's own uid's
+#: (so the kernel charges the phase's inotify instances and namespaces to it, not to root).
+INIT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_SETFCAP", "CAP_SYS_ADMIN")
 
 
 def hardened() -> bool:
