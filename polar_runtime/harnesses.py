@@ -642,8 +642,9 @@ class RunResult:
     def tail(self, n: int = 2000) -> str:
         out = []
         for p in (self.stdout_path, self.stderr_path):
-            with contextlib.suppress(OSError):
-                out.append(p.read_text(errors="replace")[-n:])
+            with contextlib.suppress(OSError), open(p, "rb") as fh:
+                fh.seek(max(0, fh.seek(0, 2) - 4 * n))  # only the end: the output may be large
+                out.append(fh.read().decode(errors="replace")[-n:])
         return "\n".join(out)
 
 

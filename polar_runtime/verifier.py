@@ -35,6 +35,7 @@ from polar_runtime.tasks.model import DEFAULT_VERIFIER_TIMEOUT, Task
 
 OUTPUT_TAIL = 4000
 REWARD_FILE_LIMIT = 64 * 1024
+TEST_OUTPUT_LIMIT = 16 * 2**20
 
 
 @dataclass
@@ -141,7 +142,9 @@ def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, ag
     except (SandboxError, OSError) as exc:
         return Evaluation(None, "error", f"the verifier could not start: {exc}", time.monotonic() - t0)
     secs = time.monotonic() - t0
-    output = out_path.read_text(errors="replace")
+    with open(out_path, "rb") as fh:  # only the end (the phase's output is bounded: sandbox/base.py)
+        fh.seek(max(0, fh.seek(0, 2) - 4 * OUTPUT_TAIL))
+        output = fh.read().decode(errors="replace")
     with_notes = list(res.notes)
     if res.timed_out:
         return Evaluation(None, "timeout", (output + f"\n[polar] verifier timed out after {limit:g} s")[-OUTPUT_TAIL:],
@@ -160,6 +163,7 @@ def _keep_output(out_path: Path, vdir: Path) -> None:
     from polar_runtime.sandbox.hostfs import write_bytes
 
     try:
-        write_bytes(vdir, vdir / "test-output.txt", out_path.read_bytes())
+        with open(out_path, "rb") as fh:
+            write_bytes(vdir, vdir / "test-output.txt", fh.read(TEST_OUTPUT_LIMIT))
     except OSError:
         pass  # the output stays in verifier-output.txt; the reward does not depend on it

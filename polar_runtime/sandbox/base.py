@@ -174,8 +174,21 @@ def supervise(argv: list[str], *, env: dict[str, str] | None, cwd: str | os.Path
     returns a reason (a limit watchdog), the whole group is killed. Returns (returncode,
     timed_out, the poll's reason or None, wall seconds)."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout,
-                            stderr=stderr, start_new_session=True, pass_fds=pass_fds)
+    outputs: list[_BoundedOutput] = []
+    if _is_sink(stdout):
+        outputs.append(_BoundedOutput(stdout))
+        if stderr is stdout:
+            stderr = outputs[0].w
+        stdout = outputs[0].w
+    if _is_sink(stderr):
+        outputs.append(_BoundedOutput(stderr))
+        stderr = outputs[-1].w
+    try:
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout,
+                                stderr=stderr, start_new_session=True, pass_fds=pass_fds)
+    finally:
+        for o in outputs:
+            o.started()
     with _ACTIVE_LOCK:
         _ACTIVE.add(proc)
     timed_out, reason = False, None
@@ -201,5 +214,58 @@ def supervise(argv: list[str], *, env: dict[str, str] | None, cwd: str | os.Path
         kill_group(proc, grace=0.0)
         with _ACTIVE_LOCK:
             _ACTIVE.discard(proc)
+        for o in outputs:
+            o.finish()
     rc = proc.returncode if proc.returncode is not None else -9
     return rc, timed_out, reason, time.monotonic() - t0
+
+
+#: What a phase's stdout/stderr may put on the host: the first OUTPUT_HEAD bytes and the last
+#: OUTPUT_TAIL, with a line saying how much was dropped between (a sample printing 1.5 GiB put
+#: 6 GiB on disk and 6 GiB in the host's memory when the verifier read its output back).
+OUTPUT_HEAD = 8 * 2**20
+OUTPUT_TAIL = 1 * 2**20
+
+
+def _is_sink(stream: Stream) -> bool:
+    return stream is not None and stream not in (subprocess.DEVNULL, subprocess.PIPE, subprocess.STDOUT)
+
+
+class _BoundedOutput:
+    """A pipe the phase writes to; a thread copies at most OUTPUT_HEAD + OUTPUT_TAIL bytes of it
+    into the caller's file (the sample, not the host, pays for the rest: it is read and dropped)."""
+
+    def __init__(self, sink: Stream):
+        self.fd = sink if isinstance(sink, int) else sink.fileno()  # type: ignore[union-attr]
+        r, self.w = os.pipe()
+        self._thread = threading.Thread(target=self._pump, args=(r,), daemon=True)
+        self._thread.start()
+
+    def started(self) -> None:
+        os.close(self.w)  # the child holds its copy; EOF when every process of the phase is gone
+
+    def _pump(self, r: int) -> None:
+        head, tail, dropped = 0, bytearray(), 0
+        try:
+            while chunk := os.read(r, 65536):
+                if head < OUTPUT_HEAD:
+                    part = chunk[:OUTPUT_HEAD - head]
+                    os.write(self.fd, part)
+                    head += len(part)
+                    chunk = chunk[len(part):]
+                if chunk:
+                    tail += chunk
+                    if len(tail) > OUTPUT_TAIL:
+                        dropped += len(tail) - OUTPUT_TAIL
+                        del tail[:len(tail) - OUTPUT_TAIL]
+            if dropped:
+                os.write(self.fd, f"\n[polar: {dropped} bytes of output dropped]\n".encode())
+            if tail:
+                os.write(self.fd, bytes(tail))
+        except OSError:
+            pass
+        finally:
+            os.close(r)
+
+    def finish(self, wait_s: float = 5.0) -> None:
+        self._thread.join(wait_s)

@@ -199,7 +199,7 @@ class BubblewrapSandbox(Sandbox):
                     try:
                         image = DiskImage(spec.disk_mb, UID_BASE)
                         staged = image.stage(writable)
-                    except OSError as exc:
+                    except Exception as exc:  # noqa: BLE001 - any failure: the watchdog, said in the notes
                         notes.append(f"disk image unavailable ({exc}); the disk cap falls back to a watchdog")
                         if image is not None:
                             image.close()
@@ -265,7 +265,10 @@ class BubblewrapSandbox(Sandbox):
                              f"({relay.connections} connection(s) relayed)")
             if image is not None:
                 used = image.used_mb()
-                image.unstage()  # every process of the phase is gone: copy its writes back
+                try:
+                    image.unstage()  # every process of the phase is gone: copy its writes back
+                except Exception as exc:  # noqa: BLE001 - the phase's files, not the host's, are at stake
+                    raise SandboxError(f"the phase's writes could not be copied back from its disk image: {exc}") from exc
                 if image.skipped:
                     notes.append(f"{image.skipped} special file(s) (FIFOs, sockets, devices) not copied back")
                 notes.append(f"disk: /tmp capped at {spec.disk_mb} MiB (tmpfs); work dir and HOME capped "
@@ -299,7 +302,8 @@ class BubblewrapSandbox(Sandbox):
             if image is not None:
                 try:
                     if not image.unstaged:
-                        image.unstage()
+                        with contextlib.suppress(Exception):
+                            image.unstage()
                 finally:
                     image.close()
             shutil.rmtree(private, ignore_errors=True)

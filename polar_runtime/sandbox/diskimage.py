@@ -76,16 +76,19 @@ class DiskImage:
         return out
 
     def unstage(self) -> None:
-        """Copy what the phase left on the image back to the host paths (nothing runs any more)."""
+        """Copy what the phase left on the image back to the host paths (nothing runs any more),
+        at most what the image holds (hard links stay links, sparse files sparse: a sample cannot
+        multiply its cap on the host). Raises OSError when it cannot (the host dir is then partial)."""
         self.unstaged = True
+        budget = int(self.used_mb() * 2**20) + 2**20
         for host, dest in self.staged:
             if dest.is_dir() and not dest.is_symlink():
                 clear_dir(host)
-                self.skipped += copy_tree(dest, host)
+                self.skipped += copy_tree(dest, host, budget=budget)
             elif dest.is_file() and not dest.is_symlink():
                 with contextlib.suppress(FileNotFoundError):
                     host.unlink()
-                copy_tree(dest.parent, host.parent)  # the one file, copied without following
+                copy_tree(dest.parent, host.parent, budget=budget)  # the one file, copied without following
 
     def used_mb(self) -> float:
         st = os.statvfs(self.mnt)

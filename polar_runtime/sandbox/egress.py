@@ -23,13 +23,14 @@ import socket
 import threading
 from pathlib import Path
 
-from polar_runtime.sandbox.relay import pump
+from polar_runtime.sandbox.relay import ConnectionSlots, pump
 
 #: PyPI (pip, uv), the npm registry, Debian's mirrors; what a Harbor task's build and tests install from
 DEFAULT_REGISTRIES = ("pypi.org", "files.pythonhosted.org", "registry.npmjs.org", "deb.debian.org",
                       "security.debian.org")
 PORTS = (80, 443)
 HEAD_LIMIT = 64 * 1024
+HEAD_TIMEOUT_S = 15.0
 
 
 def registries() -> tuple[str, ...]:
@@ -93,16 +94,27 @@ class EgressProxy:
         self._sock.listen(64)
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._slots = ConnectionSlots()
         self._thread = threading.Thread(target=self._serve, name="egress", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        while True:
+        while self._slots.take():
             try:
                 conn, _ = self._sock.accept()
             except OSError:
+                self._slots.release()
                 return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._handle_in_slot, args=(conn,), daemon=True).start()
+
+    def _handle_in_slot(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(HEAD_TIMEOUT_S)  # the request head must come in time; then no timeout
+            self._handle(conn)
+        finally:
+            with contextlib.suppress(OSError):
+                conn.close()
+            self._slots.release()
 
     def _refuse(self, conn: socket.socket, why: str) -> None:
         self.refused.append(why)
@@ -173,6 +185,7 @@ class EgressProxy:
                 conn.close()
                 return
             self.passed.append(f"{host}:{port}")
+            conn.settimeout(None)
             if method == "CONNECT":
                 conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
                 if extra:
@@ -189,11 +202,16 @@ class EgressProxy:
             t.start()
             pump(conn, up)
             t.join()
+            with self._lock:
+                self._open.difference_update((conn, up))
+            with contextlib.suppress(OSError):
+                up.close()
         except OSError:
             with contextlib.suppress(OSError):
                 conn.close()
 
     def close(self) -> None:
+        self._slots.closed = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):

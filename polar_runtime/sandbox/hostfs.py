@@ -109,23 +109,51 @@ def write_bytes(root: Path, path: Path, data: bytes, mode: int = 0o644) -> None:
         os.close(dfd)
 
 
-def copy_out(root: Path, path: Path, dest: Path, limit: int = 64 << 20) -> None:
-    """Copy a regular file under ``root`` to a host path of Polar's own (at most ``limit`` bytes)."""
-    fd = open_under(root, path)
-    with os.fdopen(fd, "rb") as src, open(dest, "wb") as out:
-        shutil.copyfileobj(_Limited(src, limit), out)
+#: How deep a host-side walk goes into a sample's tree (one open fd per level). Deeper entries are
+#: skipped and counted: a 3,000-level tree must not exhaust the host's fds or its recursion.
+MAX_DEPTH = 256
 
 
-class _Limited:
-    def __init__(self, fh, left: int):
-        self.fh, self.left = fh, left
+def _walk_dirs(root_fd: int, skipped: list[int] | None = None):
+    """Yield (dir fd, entry name, lstat, relative path) for everything under an open directory,
+    depth first, entering directories with O_NOFOLLOW from their parent's fd; one fd per level of
+    the current path, at most MAX_DEPTH levels (what lies deeper is counted in ``skipped[0]``). The
+    yielded fd is valid until the next item."""
+    frames: list[tuple[int, list[str], str]] = []
 
-    def read(self, n: int = -1) -> bytes:
-        if self.left <= 0:
-            return b""
-        data = self.fh.read(self.left if n < 0 else min(n, self.left))
-        self.left -= len(data)
-        return data
+    def push(fd: int, rel: str) -> None:
+        with os.scandir(fd) as it:
+            names = [e.name for e in it]
+        names.reverse()
+        frames.append((fd, names, rel))
+
+    push(os.dup(root_fd), "")
+    try:
+        while frames:
+            fd, names, rel = frames[-1]
+            if not names:
+                os.close(fd)
+                frames.pop()
+                continue
+            name = names.pop()
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            relp = f"{rel}/{name}" if rel else name
+            yield fd, name, st, relp
+            if stat.S_ISDIR(st.st_mode):
+                if len(frames) >= MAX_DEPTH:
+                    if skipped is not None:
+                        skipped[0] += 1
+                    continue
+                try:
+                    push(os.open(name, _DIR_FLAGS, dir_fd=fd), relp)
+                except OSError:
+                    pass
+    finally:
+        for fd, _, _ in frames:
+            os.close(fd)
 
 
 def chown_tree(root: Path, uid: int, gid: int | None = None) -> int:
@@ -134,36 +162,16 @@ def chown_tree(root: Path, uid: int, gid: int | None = None) -> int:
     walking is not entered."""
     gid = uid if gid is None else gid
     changed = 0
-
-    def visit(dfd: int) -> None:
-        nonlocal changed
-        with os.scandir(dfd) as it:
-            entries = list(it)
-        for e in entries:
-            try:
-                st = os.stat(e.name, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if st.st_uid != uid or st.st_gid != gid:
-                os.chown(e.name, uid, gid, dir_fd=dfd, follow_symlinks=False)
-                changed += 1
-            if stat.S_ISDIR(st.st_mode):
-                try:
-                    sub = os.open(e.name, _DIR_FLAGS, dir_fd=dfd)
-                except OSError:
-                    continue
-                try:
-                    visit(sub)
-                finally:
-                    os.close(sub)
-
     fd = os.open(root, _DIR_FLAGS)
     try:
         st = os.fstat(fd)
         if st.st_uid != uid or st.st_gid != gid:
             os.fchown(fd, uid, gid)
             changed += 1
-        visit(fd)
+        for dfd, name, st, _ in _walk_dirs(fd):
+            if st.st_uid != uid or st.st_gid != gid:
+                os.chown(name, uid, gid, dir_fd=dfd, follow_symlinks=False)
+                changed += 1
     finally:
         os.close(fd)
     return changed
@@ -201,47 +209,63 @@ def _copy_file_sparse(src_fd: int, dst_fd: int, size: int) -> None:
     os.ftruncate(dst_fd, size)
 
 
-def copy_tree(src: Path, dst: Path) -> int:
-    """Copy the tree ``src`` into the directory ``dst`` (made if missing) as it is: directories,
-    regular files (sparse ones stay sparse, modes and times kept) and symlinks *as symlinks*; never
-    following a link, never opening a FIFO, socket or device (those are skipped and counted).
-    Returns how many entries were skipped. Used with nothing running in the sandbox."""
-    skipped = 0
-    os.makedirs(dst, exist_ok=True)
+class CopyBudgetExceeded(OSError):
+    """A copy stopped at its byte budget (a sample's hard links or sparse files must not multiply
+    what it wrote into more than its disk cap on the host)."""
 
-    def visit(sfd: int, dfd: int) -> None:
-        nonlocal skipped
-        with os.scandir(sfd) as it:
-            entries = list(it)
-        for e in entries:
-            try:
-                st = os.stat(e.name, dir_fd=sfd, follow_symlinks=False)
-            except FileNotFoundError:
+
+def copy_tree(src: Path | int, dst: Path | int, *, budget: int | None = None,
+              ignore=None) -> int:
+    """Copy the tree ``src`` into the directory ``dst`` (made if missing; either may be an open
+    directory fd) as it is: directories, regular files (sparse ones stay sparse, modes and times
+    kept, set-id bits dropped), symlinks *as symlinks*, hard links as hard links; never following
+    a link (a link where a directory is to be copied raises :class:`UnsafePath`), never opening a
+    FIFO, socket or device. ``budget``: the most data bytes to write (:class:`CopyBudgetExceeded`
+    past it). ``ignore(rel_path) -> bool`` skips a path. Returns how many entries were skipped
+    (special files, and what lies deeper than MAX_DEPTH)."""
+    skipped, written = [0], 0
+    seen: dict[tuple[int, int], str] = {}  # (dev, ino) of a hard-linked file -> its copy, relative to dst
+    if isinstance(dst, (str, os.PathLike)):
+        os.makedirs(dst, exist_ok=True)
+    sfd = os.open(src, _DIR_FLAGS) if not isinstance(src, int) else os.dup(src)
+    root = os.open(dst, _DIR_FLAGS) if not isinstance(dst, int) else os.dup(dst)
+    dst_fds = {"": os.dup(root)}  # relative dir -> its fd in dst (only along the current path)
+    dirs_done: list[tuple[str, os.stat_result]] = []
+    try:
+        for s_fd, name, st, relp in _walk_dirs(sfd, skipped):
+            parent = relp.rpartition("/")[0]
+            for k in [k for k in dst_fds if k and not (parent == k or parent.startswith(k + "/"))]:
+                os.close(dst_fds.pop(k))  # left that dir: its fd is no longer needed
+            d_fd = dst_fds[parent]
+            if ignore is not None and ignore(relp):
                 continue
             if stat.S_ISDIR(st.st_mode):
                 with contextlib.suppress(FileExistsError):
-                    os.mkdir(e.name, 0o700, dir_fd=dfd)
-                s2 = os.open(e.name, _DIR_FLAGS, dir_fd=sfd)
-                d2 = os.open(e.name, _DIR_FLAGS, dir_fd=dfd)
+                    os.mkdir(name, 0o700, dir_fd=d_fd)
                 try:
-                    visit(s2, d2)
-                    os.chmod(d2, stat.S_IMODE(st.st_mode))
-                    os.utime(d2, ns=(st.st_atime_ns, st.st_mtime_ns))
-                finally:
-                    os.close(s2)
-                    os.close(d2)
+                    dst_fds[relp] = os.open(name, _DIR_FLAGS, dir_fd=d_fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise UnsafePath(exc.errno, f"{relp}: a link or file where a directory is copied; not followed") from exc
+                    raise
+                dirs_done.append((relp, st))
             elif stat.S_ISLNK(st.st_mode):
-                target = os.readlink(e.name, dir_fd=sfd)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(e.name, dir_fd=dfd)
-                os.symlink(target, e.name, dir_fd=dfd)
+                target = os.readlink(name, dir_fd=s_fd)
+                _remove_entry(d_fd, name)
+                os.symlink(target, name, dir_fd=d_fd)
             elif stat.S_ISREG(st.st_mode):
-                fd = os.open(e.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sfd)
+                _remove_entry(d_fd, name)
+                key = (st.st_dev, st.st_ino)
+                if st.st_nlink > 1 and key in seen:
+                    os.link(seen[key], name, src_dir_fd=root, dst_dir_fd=d_fd, follow_symlinks=False)
+                    continue
+                written += st.st_blocks * 512
+                if budget is not None and written > budget:
+                    raise CopyBudgetExceeded(errno.EFBIG, f"copy stopped at its {budget} byte budget (at {relp})")
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=s_fd)
                 try:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(e.name, dir_fd=dfd)
-                    out = os.open(e.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                  0o600, dir_fd=dfd)
+                    out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                  0o600, dir_fd=d_fd)
                     try:
                         _copy_file_sparse(fd, out, os.fstat(fd).st_size)
                         # never set-id: a copy the host made is the host's (root's), not the sample's
@@ -251,29 +275,61 @@ def copy_tree(src: Path, dst: Path) -> int:
                         os.close(out)
                 finally:
                     os.close(fd)
+                if st.st_nlink > 1:
+                    seen[key] = relp
             else:
-                skipped += 1
-
-    sfd, dfd = os.open(src, _DIR_FLAGS), os.open(dst, _DIR_FLAGS)
-    try:
-        visit(sfd, dfd)
+                skipped[0] += 1
+        for relp, st in reversed(dirs_done):  # modes and times once their contents are in
+            with contextlib.suppress(OSError):
+                os.chmod(relp, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID), dir_fd=root,
+                         follow_symlinks=False)
+                os.utime(relp, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=root, follow_symlinks=False)
     finally:
-        os.close(sfd)
-        os.close(dfd)
-    return skipped
+        for fd in (sfd, root, *dst_fds.values()):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    return skipped[0]
+
+
+def _remove_entry(dfd: int, name: str) -> None:
+    """Make room for ``name`` in ``dfd``: a file or link there is unlinked (never followed); a
+    directory there is an error (the copy does not merge a file over a directory)."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise UnsafePath(errno.EISDIR, f"{name}: a directory is in the way")
+    os.unlink(name, dir_fd=dfd)
 
 
 def clear_dir(path: Path) -> None:
-    """Remove everything inside ``path`` (links removed, never followed)."""
+    """Remove everything inside ``path`` (links removed, never followed) with two open fds, at
+    any depth: a subdirectory's entries are renamed up into ``path`` (flattening the tree one
+    level at a time), then the emptied directory is removed."""
     fd = os.open(path, _DIR_FLAGS)
+    n = 0
     try:
-        with os.scandir(fd) as it:
-            names = [e.name for e in it]
-        for name in names:
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(name, dir_fd=fd)
-            else:
-                os.unlink(name, dir_fd=fd)
+        while True:
+            with os.scandir(fd) as it:
+                names = [e.name for e in it]
+            if not names:
+                return
+            for name in names:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode):
+                    os.unlink(name, dir_fd=fd)
+                    continue
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                try:
+                    with os.scandir(sub) as it:
+                        inner = [e.name for e in it]
+                    for x in inner:
+                        n += 1
+                        os.rename(x, f".polar-clear-{n}", src_dir_fd=sub, dst_dir_fd=fd)
+                finally:
+                    os.close(sub)
+                os.rmdir(name, dir_fd=fd)
     finally:
         os.close(fd)
+

@@ -24,7 +24,7 @@ from typing import Any
 
 from polar_core.processes import file_lock
 from polar_runtime.sandbox.egress import registries
-from polar_runtime.sandbox.hostfs import copy_tree
+from polar_runtime.sandbox.hostfs import UnsafePath, copy_tree, write_bytes
 from polar_runtime.tasks.model import DEFAULT_BUILD_TIMEOUT, DEFAULT_PATH, Task
 
 
@@ -86,17 +86,25 @@ def _ignored(rel: str, patterns: list[str]) -> bool:
                or (p.startswith("**/") and fnmatch.fnmatch(parts[-1], p[3:])) for p in patterns)
 
 
-def _copy(src: Path, dest: Path, context: Path | None = None, patterns: list[str] | None = None) -> None:
+def _copy(src: Path, dest: Path, root: Path, context: Path | None = None, patterns: list[str] | None = None) -> None:
+    """COPY ``src`` (of the build context) to ``dest`` under the work dir ``root``. An earlier RUN
+    step may have planted links in the work dir (``pkg/config.py -> /root/.ssh/...``): the
+    destination is walked and written without following one (``hostfs``), never through it."""
+    from polar_runtime.sandbox.hostfs import _open_dir, _parts, copy_tree, write_bytes
+
     if src.is_dir() and not src.is_symlink():
-        def ignore(d: str, names: list[str]) -> set[str]:
+        def ignore(rel: str) -> bool:
             if not patterns or context is None:
-                return set()
-            base = os.path.relpath(d, context)
-            return {x for x in names if _ignored(os.path.normpath(os.path.join(base, x)), patterns)}
-        shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True, ignore=ignore)
+                return False
+            return _ignored(os.path.normpath(os.path.join(os.path.relpath(src, context), rel)), patterns)
+
+        dfd = _open_dir(root, _parts(root, dest), create=True)
+        try:
+            copy_tree(src, dfd, ignore=ignore)
+        finally:
+            os.close(dfd)
     else:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dest, follow_symlinks=False)
+        write_bytes(root, dest, src.read_bytes(), mode=src.stat().st_mode & 0o777)
 
 
 def build_env(task: Task, base_path: str | None = None) -> dict[str, str]:
@@ -115,7 +123,6 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path) -> 
     env_plan = task.environment
     assert env_plan is not None
     workdir_host.mkdir(parents=True, exist_ok=True)
-    root = workdir_host.resolve()
     notes = list(env_plan.notes)
     env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", "HOME": "/root", "DEBIAN_FRONTEND": "noninteractive"}
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -124,11 +131,10 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path) -> 
         if step.kind in ("env", "arg"):
             env[step.dest] = step.text
         elif step.kind == "write":
-            target = (workdir_host / step.dest).resolve()
-            if root not in target.parents:
+            target = Path(os.path.normpath(workdir_host / step.dest))
+            if Path(os.path.normpath(workdir_host)) not in target.parents:
                 raise BuildError(f"task file {step.dest!r} escapes the work dir")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(step.text)
+            write_bytes(workdir_host, target, step.text.encode())
         elif step.kind == "copy":
             assert env_plan.context is not None
             sources = sorted(glob.glob(str(env_plan.context / step.src))) or [str(env_plan.context / step.src)]
@@ -136,10 +142,15 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path) -> 
             for s in map(Path, sources):
                 # COPY dir/ dest copies the contents; a file goes into dest/ when dest ends in /
                 # or more than one source was named
-                target = dest / s.name if (step.dest.endswith("/") or len(sources) > 1) and s.is_file() else dest
-                if root not in target.resolve().parents and target.resolve() != root:
+                target = Path(os.path.normpath(dest / s.name if (step.dest.endswith("/") or len(sources) > 1)
+                                               and s.is_file() else dest))
+                base = Path(os.path.normpath(workdir_host))
+                if base not in target.parents and target != base:
                     raise BuildError(f"{where}: destination escapes the work dir")
-                _copy(s, target, env_plan.context, dockerignore(env_plan.context))
+                try:
+                    _copy(s, target, base, env_plan.context, dockerignore(env_plan.context))
+                except UnsafePath as exc:
+                    raise BuildError(f"{where}: {exc} (a link an earlier step left in the work dir)") from exc
         elif step.kind == "run":
             pkgs = apt_packages(step.text)
             if pkgs is not None and shutil.which("dpkg-query"):

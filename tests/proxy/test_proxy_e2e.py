@@ -193,14 +193,14 @@ def test_task_group_sample_from_headers_and_registry(helpers, reverse_proxy, ses
                     headers={"x-polar-session": session_id, "x-polar-task": "t1", "x-polar-group": "g1",
                              "x-polar-sample": "3"})
     other = session_id + "-reg"
-    reverse_proxy.control.register_sessions([{"session_id": other, "task_id": "t2", "group_id": "g2",
-                                              "sample_index": 5, "harness": "pi"}])
-    helpers.request(reverse_proxy.url + "/v1/chat/completions", body, headers={"authorization": f"Bearer polar-{other}",
+    key = reverse_proxy.control.register_sessions([{"session_id": other, "task_id": "t2", "group_id": "g2",
+                                                    "sample_index": 5, "harness": "pi"}])["keys"][other]
+    helpers.request(reverse_proxy.url + "/v1/chat/completions", body, headers={"authorization": f"Bearer {key}",
                                                                                "user-agent": "OpenAI/JS 5.12.2"})
     a = helpers.read_records(reverse_proxy.capture_dir, session_id)[-1]
     b = helpers.read_records(reverse_proxy.capture_dir, other)[-1]
     assert (a["task_id"], a["group_id"], a["sample_index"]) == ("t1", "g1", 3)
-    assert (b["task_id"], b["group_id"], b["sample_index"], b["session_source"]) == ("t2", "g2", 5, "api_key")
+    assert (b["task_id"], b["group_id"], b["sample_index"], b["session_source"]) == ("t2", "g2", 5, "key")
     assert b["harness"] == "pi"  # the runner's name, not the SDK's from the user agent
     assert a["harness"] != "pi"
     assert reverse_proxy.control.sessions()["sessions"][other]["calls"] == 1
