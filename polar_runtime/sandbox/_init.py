@@ -11,9 +11,10 @@ silently when this process exits; counting them first lets the sample's record s
 writes a JSON report to the fd the host passed (not inherited by ARGV).
 
 Privilege (a root caller): bwrap itself runs as the host's root, so that its binds reach any path,
-and hands this init only CAP_SETUID, CAP_SETGID and CAP_KILL. The child that becomes ARGV first
-enters a user and mount namespace of its own, in which this init maps uid/gid 0..65535 to an
-unprivileged host range (``uid_base``): ARGV is uid 0 *inside* (apt, Harbor tasks) and holds
+and hands this init only CAP_SETUID, CAP_SETGID, CAP_SETFCAP and CAP_SYS_ADMIN, held only until
+the maps are written. The child that becomes ARGV first becomes the unprivileged host uid, then
+enters a user and mount namespace of its own (that uid's), in which this init maps uid/gid
+0..65535 to that host range (``uid_base``): ARGV is uid 0 *inside* (apt, Harbor tasks) and holds
 capabilities only over its own namespaces; on the host it is an unused uid with none. Its copies
 of the mounts are locked by the kernel (a read-only bind cannot be remounted writable, a cover
 such as bwrap's read-only /proc/sys cannot be unmounted). Then ``no_new_privs`` and a seccomp
