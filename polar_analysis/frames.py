@@ -48,7 +48,7 @@ import orjson
 import polars as pl
 import pyarrow as pa
 
-from polar_core.capture_delta import READ_WINDOW, WRITER_KEY, DeltaError, Expander
+from polar_core.capture_delta import READ_WINDOW, WRITER_KEY, DeltaError, Expander, lcp_bytes
 from polar_core.flowmeta import unpack_tokens
 from polar_core.schema import CALL_FIELDS, JSON_COLUMNS, SESSIONS_SUBDIR, CallRecord, harness_name
 
@@ -304,25 +304,6 @@ ROPE_SCHEMA: dict[str, pl.DataType] = {f"{c}_rope": pl.List(pl.Int64) for c in R
 PART_SCHEMA: dict[str, pl.DataType] = {**CALL_SCHEMA, **ARENA_SCHEMA, **ROPE_SCHEMA}
 
 
-def _byte_lcp(a: bytes, b: bytes, *, backwards: bool = False) -> int:
-    """Common prefix (or suffix) length of two byte strings, by numpy blocks."""
-    n = min(len(a), len(b))
-    if not n:
-        return 0
-    if backwards:
-        x, y = np.frombuffer(a, np.uint8)[::-1][:n], np.frombuffer(b, np.uint8)[::-1][:n]
-    else:
-        x, y = np.frombuffer(a, np.uint8, n), np.frombuffer(b, np.uint8, n)
-    start, block = 0, 4096
-    while start < n:
-        end = min(n, start + block)
-        diff = np.flatnonzero(x[start:end] != y[start:end])
-        if diff.size:
-            return start + int(diff[0])
-        start, block = end, block * 4
-    return n
-
-
 class _Ropes:
     """One request column's JSON texts of a session file, in a byte file: a text sharing its first
     bytes with the previous row's refers to them where they are (a list of ``start, length``
@@ -342,8 +323,8 @@ class _Ropes:
         if text is None:
             return None
         data = text.encode()
-        prev, n = self.prev, _byte_lcp(self.prev, data)
-        m = _byte_lcp(prev[n:], data[n:], backwards=True)
+        prev, n = self.prev, lcp_bytes(self.prev, data)
+        m = lcp_bytes(prev[n:], data[n:], backwards=True)
         ranges = _slice(self.prev_ranges, 0, n)
         middle = data[n : len(data) - m]
         if middle:

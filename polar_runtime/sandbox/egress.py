@@ -20,10 +20,9 @@ import contextlib
 import ipaddress
 import os
 import socket
-import threading
 from pathlib import Path
 
-from polar_runtime.sandbox.relay import ConnectionSlots, pump
+from polar_runtime.sandbox.relay import UnixListener, splice
 
 #: PyPI (pip, uv), the npm registry, Debian's mirrors; what a Harbor task's build and tests install from
 DEFAULT_REGISTRIES = ("pypi.org", "files.pythonhosted.org", "registry.npmjs.org", "deb.debian.org",
@@ -77,44 +76,16 @@ def _reachable_target(addr: str) -> bool:
             return True
 
 
-class EgressProxy:
+class EgressProxy(UnixListener):
     """A filtering HTTP proxy on ``path`` (a Unix socket, 0600). ``allow_private`` (any address,
     loopback included) exists for the tests alone: their allowed host is a listener they started."""
 
     def __init__(self, path: Path, allow: tuple[str, ...], *, allow_private: bool = False,
                  ports: tuple[int, ...] = PORTS):
-        self.path, self.allow, self.allow_private, self.ports = Path(path), tuple(allow), allow_private, ports
+        self.allow, self.allow_private, self.ports = tuple(allow), allow_private, ports
         self.refused: list[str] = []
         self.passed: list[str] = []
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        self._sock.bind(str(self.path))
-        os.chmod(self.path, 0o600)
-        self._sock.listen(64)
-        self._open: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._slots = ConnectionSlots()
-        self._thread = threading.Thread(target=self._serve, name="egress", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while self._slots.take():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                self._slots.release()
-                return
-            threading.Thread(target=self._handle_in_slot, args=(conn,), daemon=True).start()
-
-    def _handle_in_slot(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(HEAD_TIMEOUT_S)  # the request head must come in time; then no timeout
-            self._handle(conn)
-        finally:
-            with contextlib.suppress(OSError):
-                conn.close()
-            self._slots.release()
+        super().__init__(path, "egress")
 
     def _refuse(self, conn: socket.socket, why: str) -> None:
         self.refused.append(why)
@@ -142,7 +113,8 @@ class EgressProxy:
                 last = exc
         raise last or OSError(f"{host}: no address")
 
-    def _handle(self, conn: socket.socket) -> None:
+    def handle(self, conn: socket.socket) -> None:
+        conn.settimeout(HEAD_TIMEOUT_S)  # the request head must come in time; then no timeout
         try:
             head = b""
             while b"\r\n\r\n" not in head:
@@ -196,29 +168,7 @@ class EgressProxy:
                            if h and not h.lower().startswith((b"connection:", b"proxy-", b"keep-alive:"))]
                 up.sendall(f"{method} {path} {version}\r\n".encode() + b"".join(h + b"\r\n" for h in headers)
                            + b"Connection: close\r\n\r\n" + extra)
-            with self._lock:
-                self._open.update((conn, up))
-            t = threading.Thread(target=pump, args=(up, conn), daemon=True)
-            t.start()
-            pump(conn, up)
-            t.join()
-            with self._lock:
-                self._open.difference_update((conn, up))
-            with contextlib.suppress(OSError):
-                up.close()
+            self.track(up)
+            splice(conn, up)
         except OSError:
-            with contextlib.suppress(OSError):
-                conn.close()
-
-    def close(self) -> None:
-        self._slots.closed = True
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self._sock.close()
-        with self._lock:
-            for s in self._open:
-                with contextlib.suppress(OSError):
-                    s.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            pass

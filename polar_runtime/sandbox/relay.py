@@ -1,7 +1,7 @@
 """The host half of the model-proxy relay: a job-private Unix socket forwarding to one host loopback
 port (the proxy's). A sandbox without network reaches the proxy through it and nothing else: the
 socket only ever connects to that one port, so other services on the host's loopback stay out of
-reach. Threads, two per connection: a harness opens a handful of connections per sample.
+reach. Threads, two per connection (at most 64 connections at once): a harness opens a handful.
 """
 
 from __future__ import annotations
@@ -28,57 +28,19 @@ def pump(src: socket.socket, dst: socket.socket) -> None:
                 s.shutdown(how)
 
 
-#: The most connections one sandbox holds open through a host-side relay at once (a harness opens
-#: a handful). Past it the next connection waits in the listen backlog: a sample opening 2,046
-#: connections made 4,095 threads in the Polar process and starved the shared proxy.
+#: The most connections one sandbox holds open through a host-side listener at once (a harness
+#: opens a handful). Past it the next connection waits in the listen backlog: a sample opening
+#: 2,046 connections made 4,095 threads in the Polar process and starved the shared proxy.
 MAX_CONNECTIONS = 64
 
 
-class ConnectionSlots:
-    """A bound on a relay's open connections: ``take()`` before accepting (False once closed),
-    ``pair()`` a release that fires when both directions of a connection have ended."""
+class UnixListener:
+    """A job-private Unix socket (mode 0600) served by one thread per connection, at most
+    ``MAX_CONNECTIONS`` at once; ``handle(conn)`` is the subclass's, and the sockets it registers
+    with ``track`` are closed when it returns or the listener closes."""
 
-    def __init__(self, limit: int = MAX_CONNECTIONS):
-        self._sem = threading.BoundedSemaphore(limit)
-        self.closed = False
-
-    def take(self) -> bool:
-        while not self.closed:
-            if self._sem.acquire(timeout=0.5):
-                if self.closed:
-                    self._sem.release()
-                    return False
-                return True
-        return False
-
-    def release(self) -> None:
-        self._sem.release()
-
-    def pair(self, on_last=None):
-        """A callable to call once per direction; after the second call ``on_last()`` runs (close
-        the two sockets) and the slot is freed."""
-        left = [2]
-        lock = threading.Lock()
-
-        def done() -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                try:
-                    if on_last is not None:
-                        on_last()
-                finally:
-                    self.release()
-        return done
-
-
-class UnixToTcpRelay:
-    """Listen on ``path`` (mode 0600), forward every connection to 127.0.0.1:``port``."""
-
-    def __init__(self, path: Path, port: int):
-        self.path, self.port = Path(path), port
-        self.connections = 0
+    def __init__(self, path: Path, name: str, limit: int = MAX_CONNECTIONS):
+        self.path = Path(path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
@@ -87,55 +49,83 @@ class UnixToTcpRelay:
         self._sock.listen(64)
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
-        self._slots = ConnectionSlots()
-        self._thread = threading.Thread(target=self._serve, name=f"relay-{port}", daemon=True)
+        self._slots = threading.BoundedSemaphore(limit)
+        self._mine = threading.local()  # the sockets of the connection this thread handles
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
+    def handle(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def track(self, *socks: socket.socket) -> None:
+        """Close these with the connection being handled (and with the listener)."""
+        self._mine.socks.extend(socks)
+        with self._lock:
+            self._open.update(socks)
+
     def _serve(self) -> None:
-        while self._slots.take():
+        while not self._closed:
+            if not self._slots.acquire(timeout=0.5):
+                continue
             try:
                 conn, _ = self._sock.accept()
             except OSError:
                 self._slots.release()
                 return
-            try:
-                up = socket.create_connection(("127.0.0.1", self.port), timeout=10)
-                up.settimeout(None)
-            except OSError:
-                conn.close()
-                self._slots.release()
-                continue
-            self.connections += 1
-            with self._lock:
-                self._open.update((conn, up))
-            done = self._slots.pair(lambda conn=conn, up=up: self._ended(conn, up))
-            for a, b in ((conn, up), (up, conn)):
-                threading.Thread(target=self._pump, args=(a, b, done), daemon=True).start()
+            threading.Thread(target=self._in_slot, args=(conn,), daemon=True).start()
 
-    def _pump(self, a: socket.socket, b: socket.socket, done) -> None:
+    def _in_slot(self, conn: socket.socket) -> None:
+        self._mine.socks = []
+        self.track(conn)
         try:
-            pump(a, b)
+            self.handle(conn)
+        except OSError:
+            pass
         finally:
-            done()
-
-    def _ended(self, conn: socket.socket, up: socket.socket) -> None:
-        with self._lock:
-            self._open.difference_update((conn, up))
-        for sock in (conn, up):
-            with contextlib.suppress(OSError):
-                sock.close()
+            mine = self._mine.socks
+            with self._lock:
+                self._open.difference_update(mine)
+            for sock in mine:
+                with contextlib.suppress(OSError):
+                    sock.close()
+            self._slots.release()
 
     def close(self) -> None:
-        self._slots.closed = True
+        self._closed = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._sock.close()
         with self._lock:
-            for s in self._open:
+            for sock in self._open:
                 with contextlib.suppress(OSError):
-                    s.close()
+                    sock.close()
             self._open.clear()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         self._thread.join(timeout=2)
+
+
+def splice(conn: socket.socket, up: socket.socket) -> None:
+    """Pump both directions until both have ended (one in a thread of its own, one here)."""
+    t = threading.Thread(target=pump, args=(up, conn), daemon=True)
+    t.start()
+    pump(conn, up)
+    t.join()
+
+
+class UnixToTcpRelay(UnixListener):
+    """Listen on ``path`` (mode 0600), forward every connection to 127.0.0.1:``port``."""
+
+    def __init__(self, path: Path, port: int):
+        self.port = port
+        self.connections = 0
+        super().__init__(path, f"relay-{port}")
+
+    def handle(self, conn: socket.socket) -> None:
+        up = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        up.settimeout(None)
+        self.track(up)
+        self.connections += 1
+        splice(conn, up)

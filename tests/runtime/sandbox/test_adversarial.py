@@ -26,20 +26,12 @@ from pathlib import Path
 
 import pytest
 
-from polar_runtime.sandbox import SandboxSpec, get_sandbox, SandboxUnavailable
+from polar_runtime.sandbox import SandboxSpec
 
 BACKEND = os.environ.get("POLAR_SANDBOX_UNDER_TEST", "bubblewrap")
 REPO = Path(__file__).resolve().parents[3]
 HOST_HOME = Path(os.path.expanduser("~"))
 HOST_PID_NS = os.readlink("/proc/self/ns/pid")
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    try:
-        return get_sandbox(BACKEND)
-    except SandboxUnavailable as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from polar_runtime.sandbox import SandboxSpec, SandboxUnavailable, get_sandbox
+from polar_runtime.sandbox import SandboxSpec
 from polar_runtime.sandbox.egress import EgressProxy, allowed_host
 
 
@@ -98,14 +98,6 @@ def test_the_filter_lets_an_allowed_registry_through(tmp_path, listener):
         proxy.close()
 
 
-@pytest.fixture(scope="module")
-def bwrap():
-    try:
-        return get_sandbox("bubblewrap")
-    except SandboxUnavailable as e:
-        pytest.skip(str(e))
-
-
 def _phase(sb, tmp_path, script: str, **kw):
     work = tmp_path / f"w-{uuid.uuid4().hex[:6]}"
     work.mkdir()
@@ -115,10 +107,10 @@ def _phase(sb, tmp_path, script: str, **kw):
     return res, (tmp_path / "out.log").read_text(errors="replace")
 
 
-def test_a_phase_with_the_registries_reaches_nothing_on_the_host(bwrap, tmp_path, listener):
+def test_a_phase_with_the_registries_reaches_nothing_on_the_host(sandbox, tmp_path, listener):
     """Through its proxy (CONNECT and absolute-form) and around it: the host's loopback listener
     is never reached; the proxy's refusal is what curl prints."""
-    res, log = _phase(bwrap, tmp_path, f"""
+    res, log = _phase(sandbox, tmp_path, f"""
         curl -sS -m 5 -x "$HTTP_PROXY" --noproxy '' http://127.0.0.1:{listener.port}/_polar/pause
         curl -sS -m 5 -x "$HTTP_PROXY" --noproxy '' -p http://127.0.0.1:{listener.port}/
         curl -sS -m 5 -x "$HTTP_PROXY" --noproxy '' -p http://localhost:{listener.port}/

@@ -19,20 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from polar_runtime.sandbox import SandboxSpec, SandboxUnavailable, get_sandbox
+from polar_runtime.sandbox import SandboxSpec
 from polar_runtime.sandbox.base import OUTPUT_HEAD, OUTPUT_TAIL
 from polar_runtime.sandbox.relay import MAX_CONNECTIONS
 
 HOST_HOME = Path(os.path.expanduser("~"))
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the root caller's attacks need root (CI runs as root)")
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    try:
-        return get_sandbox("bubblewrap")
-    except SandboxUnavailable as e:
-        pytest.skip(str(e))
 
 
 def phase(sb, tmp_path, script: str, **kw):

@@ -30,25 +30,16 @@ from pathlib import Path
 
 import pytest
 
-from polar_runtime.sandbox import SandboxSpec, SandboxUnavailable, get_sandbox
+from polar_runtime.sandbox import SandboxSpec
 from polar_runtime.tasks import load_tasks
 from polar_runtime.tasks.environment import prepare_workdir
 from polar_runtime.verifier import verify
 
-BACKEND = os.environ.get("POLAR_SANDBOX_UNDER_TEST", "bubblewrap")
 REPO = Path(__file__).resolve().parents[3]
 HOST_HOME = Path(os.path.expanduser("~"))
 HOST_USERNS = os.readlink("/proc/self/ns/user")
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the root caller's attacks need root (CI runs as root)")
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    try:
-        return get_sandbox(BACKEND)
-    except SandboxUnavailable as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture
