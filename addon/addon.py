@@ -62,6 +62,8 @@ log = logging.getLogger("polar")
 STREAM_MODES = ("passthrough", "synthetic")
 #: Young-generation threshold while serving (CPython's default is 700).
 GC_GEN0_THRESHOLD = 10_000
+#: Seconds an idle upstream connection stays pooled: under vLLM's own 5 s keep-alive.
+UPSTREAM_KEEPALIVE_S = 3.0
 
 
 class Polar:
@@ -279,7 +281,11 @@ class Polar:
             # mitmproxy talk to the upstream itself.
             ctx.options.update(connection_strategy="lazy")
         s.http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True),
+            # vLLM's server closes a keep-alive connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE);
+            # a pooled connection kept longer is reused just as the server closes it, and the call
+            # fails with "Server disconnected" (seen in CI: a harness pausing 5-60 s between calls).
+            # Keep idle connections for less than the server does (exchange.py retries the rest).
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S, enable_cleanup_closed=True),
             json_serialize=lambda x: jsonutil.dumps(x).decode(),
             auto_decompress=True,
         )

@@ -230,13 +230,7 @@ async def exchange(s: ProxyState, call: Call, normalized: NormalizedCall) -> Non
                                           timeout=s.client_timeout(), headers={"x-polar-session": rec.session_id})
                 if resp is not None:
                     break
-            resp = await s.http.post(
-                up.url + "/v1/chat/completions", data=upstream_body,
-                headers={"content-type": "application/json", "x-polar-session": rec.session_id,
-                         "x-request-id": rec.call_id,
-                         "accept": "text/event-stream" if stream_upstream else "application/json"},
-                timeout=s.client_timeout(),
-            )
+            resp = await post_chat(s, call, up.url, upstream_body, stream_upstream)
             break
         except asyncio.TimeoutError:
             s.pool.mark_failed(up, "timeout")
@@ -323,6 +317,27 @@ async def exchange(s: ProxyState, call: Call, normalized: NormalizedCall) -> Non
     call.flow.response = make_response(200, content, headers)
 
 
+async def post_chat(s: ProxyState, call: Call, base_url: str, body: bytes,
+                    stream_upstream: bool) -> aiohttp.ClientResponse:
+    """POST the chat request; once more on a fresh connection when the server closed the one
+    taken from the pool before answering anything (``ServerDisconnectedError``). The race is an
+    idle keep-alive connection the server closes as it is reused (addon.UPSTREAM_KEEPALIVE_S
+    makes it rare with vLLM, other servers keep connections for less): nothing was sampled, so
+    the request is sent again, and the record notes it."""
+    assert s.http is not None
+    rec = call.record
+    headers = {"content-type": "application/json", "x-polar-session": rec.session_id,
+               "x-request-id": rec.call_id,
+               "accept": "text/event-stream" if stream_upstream else "application/json"}
+    url = base_url + "/v1/chat/completions"
+    try:
+        return await s.http.post(url, data=body, headers=headers, timeout=s.client_timeout())
+    except aiohttp.ServerDisconnectedError as exc:
+        rec.translation_notes.append(f"sent again on a fresh connection: the server closed the first ({exc})")
+        log.info(f"polar: {base_url} closed a connection before answering; sending the call again")
+        return await s.http.post(url, data=body, headers=headers, timeout=s.client_timeout())
+
+
 async def budget_retry(s: ProxyState, call: Call, resp: aiohttp.ClientResponse, chat: dict[str, Any],
                        stream_upstream: bool) -> aiohttp.ClientResponse | None:
     """An engine that refuses a ``max_tokens`` above the room its real prompt leaves (older
@@ -340,12 +355,7 @@ async def budget_retry(s: ProxyState, call: Call, resp: aiohttp.ClientResponse, 
     body = jsonutil.dumps(chat)
     rec.normalized_request = jsonutil.raw_json(body, chat) or chat
     try:
-        return await s.http.post(
-            up.url + "/v1/chat/completions", data=body,
-            headers={"content-type": "application/json", "x-polar-session": rec.session_id,
-                     "x-request-id": rec.call_id,
-                     "accept": "text/event-stream" if stream_upstream else "application/json"},
-            timeout=s.client_timeout())
+        return await post_chat(s, call, up.url, body, stream_upstream)
     except asyncio.TimeoutError:
         fail(s, call, 504, "timeout", f"upstream {up.url} did not answer within {s.timeout:g}s")
     except (aiohttp.ClientError, OSError) as exc:

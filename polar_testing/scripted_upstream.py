@@ -18,7 +18,8 @@ What to answer comes from a script: built-in scenarios (``text``, ``reasoning``,
 ``resumed`` when one is given) or a JSON script file (a list of turns, or a dict of lists keyed
 by session id with ``"*"`` as default). The turn is the number of assistant messages in the request.
 Directives in the last user message override it: ``#scenario:NAME`` and ``#fault:KIND`` where KIND
-is ``500``, ``429``, ``hang``, ``hang_stream``, ``cut``, ``refuse`` or ``context``; the header
+is ``500``, ``429``, ``hang``, ``hang_stream``, ``cut``, ``refuse``, ``drop_once`` (``refuse``
+for the first request of each ``x-request-id``) or ``context``; the header
 ``x-scripted-fault`` does the same for direct calls. ``#delay:MS`` sleeps per token.
 ``#send:burst`` sends a stream's head and every event in one piece (a stream that is complete
 before its reader looks, as a loaded proxy sees a fast engine).
@@ -308,6 +309,8 @@ class ScriptedUpstream:
         self.requests: deque[dict[str, Any]] = deque(maxlen=log_size)
         self.responses: deque[dict[str, Any]] = deque(maxlen=log_size)
         self.count = 0
+        #: request ids a ``drop_once`` fault has already dropped
+        self.dropped: set[str | None] = set()
         self.reply_cache: dict[bytes, Reply] = {}
         # token-in/token-out (vLLM's --enable-scale-out endpoints): what each rendered request was,
         # by request id, and which reply each generated id sequence spells (for derender)
@@ -391,6 +394,10 @@ class ScriptedUpstream:
         if model != self.served_model:
             return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
 
+        if fault == "drop_once" and request.headers.get("x-request-id") not in self.dropped:
+            # a keep-alive connection the server closes as the client reuses it: nothing answered
+            self.dropped.add(request.headers.get("x-request-id"))
+            fault = "refuse"
         if fault == "refuse":
             assert request.transport is not None
             request.transport.abort()

@@ -66,6 +66,12 @@ def test_upstream_status_errors(helpers, reverse_proxy, session_id, provider, st
     ans = call(helpers, reverse_proxy, provider, "hi #fault:refuse", stream, session_id)
     assert ans.status == 502
     helpers.parse_error(provider, ans.body)
+    # a connection closed before any answer once (a pooled keep-alive connection the server
+    # closed as it was reused): sent again, answered, and the record says so
+    ans = call(helpers, reverse_proxy, provider, "hi #fault:drop_once #scenario:text", stream, session_id)
+    assert ans.status == 200
+    rec = last_record(helpers, reverse_proxy, session_id)
+    assert rec["status"] == "ok" and any("sent again" in n for n in rec["translation_notes"])
     # and the proxy keeps serving
     ans = call(helpers, reverse_proxy, provider, "hi #scenario:text", stream, session_id)
     assert ans.status == 200
