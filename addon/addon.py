@@ -51,6 +51,7 @@ from .calls import client_gone, restore_request
 from .capture import CaptureWriter
 from .engines import ENGINES, get_engine
 from .exact_history import ExactHistory
+from .hook_table import HookTable
 from .providers import media
 from .httputil import scrub
 from .intercept import DEFAULT_INTERCEPT_HOSTS, Interception
@@ -74,6 +75,7 @@ class Polar:
         self.intercept = Interception()
         self._user_filter: str | None = None  # the user's save_stream_filter (ours adds a clause)
         self._filter_set: str | None = None  # the save_stream_filter this addon set last
+        self._hooks: HookTable | None = None  # mitmproxy's dispatch with handlers looked up once
 
     # -- options -----------------------------------------------------------------------------
     def load(self, loader: Any) -> None:
@@ -272,6 +274,9 @@ class Polar:
             # relay, no HTTP client, no capture directory; the content view works all the same.
             log.info("polar: no proxy server (-n): showing flows only")
             return
+        if self._hooks is None:
+            self._hooks = HookTable(ctx.master.addons)
+            self._hooks.install()
         if s.writer is None:
             s.writer = CaptureWriter(ctx.options.polar_capture_dir or paths.polar_home() / "captures",
                                      fsync=ctx.options.polar_fsync)
@@ -305,6 +310,9 @@ class Polar:
 
     async def done(self) -> None:
         s = self.state
+        if self._hooks is not None:
+            self._hooks.uninstall()
+            self._hooks = None
         if s.relay is not None:
             await s.relay.close()
         if s.http is not None:
