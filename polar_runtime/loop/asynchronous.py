@@ -57,6 +57,10 @@ def run_async(run: "Run", ids: list[str]) -> None:
     slots = cfg.schedule.groups_in_flight or gps
     adm = Admission(k, gps)
     adm.restore(state.schedule)
+    taking = [t for t in state.schedule.get("taking", []) if int(t["batch"]) == state.next_step]
+    if taking:  # killed while its batch trained: the batch is taken again, whole (its samples are stored)
+        adm.restore({"groups": adm.to_dict()["groups"] + taking, "dropped": adm.dropped,
+                     "closed": sorted(adm.closed | {state.next_step})})
     meta: dict[str, dict[str, Any]] = dict(state.schedule.get("meta", {}))  # gid -> {task, label}
     started: dict[str, int] = dict(state.schedule.get("started", {}))  # batch -> its own groups started
     dropped_at: dict[str, list[str]] = dict(state.schedule.get("dropped_at", {}))  # batch -> groups dropped
@@ -67,8 +71,9 @@ def run_async(run: "Run", ids: list[str]) -> None:
     if restore:
         log(f"resuming {len(restore)} admitted group(s): {', '.join(restore)}")
 
-    def save() -> None:
-        state.schedule = {**adm.to_dict(), "meta": meta, "started": started, "dropped_at": dropped_at}
+    def save(taken: list[dict[str, Any]] | None = None) -> None:
+        state.schedule = {**adm.to_dict(), "meta": meta, "started": started, "dropped_at": dropped_at,
+                          "taking": taken or []}
         run.save()
 
     def worker(gid: str, task: str, label: int, version: int) -> None:
@@ -118,13 +123,13 @@ def run_async(run: "Run", ids: list[str]) -> None:
             t_step = time.monotonic()
             gids = sorted(g.gid for g in batch)
             rows = [r for g in gids for r in rows_of.pop(g)]
-            for g in gids:
-                meta.pop(g, None)
-            save()
+            # until the step is recorded finished, the state file keeps the batch (resume takes it again)
+            save([{"gid": g.gid, "version": g.version, "batch": b} for g in batch])
             if not rows:
                 rec = {"step": b, "policy_version": state.policy_version, "groups": gids, "rewards": reward_summary(rows),
                        "train": None, "push": None, "note": "every group of this batch was dropped"}
                 run.finish(rec, b, t_step)
+                save()
                 continue
             versions = placement.sample_versions(rows)
             v = state.policy_version
@@ -140,6 +145,9 @@ def run_async(run: "Run", ids: list[str]) -> None:
             for r in rows:
                 r.pop("_gid", None)
             run.learn(b, rows, rec, t_step, versions)
+            for g in gids:
+                meta.pop(g, None)
+            save()
             continue
         nxt = [g for g in adm.groups.values() if g.batch == b + 1]
         late = [g for g in adm.groups.values() if g.batch == b and not g.done]

@@ -18,6 +18,9 @@ each call appends a capture line carrying the policy version served when it was 
 ones. A push holds a gate (a lock) for ``push_s`` while it swaps: calls wait there, as at the proxy.
 ``timing`` (or ``POLAR_FAKE_TIMING``, JSON) sets ``call_s``, ``calls``, ``train_s``, ``push_s`` and
 ``straggler`` (a group ``task.st<label>`` whose calls take ``straggler_s`` each, until cancelled).
+``train_waits``: a training step starts only when no group is rolling out, so that which version
+samples which group is a function of the schedule alone (no race between threads): the bound's
+tests use it; the measurements do not.
 """
 
 from __future__ import annotations
@@ -52,9 +55,12 @@ class FakePlacement:
         self.hang = (parts[0], int(parts[1]), int(parts[2]) if len(parts) > 2 else 0) if parts else None
         self.calls: list[str] = []
         self.timing = {"call_s": 0.0, "calls": 1, "train_s": 0.0, "push_s": 0.0, "straggler": None, "straggler_s": 0.0,
+                       "train_waits": False,
                        **json.loads(os.environ.get("POLAR_FAKE_TIMING") or "{}")}
         self.gate = threading.Lock()  # the proxy's gate: held by a push for the swap only
         self.cancelled: dict[str, threading.Event] = {}
+        self.active = 0  # rollout_group calls running
+        self.idle = threading.Condition()
 
     def _maybe_hang(self, phase: str, step: int, done: int = 0) -> None:
         if self.hang and self.hang[0] == phase and self.hang[1] == step and done >= self.hang[2]:
@@ -108,6 +114,17 @@ class FakePlacement:
         t, tm = task_id, self.timing
         label = f"{t}.st{step}"
         cancel = self.cancelled.setdefault(label, threading.Event())
+        with self.idle:
+            self.active += 1
+        try:
+            return self._group(step, t, label, cancel)
+        finally:
+            with self.idle:
+                self.active -= 1
+                self.idle.notify_all()
+
+    def _group(self, step: int, t: str, label: str, cancel: threading.Event) -> list[dict[str, Any]]:
+        tm = self.timing
         rows, done = [], 0
         for i in range(self.cfg.rollout.samples_per_group):
             sid = f"{label}.s{i}"
@@ -133,7 +150,7 @@ class FakePlacement:
             h = int(hashlib.sha1(f"{first}|{step}|{t}|{i}".encode()).hexdigest()[:8], 16) >> 3
             row = {"session_id": sid, "group_id": label, "task_id": t, "sample_index": i, "status": "ok",
                    "reward": float(h % 2), "calls": int(tm["calls"]), "sampled_tokens": 5 * int(tm["calls"]),
-                   "policy_version": policy_version, "weights": first}
+                   "policy_version": self.served[1], "weights": first}
             _atomic(path, row)
             rows.append(row)
             done += 1
@@ -159,6 +176,9 @@ class FakePlacement:
         return str(path), {"sampled_tokens": 10 * len(rows)}
 
     def train(self, step: int, trajectories: str) -> TrainOutcome:
+        if self.timing["train_waits"]:
+            with self.idle:
+                assert self.idle.wait_for(lambda: self.active == 0, timeout=60), "rollouts never went idle"
         time.sleep(float(self.timing["train_s"]))
         tr = self.trainer
         rng = random.Random()
