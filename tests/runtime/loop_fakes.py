@@ -18,6 +18,10 @@ each call appends a capture line carrying the policy version served when it was 
 ones. A push holds a gate (a lock) for ``push_s`` while it swaps: calls wait there, as at the proxy.
 ``timing`` (or ``POLAR_FAKE_TIMING``, JSON) sets ``call_s``, ``calls``, ``train_s``, ``push_s`` and
 ``straggler`` (a group ``task.st<label>`` whose calls take ``straggler_s`` each, until cancelled).
+``group_s`` (a list, cycled over groups in the order they start) replaces ``call_s``: a group
+takes that long in all, its calls sharing it; ``train_s`` may be a list too (cycled over steps).
+The synchronous ``rollout`` then runs its groups one after another the same way (the benchmark
+compares both schedules on the same durations).
 ``train_waits``: a training step starts only when no group is rolling out, so that which version
 samples which group is a function of the schedule alone (no race between threads): the bound's
 tests use it; the measurements do not.
@@ -60,6 +64,8 @@ class FakePlacement:
         self.gate = threading.Lock()  # the proxy's gate: held by a push for the swap only
         self.cancelled: dict[str, threading.Event] = {}
         self.active = 0  # rollout_group calls running
+        self.started = 0  # groups started (group_s is cycled over them)
+        self.steps = 0
         self.idle = threading.Condition()
 
     def _maybe_hang(self, phase: str, step: int, done: int = 0) -> None:
@@ -83,6 +89,8 @@ class FakePlacement:
 
     def rollout(self, step: int, task_ids: list[str], policy_version: int) -> list[dict[str, Any]]:
         assert self.served[1] == policy_version
+        if self.timing.get("group_s"):
+            return [r for t in task_ids for r in self.rollout_group(step, t, policy_version)]
         rows, done = [], 0
         for t in task_ids:
             for i in range(self.cfg.rollout.samples_per_group):
@@ -97,7 +105,7 @@ class FakePlacement:
                 h = int(hashlib.sha1(f"{self.served[0]}|{step}|{t}|{i}".encode()).hexdigest()[:8], 16) >> 3
                 row = {"session_id": f"{t}.st{step}.s{i}", "group_id": f"{t}.st{step}", "task_id": t, "sample_index": i,
                        "status": "ok", "reward": float(h % 2), "calls": 1, "policy_version": policy_version,
-                       "weights": self.served[0], "sampled_tokens": 10}
+                       "weights": self.served[0]}
                 self._capture(row["session_id"], policy_version, 10, fresh=True)
                 _atomic(path, row)
                 rows.append(row)
@@ -116,14 +124,19 @@ class FakePlacement:
         cancel = self.cancelled.setdefault(label, threading.Event())
         with self.idle:
             self.active += 1
+            n, self.started = self.started, self.started + 1
+        per_call = None
+        if self.timing.get("group_s"):
+            gs = self.timing["group_s"]
+            per_call = float(gs[n % len(gs)]) / (self.cfg.rollout.samples_per_group * int(self.timing["calls"]))
         try:
-            return self._group(step, t, label, cancel)
+            return self._group(step, t, label, cancel, per_call)
         finally:
             with self.idle:
                 self.active -= 1
                 self.idle.notify_all()
 
-    def _group(self, step: int, t: str, label: str, cancel: threading.Event) -> list[dict[str, Any]]:
+    def _group(self, step: int, t: str, label: str, cancel: threading.Event, per_call: float | None) -> list[dict[str, Any]]:
         tm = self.timing
         rows, done = [], 0
         for i in range(self.cfg.rollout.samples_per_group):
@@ -142,7 +155,7 @@ class FakePlacement:
                 if label == tm["straggler"]:
                     cancel.wait(float(tm["straggler_s"]))
                 else:
-                    time.sleep(float(tm["call_s"]))
+                    time.sleep(per_call if per_call is not None else float(tm["call_s"]))
                 with self.gate:  # a call waits at the gate while a push swaps the weights
                     weights, version = self.served
                 first = first or weights
@@ -179,7 +192,9 @@ class FakePlacement:
         if self.timing["train_waits"]:
             with self.idle:
                 assert self.idle.wait_for(lambda: self.active == 0, timeout=60), "rollouts never went idle"
-        time.sleep(float(self.timing["train_s"]))
+        ts = self.timing["train_s"]
+        time.sleep(float(ts[self.steps % len(ts)]) if isinstance(ts, list) else float(ts))
+        self.steps += 1
         tr = self.trainer
         rng = random.Random()
         if tr["rng"] is None:
