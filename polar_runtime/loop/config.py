@@ -117,6 +117,7 @@ class ScheduleSection:
     #: the versions allowed between the policy being trained and the oldest policy that produced any
     #: token of a trained sample; 0: synchronous (rollouts wait for the push)
     max_off_policy_steps: int = 0
+    groups_in_flight: int = 0  # asynchronous mode: groups rolling out at once (0: groups_per_step)
 
 
 @dataclass
@@ -286,7 +287,7 @@ _MINIMA = {
     ("rollout", "samples_per_group"): 1, ("rollout", "groups_per_step"): 0, ("rollout", "iterations"): 0,
     ("harness", "concurrency"): 1, ("tasks", "limit"): 0, ("trainer", "lora_rank"): 0,
     ("trainer", "keep_checkpoints"): 1, ("eval", "every"): 0, ("eval", "samples"): 1,
-    ("schedule", "max_off_policy_steps"): 0, ("model", "max_model_len"): 256, ("sandbox", "pids"): 1,
+    ("schedule", "max_off_policy_steps"): 0, ("schedule", "groups_in_flight"): 0, ("model", "max_model_len"): 256, ("sandbox", "pids"): 1,
 }
 
 
@@ -305,6 +306,9 @@ def _check_values(cfg: LoopConfig, err: Any) -> None:
         err(("trainer", "lr"), f"trainer.lr must be > 0, got {cfg.trainer.lr}")
     if cfg.sampling.max_tokens is not None and cfg.sampling.max_tokens < 1:
         err(("sampling", "max_tokens"), "sampling.max_tokens must be >= 1")
+    if cfg.schedule.max_off_policy_steps > 0 and cfg.trainer.server_during_train == "stop":
+        err(("trainer", "server_during_train"), "trainer.server_during_train = \"stop\" stops rollouts while training: "
+            "asynchronous rollouts (schedule.max_off_policy_steps > 0) need \"keep\" or \"auto\"")
     if cfg.placement.kind != "local" and ":" not in cfg.placement.kind:
         err(("placement", "kind"), f"placement.kind must be \"local\" or \"module:attribute\", got {_describe(cfg.placement.kind)}")
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .config import LoopConfig
+from .measures import IdleMeter, metrics_row, token_ages
 from .placement import Placement
 from .state import LoopState
 
@@ -92,10 +93,118 @@ def prune_checkpoints(train_dir: Path, keep: int, protect: set[str]) -> list[str
     return removed
 
 
-def run_loop(cfg: LoopConfig, placement: Placement, out: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run (or resume) the loop in ``out``; returns the report (also ``<out>/loop-report.json``)."""
-    if cfg.schedule.max_off_policy_steps != 0:
-        raise LoopError("schedule.max_off_policy_steps > 0 (asynchronous rollouts) is not built yet; use 0 (synchronous)")
+class Run:
+    """What every phase of a run shares: configuration, placement, progress file, measures."""
+
+    def __init__(self, cfg: LoopConfig, placement: Placement, out: Path, state: LoopState,
+                 log: Callable[[str], None]) -> None:
+        self.cfg, self.placement, self.out, self.state, self.log = cfg, placement, out, state, log
+        self.meter = IdleMeter(state.timing)
+        self.metrics: Any = None
+        self.dropped_total = len((state.schedule or {}).get("dropped", []))
+
+    def save(self) -> None:
+        self.state.timing = self.meter.snapshot()
+        self.state.save(self.out)
+
+    def finish(self, rec: dict[str, Any], step: int, t_step: float) -> None:
+        """Record step ``step`` finished (atomically) and write its metrics row."""
+        rec["wall_s"] = round(time.monotonic() - t_step, 3)
+        self.state.steps.append(rec)
+        self.state.next_step = step + 1
+        self.save()
+        if self.metrics is not None:
+            self.metrics.write(metrics_row(rec, self.state.timing, self.dropped_total))
+
+    def learn(self, step: int, rows: list[dict[str, Any]], rec: dict[str, Any], t_step: float,
+              versions: dict[str, dict[int, int]] | None = None) -> None:
+        """Variance check, trajectories, one GRPO step, push; every exit records the step finished.
+        ``versions``: sampled tokens by policy version per session, from the captures."""
+        cfg, placement, state = self.cfg, self.placement, self.state
+        v = state.policy_version
+        rec["groups_with_variance"] = groups_with_variance(rows)
+        if not rec["groups_with_variance"]:
+            rec["note"] = "every group's samples scored alike: update skipped, no push"
+            self.log(f"step {step}: {rec['note']}; the policy stays v{v}")
+            return self.finish(rec, step, t_step)
+        traj, stats = placement.trajectories(step, rows)
+        rec["trajectories"] = stats
+        if traj is None:
+            rec["note"] = "no sampled tokens captured: nothing to train on"
+            return self.finish(rec, step, t_step)
+        self.meter.train(True)
+        try:
+            res = placement.train(step, traj)
+        finally:
+            self.meter.train(False)
+        rec["train"] = {"updated": res.updated, "policy_version": res.policy_version, "checkpoint": res.checkpoint,
+                        "metrics": res.metrics, "note": res.note}
+        if not res.updated or not res.checkpoint:
+            rec["note"] = res.note or "the trainer made no update"
+            return self.finish(rec, step, t_step)
+        # staleness: versions between the policy trained (v, the trainer's weights before this step)
+        # and the one that sampled each trained token (from the captures when the placement has them)
+        if versions:
+            rec["staleness_tokens"] = token_ages(v, versions)
+        else:
+            rec["staleness_tokens"] = {"0": int(stats.get("sampled_tokens") or 0)}
+        state.pending = {"step": step, "checkpoint": res.checkpoint, "policy_version": res.policy_version, "record": rec}
+        self.save()
+        self.meter.push(True)
+        try:
+            rec["push"] = placement.push(res.checkpoint, res.policy_version)
+        finally:
+            self.meter.push(False)
+        state.policy_version, state.checkpoint, state.pending = res.policy_version, res.checkpoint, None
+        self.finish(rec, step, t_step)
+        prune_checkpoints(Path(res.checkpoint).parent, cfg.trainer.keep_checkpoints, {res.checkpoint})
+
+    def sync_step(self, step: int, ids: list[str], evaluations: list[dict[str, Any]]) -> None:
+        """One synchronous step: roll out under the served version, then learn (or, last, only measure)."""
+        cfg, placement, state = self.cfg, self.placement, self.state
+        groups = groups_for(step, ids, cfg.rollout.groups_per_step)
+        v = state.policy_version
+        t_step = time.monotonic()
+        self.meter.rollout_started()
+        try:
+            rows = placement.rollout(step, groups, v)
+        finally:
+            self.meter.rollout_ended()
+        versions = _versions(placement, rows)
+        rec: dict[str, Any] = {"step": step, "policy_version": v, "groups": groups, "rewards": reward_summary(rows),
+                               "sample_versions": sample_versions_of(rows, versions, v),
+                               "train": None, "push": None, "note": None}
+        if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.rollout.iterations):
+            ev = placement.evaluate(step, v)
+            if ev is not None:
+                evaluations.append(ev)
+                rec["evaluation"] = ev
+        if step == cfg.rollout.iterations:  # the last rollout measures the policy after the last update
+            rec["note"] = "final rollout"
+            return self.finish(rec, step, t_step)
+        self.learn(step, rows, rec, t_step, versions)
+
+
+def _versions(placement: Placement, rows: list[dict[str, Any]]) -> dict[str, dict[int, int]] | None:
+    """Sampled tokens by served policy version per session, from the captures (None: the placement
+    cannot tell, an older one; then every token counts as sampled by the version served at the step)."""
+    fn = getattr(placement, "sample_versions", None)
+    return fn(rows) if fn is not None else None
+
+
+def sample_versions_of(rows: list[dict[str, Any]], versions: dict[str, dict[int, int]] | None, v: int) -> dict[str, int]:
+    """Samples by the oldest version that produced any of their tokens."""
+    out: Counter[str] = Counter()
+    for r in rows:
+        by = (versions or {}).get(r["session_id"])
+        out[str(min(by) if by else r.get("policy_version", v))] += 1
+    return dict(out)
+
+
+def run_loop(cfg: LoopConfig, placement: Placement, out: Path, log: Callable[[str], None] = print,
+             metrics: bool = True) -> dict[str, Any]:
+    """Run (or resume) the loop in ``out``; returns the report (also ``<out>/loop-report.json``).
+    ``metrics``: one row per finished step through MetricsLog (``<out>/metrics.jsonl``, TensorBoard)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -115,6 +224,11 @@ def run_loop(cfg: LoopConfig, placement: Placement, out: Path, log: Callable[[st
         state.config = cfg.to_dict()
         state.save(out)
 
+    run = Run(cfg, placement, out, state, log)
+    if metrics:
+        from polar_training.metrics_log import MetricsLog
+
+        run.metrics = MetricsLog(out, config=cfg.to_dict())
     serve_from, version = state.checkpoint, state.policy_version
     if state.pending:
         serve_from, version = state.pending["checkpoint"], int(state.pending["policy_version"])
@@ -127,68 +241,23 @@ def run_loop(cfg: LoopConfig, placement: Placement, out: Path, log: Callable[[st
             state.steps.append(rec)
             state.next_step, state.policy_version, state.checkpoint = int(state.pending["step"]) + 1, version, serve_from
             state.pending = None
-            state.save(out)
+            run.save()
         ids = placement.task_ids()
         if not ids:
             raise LoopError("no tasks")
-        iterations = cfg.rollout.iterations
-        for step in range(state.next_step, iterations + 1):
-            groups = groups_for(step, ids, cfg.rollout.groups_per_step)
-            v = state.policy_version
-            t_step = time.monotonic()
-            rows = placement.rollout(step, groups, v)
-            rec: dict[str, Any] = {"step": step, "policy_version": v, "groups": groups, "rewards": reward_summary(rows),
-                                   "sample_versions": dict(Counter(str(r.get("policy_version", v)) for r in rows)),
-                                   "train": None, "push": None, "note": None}
-            if cfg.eval.every and (step % cfg.eval.every == 0 or step == iterations):
-                ev = placement.evaluate(step, v)
-                if ev is not None:
-                    evaluations.append(ev)
-                    rec["evaluation"] = ev
-            if step == iterations:  # the last rollout measures the policy after the last update
-                rec["note"] = "final rollout"
-                _finish(state, out, rec, step, t_step)
-                break
-            rec["groups_with_variance"] = groups_with_variance(rows)
-            if not rec["groups_with_variance"]:
-                rec["note"] = "every group's samples scored alike: update skipped, no push"
-                log(f"step {step}: {rec['note']}; the policy stays v{v}")
-                _finish(state, out, rec, step, t_step)
-                continue
-            traj, stats = placement.trajectories(step, rows)
-            rec["trajectories"] = stats
-            if traj is None:
-                rec["note"] = "no sampled tokens captured: nothing to train on"
-                _finish(state, out, rec, step, t_step)
-                continue
-            res = placement.train(step, traj)
-            rec["train"] = {"updated": res.updated, "policy_version": res.policy_version, "checkpoint": res.checkpoint,
-                            "metrics": res.metrics, "note": res.note}
-            if not res.updated or not res.checkpoint:
-                rec["note"] = res.note or "the trainer made no update"
-                _finish(state, out, rec, step, t_step)
-                continue
-            # staleness: versions between the policy trained (v, the trainer's weights before this
-            # step) and the one that sampled each trained token; synchronous: all 0
-            tokens = int(stats.get("sampled_tokens") or 0)
-            rec["staleness_tokens"] = {str(res.policy_version - 1 - v): tokens}
-            state.pending = {"step": step, "checkpoint": res.checkpoint, "policy_version": res.policy_version, "record": rec}
-            state.save(out)
-            rec["push"] = placement.push(res.checkpoint, res.policy_version)
-            state.policy_version, state.checkpoint, state.pending = res.policy_version, res.checkpoint, None
-            _finish(state, out, rec, step, t_step)
-            prune_checkpoints(Path(res.checkpoint).parent, cfg.trainer.keep_checkpoints, {res.checkpoint})
+        if cfg.schedule.max_off_policy_steps > 0 and state.next_step < cfg.rollout.iterations:
+            from .asynchronous import run_async
+
+            run_async(run, ids)
+        for step in range(state.next_step, cfg.rollout.iterations + 1):
+            run.sync_step(step, ids, evaluations)
     finally:
+        run.save()
         placement.close()
+        if run.metrics is not None:
+            run.metrics.close()
     report = build_report(cfg, state, out, time.monotonic() - t0)
     return report
-
-
-def _finish(state: LoopState, out: Path, rec: dict[str, Any], step: int, t_step: float) -> None:
-    rec["wall_s"] = round(time.monotonic() - t_step, 3)
-    state.steps.append(rec)
-    state.next_step = step + 1
-    state.save(out)
 
 
 def staleness_histogram(steps: list[dict[str, Any]]) -> dict[str, int]:
@@ -211,6 +280,8 @@ def build_report(cfg: LoopConfig, state: LoopState, out: Path, wall_s: float) ->
         "resumes": state.resumes,
         "max_off_policy_steps": cfg.schedule.max_off_policy_steps,
         "staleness_tokens": staleness_histogram(steps),
+        "dropped_groups": list((state.schedule or {}).get("dropped", [])),
+        "timing": state.timing,
         "reward_before": first,
         "reward_after": last,
         "steps": steps,

@@ -60,6 +60,15 @@ class Placement(Protocol):
         (``session_id``, ``group_id``, ``task_id``, ``status``, ``reward``, ``calls``, ...). Samples
         finished before an earlier kill are returned without running again."""
 
+    def rollout_group(self, step: int, task_id: str, policy_version: int) -> list[dict[str, Any]]:
+        """Asynchronous mode: one group (``samples_per_group`` samples of one task, rollout step label
+        ``step``), called from several threads at once; finished samples are returned without running
+        again. ``policy_version`` is what was served when it started (a push may come mid-group)."""
+
+    def sample_versions(self, rows: list[dict[str, Any]]) -> dict[str, dict[int, int]]:
+        """Per session of ``rows``: sampled tokens by the policy_version each captured call was served
+        under (read from the captures, never assumed): the token ages of the staleness bound."""
+
     def trajectories(self, step: int, rows: list[dict[str, Any]]) -> tuple[Optional[str], dict[str, Any]]:
         """Training sequences of the step's samples (a Parquet path, None when nothing was sampled), stats."""
 
@@ -246,6 +255,50 @@ class LocalPlacement:
             raise demo.DemoError(f"rollout step {step} produced nothing to learn from: {problem}")
         return rows
 
+    def rollout_group(self, step: int, task_id: str, policy_version: int) -> list[dict[str, Any]]:
+        """One group on a worker thread of the asynchronous schedule: no progress bar (one live display
+        at a time), the shared result store (thread-safe), ``harness.concurrency`` samples at once."""
+        import concurrent.futures as cf
+
+        from polar_runtime import rollout as r
+
+        rcfg = r.RolloutConfig(tasks=[self.tasks[task_id]], preset=self.preset, endpoint=self.endpoint,
+                               capture_dir=self.dcfg.captures, model=self.served, samples=self.dcfg.samples,
+                               concurrency=self.dcfg.concurrency, timeout=self.dcfg.timeout, step=step,
+                               sandbox=self.cfg.sandbox.backend, pids=self.cfg.sandbox.pids)
+        store = r.ResultStore(rcfg.capture_dir)
+        todo, done = r.plan(rcfg, store)
+        registry = r.SessionRegistry(self.proxy.control)
+
+        def one(job: Any) -> Optional[dict[str, Any]]:
+            if self.stop_event.is_set():
+                return None
+            row = r.run_sample(rcfg, job, registry)
+            if self.stop_event.is_set():
+                return None
+            store.put(r.sample_key(job.task.id, rcfg.step, job.sample), row)
+            return row
+
+        with cf.ThreadPoolExecutor(max_workers=rcfg.concurrency, thread_name_prefix=f"loop-{task_id}") as pool:
+            rows = [row for row in pool.map(one, todo) if row is not None]
+        store.write_parquet()  # the trajectories read rewards from rollouts.parquet
+        self.log(f"  group {task_id}.st{step}: {len(rows)} run, {len(done)} reused, started under v{policy_version}")
+        return done + rows
+
+    def sample_versions(self, rows: list[dict[str, Any]]) -> dict[str, dict[int, int]]:
+        import polars as pl
+
+        from polar_analysis import frames
+
+        sids = [r["session_id"] for r in rows]
+        df = (frames.calls(self.dcfg.captures, rewards=None).filter(pl.col("session_id").is_in(sids))
+              .group_by("session_id", "policy_version").agg(tokens=pl.col("n_sampled_ids").sum()).collect())
+        out: dict[str, dict[int, int]] = {sid: {} for sid in sids}
+        for rec in df.iter_rows(named=True):
+            if rec["policy_version"] is not None:
+                out[rec["session_id"]][int(rec["policy_version"])] = int(rec["tokens"] or 0)
+        return out
+
     def trajectories(self, step: int, rows: list[dict[str, Any]]) -> tuple[Optional[str], dict[str, Any]]:
         import polars as pl
 
@@ -278,8 +331,8 @@ class LocalPlacement:
         d = self.dcfg
         held = int(self.trainer.rss_gib * 2**30) if self.trainer is not None else 0
         need = 0 if d.gpu else max(demo.train_memory_estimate(self.model_dir, lora=d.lora_rank > 0) - held, 0)
-        self.server_stopped = d.server_during_train == "stop" or (
-            d.server_during_train == "auto" and not d.gpu and demo.mem_available() < need)
+        self.server_stopped = self.cfg.schedule.max_off_policy_steps == 0 and (d.server_during_train == "stop" or (
+            d.server_during_train == "auto" and not d.gpu and demo.mem_available() < need))  # async: rollouts go on
         if self.server_stopped:
             self.log(f"vLLM stopped while training (needs ~{need / 2**30:.1f} GiB)")
             self.server.stop()

@@ -1,4 +1,4 @@
-"""The staleness bound of asynchronous rollouts, and admission control (not wired into the loop yet).
+"""The staleness bound of asynchronous rollouts, and admission control (used by ``asynchronous.py``).
 
 Versions: the trainer's step t turns policy v_t = t into t+1 and trains batch t. A group admitted
 while the server serves version v and placed in batch b is trained by step b, from policy b: its
@@ -12,7 +12,8 @@ of its tokens; tokens sampled after a push mid-group are younger, never older).
 - **Groups are never split**: a group belongs to one batch, all of its samples.
 - **Stragglers**: when batch b is due (the trainer is at step b) and one of its groups has not
   finished, the group may move to batch b+1 only if it stays within the bound (b+1 - v <= k);
-  otherwise it is dropped whole, and counted.
+  otherwise it is dropped whole, and counted. Batch b is then *closed*: it trains with the groups
+  that finished, and no group is admitted into it any more (its freed slot would only delay it).
 
 :func:`simulate` runs the schedule on a clock (rollout and step durations given) and reports the
 ages of trained groups, drops and the idle fractions of trainer and server; the tests use it with
@@ -21,9 +22,10 @@ admission control removed to see the bound break.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -41,14 +43,17 @@ class Admission:
     groups: dict[str, Group] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)
     enforce: bool = True  # False only in tests: the bound's test must fail without admission control
+    closed: set[int] = field(default_factory=set)  # batches whose stragglers were moved on or dropped
 
-    def _next_batch(self, trainer_step: int) -> int:
+    def next_batch(self, trainer_step: int) -> int:
         """The first batch (from the one the trainer is on) with a free slot."""
         load = Counter(g.batch for g in self.groups.values())
         b = trainer_step
-        while load[b] >= self.groups_per_step:
+        while load[b] >= self.groups_per_step or b in self.closed:
             b += 1
         return b
+
+    _next_batch = next_batch
 
     def can_admit(self, served_version: int, trainer_step: int) -> bool:
         return not self.enforce or self._next_batch(trainer_step) - served_version <= self.k
@@ -67,10 +72,12 @@ class Admission:
         """Batch ``trainer_step`` when every group in it has finished, else None. Stragglers of a full
         batch wait; the caller decides when a straggler is late (:meth:`defer_stragglers`)."""
         mine = [g for g in self.groups.values() if g.batch == trainer_step]
-        if len(mine) < self.groups_per_step or not all(g.done for g in mine):
+        full = len(mine) >= self.groups_per_step or trainer_step in self.closed
+        if not full or not all(g.done for g in mine):
             return None
         for g in mine:
             del self.groups[g.gid]
+        self.closed.discard(trainer_step)
         return mine
 
     def defer_stragglers(self, trainer_step: int) -> list[str]:
@@ -84,7 +91,19 @@ class Admission:
                 del self.groups[g.gid]
                 dropped.append(g.gid)
         self.dropped += dropped
+        self.closed.add(trainer_step)
         return dropped
+
+    def to_dict(self) -> dict[str, Any]:
+        """What resume needs (the loop's state file): admitted groups, drops, closed batches."""
+        return {"groups": [dataclasses.asdict(g) for g in self.groups.values()], "dropped": list(self.dropped),
+                "closed": sorted(self.closed)}
+
+    def restore(self, data: dict[str, Any]) -> None:
+        """Admitted groups come back unfinished: the placement returns their finished samples at once."""
+        self.groups = {g["gid"]: Group(g["gid"], int(g["version"]), int(g["batch"])) for g in data.get("groups", [])}
+        self.dropped = list(data.get("dropped", []))
+        self.closed = set(int(b) for b in data.get("closed", []))
 
 
 @dataclass

@@ -9,7 +9,11 @@ What resume reads (``<out>/loop-state.json``):
 - ``pending``: a step whose training finished (its checkpoint written) but whose push may not have:
   resume serves that checkpoint under its version (the push is done by starting there) and marks
   the step finished, instead of training it again;
-- ``steps``: the finished steps' records (rewards, training metrics, push, staleness), for the report.
+- ``steps``: the finished steps' records (rewards, training metrics, push, staleness), for the report;
+- ``schedule``: asynchronous mode only: the groups admitted and not yet trained (id, task, the
+  batch they belong to, the version served when they started), the dropped ones, closed batches;
+  resume runs the admitted groups again (their finished samples are reused), in the same batches;
+- ``timing``: busy seconds of the trainer and of vLLM, and the wall time, over every run of it.
 
 The file is written to a temporary sibling and renamed over the old one (``os.replace``), with an
 ``fsync`` of both: a ``kill -9`` at any instant leaves the previous state or the new one.
@@ -36,6 +40,8 @@ class LoopState:
     steps: list[dict[str, Any]] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)  # the configuration it runs under
     resumes: int = 0
+    schedule: dict[str, Any] = field(default_factory=dict)  # asynchronous mode: staleness.Admission.to_dict + tasks
+    timing: dict[str, float] = field(default_factory=dict)  # measures.IdleMeter.snapshot
     format: int = FORMAT
 
     @classmethod

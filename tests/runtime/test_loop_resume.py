@@ -19,7 +19,7 @@ import pytest
 
 from polar_core.paths import REPO_ROOT
 from polar_runtime.loop import config as c
-from polar_runtime.loop.loop import groups_for, prune_checkpoints, run_loop
+from polar_runtime.loop.loop import groups_for, prune_checkpoints
 from polar_runtime.loop.state import STATE_FILE, LoopState
 
 HERE = Path(__file__).parent
@@ -148,14 +148,3 @@ def test_prune_keeps_the_newest_and_the_protected(tmp_path: Path) -> None:
         (tmp_path / f"step-{n}").mkdir()
     assert prune_checkpoints(tmp_path, 2, {str(tmp_path / "step-1")}) == ["step-2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-10", "step-3"]
-
-
-def test_asynchronous_mode_is_refused_until_built(tmp_path: Path) -> None:
-    sys.path.insert(0, str(HERE))
-    try:
-        from loop_fakes import FakePlacement
-    finally:
-        sys.path.remove(str(HERE))
-    cfg = c.parse_config("[schedule]\nmax_off_policy_steps = 1\n")
-    with pytest.raises(RuntimeError, match="not built yet"):
-        run_loop(cfg, FakePlacement(cfg, tmp_path), tmp_path)

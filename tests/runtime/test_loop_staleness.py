@@ -43,8 +43,9 @@ def test_a_group_is_never_split_and_a_late_one_moves_within_the_bound_or_is_drop
     assert a.take_batch(0) is None  # "b" still running: the batch waits, never trains half a group set
     assert a.defer_stragglers(0) == []  # "b" moves to batch 1 (age 1)
     assert a.groups["b"].batch == 1
+    assert not a.can_admit(0, 0) and a.next_batch(0) == 2  # batch 0 is closed: its freed slot is not refilled
     a.finish("b"), a.finish("c"), a.finish("d")
-    assert a.take_batch(0) is None
+    assert [g.gid for g in a.take_batch(0)] == ["a"]  # the closed batch trains with the group that finished
     # batch 1 now holds b, c and d: all three are trained by step 1 (a group is never split)
     assert sorted(g.gid for g in a.take_batch(1)) == ["b", "c", "d"]
     late = Admission(k=0, groups_per_step=1)
