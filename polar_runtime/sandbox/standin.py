@@ -166,18 +166,19 @@ def _finish_rootfs(root: Path, plan: Plan, ca: Path | None) -> None:
             py.symlink_to("python3")
 
 
-def image_exists(image: str, env: dict[str, str] | None = None) -> bool:
-    r = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", image], capture_output=True,
+def image_exists(image: str, env: dict[str, str] | None = None, runtime: str = "docker") -> bool:
+    r = subprocess.run([runtime, "image", "inspect", "--format", "{{.Id}}", image], capture_output=True,
                        env=env, stdin=subprocess.DEVNULL)
     return r.returncode == 0
 
 
-def ensure_image(image: str, *, env: dict[str, str] | None = None, cache: Path | None = None) -> dict:
+def ensure_image(image: str, *, env: dict[str, str] | None = None, cache: Path | None = None,
+                 runtime: str = "docker") -> dict:
     """Make ``image`` exist on the daemon: already there -> nothing; otherwise its stand-in is
     imported under that name. Returns {"image", "stand_in" (the sentence or None), "build_s",
     "import_s"}. Raises StandInError when the image is missing and no stand-in is known."""
-    if image_exists(image, env):
-        return {"image": image, "stand_in": standin_of(image, env), "build_s": 0.0, "import_s": 0.0}
+    if image_exists(image, env, runtime):
+        return {"image": image, "stand_in": standin_of(image, env, runtime), "build_s": 0.0, "import_s": 0.0}
     plan = plan_for(image)
     if plan is None:
         raise StandInError(f"image {image!r} is not on the daemon, no registry is reachable here, and Polar has no "
@@ -187,7 +188,7 @@ def ensure_image(image: str, *, env: dict[str, str] | None = None, cache: Path |
     changes = [f'LABEL {STANDIN_LABEL}="{plan.why}"', "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                "ENV LANG=C.UTF-8", 'CMD ["bash"]', *ca_env]
     t0 = time.monotonic()
-    cmd = ["docker", "import"]
+    cmd = [runtime, "import"]
     for c in changes:
         cmd += ["--change", c]
     r = subprocess.run([*cmd, str(tar), image], capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
@@ -197,9 +198,9 @@ def ensure_image(image: str, *, env: dict[str, str] | None = None, cache: Path |
             "import_s": round(time.monotonic() - t0, 2)}
 
 
-def standin_of(image: str, env: dict[str, str] | None = None) -> str | None:
+def standin_of(image: str, env: dict[str, str] | None = None, runtime: str = "docker") -> str | None:
     """The stand-in sentence of a local image (None for a real one)."""
-    r = subprocess.run(["docker", "image", "inspect", "--format", "{{index .Config.Labels \"%s\"}}" % STANDIN_LABEL,
+    r = subprocess.run([runtime, "image", "inspect", "--format", "{{index .Config.Labels \"%s\"}}" % STANDIN_LABEL,
                         image], capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
     val = r.stdout.strip() if r.returncode == 0 else ""
     return val if val and val != "<no value>" else None
