@@ -76,8 +76,14 @@ def check_tasks(tasks: list[Any], *, work: Path, sandbox: str = "auto", concurre
         out.append({"task": t.id, "status": status, "oracle": o, "nop": n, "oracle_s": oracle.get("wall_s"),
                     "verdict": "ok" if not problems else "; ".join(problems),
                     "oracle_verifier": oracle.get("verifier_dir"), "notes": list(t.notes) + list(
-                        t.environment.notes if t.environment is not None else [])})
+                        t.environment.notes if t.environment is not None else []) + stand_ins(oracle)})
     return out
+
+
+def stand_ins(row: dict[str, Any]) -> list[str]:
+    """The stand-in images a phase ran on (a container backend says so in its notes), once each."""
+    notes = (row.get("sandbox_notes") or "").splitlines()
+    return list(dict.fromkeys(n for n in notes if n.startswith("STAND-IN IMAGE")))
 
 
 def refused_row(task: str, reason: str) -> dict[str, Any]:
