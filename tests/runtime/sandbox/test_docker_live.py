@@ -71,17 +71,17 @@ def test_standin_plans_say_what_stands_in():
     assert plan_for("node:20") is None and plan_for("debian:buster") is None
 
 
-def test_a_standin_is_labelled_and_trusts_the_hosts_cas(dockerd):
+def test_a_standin_is_labelled_and_trusts_the_hosts_cas(dockerd, tmp_path):
     """The stand-in for ubuntu:24.04 is Debian with the host's CA bundle, and says so."""
     r = ensure_image("ubuntu:24.04")
     assert r["stand_in"] and "NOT Ubuntu" in r["stand_in"], r
     assert standin_of("ubuntu:24.04") == r["stand_in"]
     sb = DockerSandbox()
-    spec = SandboxSpec(Path(tempfile.mkdtemp()), env={"PATH": PATH}, image="ubuntu:24.04", timeout_s=60)
-    with open(spec.workdir_host / "log", "w+b") as out:
+    spec = SandboxSpec(tmp_path / "w", env={"PATH": PATH}, image="ubuntu:24.04", timeout_s=60)
+    with open(tmp_path / "log", "wb") as out:
         res = sb.run(spec, ["bash", "-c", f"head -1 /etc/os-release; test -s {CA_PATH} && echo CA-OK"],
                      stdout=out, stderr=out)
-    log = (spec.workdir_host / "log").read_text()
+    log = (tmp_path / "log").read_text()
     assert res.returncode == 0 and "Debian" in log and "CA-OK" in log, log
     assert any(n.startswith("STAND-IN IMAGE") for n in res.notes), res.notes
     assert STANDIN_LABEL.startswith("org.polar")
