@@ -7,8 +7,8 @@ Harbor task whose image has no Python failed (``exec python3 failed``: the init 
 own Python). These run in CI (``docker`` marker, in the unit phase): scripts/setup.sh installs
 docker.io and debootstrap; the stand-ins' root file systems are cached under
 ``$POLAR_HOME/standins`` (cold: ~50 s for Debian, ~85 s with Python, once per machine; warm: an
-import of ~2 s per image per session). Measured on the 2-core CI machine kind, warm: the whole
-module ~25 s, most of it the two task checks.
+import of ~2-10 s per image per session). Measured on the 2-core CI machine kind, warm: the whole
+module 33-41 s (tasks check of the six built-in tasks ~15 s, daemon stop + data removal 5-16 s).
 """
 
 from __future__ import annotations
