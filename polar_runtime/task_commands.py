@@ -75,9 +75,24 @@ def check_tasks(tasks: list[Any], *, work: Path, sandbox: str = "auto", concurre
             status = "passed"
         out.append({"task": t.id, "status": status, "oracle": o, "nop": n, "oracle_s": oracle.get("wall_s"),
                     "verdict": "ok" if not problems else "; ".join(problems),
-                    "oracle_verifier": oracle.get("verifier_dir"), "notes": list(t.notes) + list(
-                        t.environment.notes if t.environment is not None else [])})
+                    "oracle_verifier": oracle.get("verifier_dir"), "notes": list(t.notes) + build_notes(t, sandbox)
+                    + stand_ins(oracle)})
     return out
+
+
+def build_notes(task: Any, sandbox: str) -> list[str]:
+    """The environment's notes; under a container backend the phases run in the image (or its
+    stand-in), so the local mode's "the host's toolchain stands in" does not apply."""
+    notes = list(task.environment.notes) if task.environment is not None else []
+    if sandbox in ("docker", "podman"):
+        notes = [n for n in notes if not n.endswith("the host's toolchain stands in for it")]
+    return notes
+
+
+def stand_ins(row: dict[str, Any]) -> list[str]:
+    """The stand-in images a phase ran on (a container backend says so in its notes), once each."""
+    notes = (row.get("sandbox_notes") or "").splitlines()
+    return list(dict.fromkeys(n for n in notes if n.startswith("STAND-IN IMAGE")))
 
 
 def refused_row(task: str, reason: str) -> dict[str, Any]:

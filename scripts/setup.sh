@@ -45,6 +45,17 @@ if ! command -v bwrap >/dev/null 2>&1; then
     || die "cannot install bubblewrap (apt-get install bubblewrap as root, or run without a sandbox: --sandbox host, unsafe)"
 fi
 
+# ---- 0b. docker.io + debootstrap: the docker backend's tests start a private dockerd of their own
+# and build stand-in base images from Debian packages (no image registry answers here; docs/sandbox.md)
+if [ "$(id -u)" = 0 ] && { ! command -v dockerd >/dev/null 2>&1 || ! command -v debootstrap >/dev/null 2>&1 \
+     || ! command -v docker-init >/dev/null 2>&1; }; then
+  phase "sandbox: installing docker.io, tini and debootstrap (Debian packages)"
+  export DEBIAN_FRONTEND=noninteractive
+  { quiet apt-get install -y --no-install-recommends docker.io tini debootstrap \
+    || { quiet apt-get update && quiet apt-get install -y --no-install-recommends docker.io tini debootstrap; }; } \
+    || die "cannot install docker.io, tini and debootstrap"
+fi
+
 # ---- 1. the main venv ---------------------------------------------------------------------------
 MAIN_STAMP_VAL="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$ROOT"
 if [ ! -x "$ROOT/.venv/bin/python" ] || [ "$(cat "$ROOT/.venv/.polar-stamp" 2>/dev/null)" != "$MAIN_STAMP_VAL" ]; then

@@ -33,6 +33,7 @@ class ApptainerSandbox(DockerSandbox):
 
     probe = ("version",)
     probe_failure = "apptainer does not run here"
+    host_init = False  # the image's own python3 runs the init (not tested here: no apptainer)
 
     @staticmethod
     def image_uri(image: str) -> str:
@@ -42,7 +43,7 @@ class ApptainerSandbox(DockerSandbox):
         return f"docker://{image}"
 
     def argv(self, spec: SandboxSpec, private: Path, name: str, inner: list[str],
-             report_dir: Path | None = None) -> list[str]:
+             report_dir: Path | None = None, host_binds: list[tuple[str, str]] = ()) -> list[str]:
         if not spec.image:
             raise SandboxError("the apptainer sandbox needs an image (the task's environment)")
         a = [self.runtime, "exec", "--containall", "--cleanenv", "--no-home", "--no-init"]
@@ -66,6 +67,10 @@ class ApptainerSandbox(DockerSandbox):
         for k, v in spec.env.items():
             a += ["--env", f"{k}={v}"]
         return a + ["--pwd", spec.workdir, self.image_uri(spec.image), *inner]
+
+    def image_ready(self, image: str) -> str | None:
+        """Apptainer pulls or opens the image itself (no stand-ins: it has no daemon to import into)."""
+        return None
 
     def remove(self, name: str) -> None:
         """Nothing to remove: ``exec`` leaves no container behind, and the timeout's kill of the

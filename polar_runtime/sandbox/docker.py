@@ -5,8 +5,17 @@
 read-write, the spec's binds, ``--pids-limit``/``--memory``/``--cpus`` (the daemon's cgroups
 enforce them), a size-capped tmpfs /tmp, all capabilities dropped and no new privileges. The
 model proxy reaches the container the same way as bubblewrap's: a job-private Unix socket bound
-in, relayed to 127.0.0.1:<port> inside by the same init script (the image needs a ``python3``).
-A timeout, or the end of the run, removes the container and every process in it (``docker rm -f``).
+in, relayed to 127.0.0.1:<port> inside by the same init script; build steps and the verifier
+(``spec.egress``) reach the package registries the same way too, through the filtering proxy of
+``egress.py`` on a second job-private socket (the container itself has no network). The init runs
+on the *host's* Python (``hostpython.py``: its interpreter, libraries and loader bound read-only at
+/run/polar-host), so an image without Python, or with a Python of any version, runs every phase
+alike. A timeout, or the end of the run, removes the container and every process in it
+(``docker rm -f``).
+
+A missing image is stood in for where Polar knows how (``standin.py``: debian, ubuntu, python,
+built from Debian packages); every run on a stand-in says so in its notes, which the rollout
+records per sample.
 
 Podman (``podman.py``) and Apptainer (``apptainer.py``) reuse this class: the same run, relay
 and report, their own command line. Not tested on this machine (no daemon, no podman or apptainer
@@ -20,10 +29,12 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 
 from polar_runtime.sandbox.base import Sandbox, SandboxError, SandboxResult, SandboxSpec, Stream, supervise
+from polar_runtime.sandbox.egress import EgressProxy, egress_env, egress_port
 from polar_runtime.sandbox.relay import UnixToTcpRelay
 
 PRIVATE = "/run/polar-sandbox"
@@ -42,6 +53,11 @@ class DockerSandbox(Sandbox):
     #: failure means
     probe: tuple[str, ...] = ("info", "--format", "{{.ServerVersion}}")
     probe_failure = "no daemon answers"
+    #: the init runs on the host's Python bound in (False: the image's own ``python3``)
+    host_init = True
+    #: image -> its stand-in sentence or None, looked up (and stood in) once per process
+    _images: dict[str, str | None] = {}
+    _images_lock = threading.Lock()
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -59,7 +75,7 @@ class DockerSandbox(Sandbox):
         return None
 
     def argv(self, spec: SandboxSpec, private: Path, name: str, inner: list[str],
-             report_dir: Path | None = None) -> list[str]:
+             report_dir: Path | None = None, host_binds: list[tuple[str, str]] = ()) -> list[str]:
         if not spec.image:
             raise SandboxError(f"the {self.runtime} sandbox needs an image (the task's environment)")
         # no capability, no new privileges, the runtime's default seccomp profile (it refuses
@@ -81,6 +97,8 @@ class DockerSandbox(Sandbox):
         a += ["--tmpfs", f"/tmp:{tmp}", "-v", f"{private}:{PRIVATE}:ro"]
         if report_dir is not None:
             a += ["-v", f"{report_dir}:/run/polar-report"]
+        for host, dest in host_binds:  # the host's Python that runs the init
+            a += ["-v", f"{host}:{dest}:ro"]
         for host, dest, writable in spec.mounts():
             if not host.exists():
                 raise SandboxError(f"sandbox bind source {host} does not exist")
@@ -97,19 +115,41 @@ class DockerSandbox(Sandbox):
         private = Path(tempfile.mkdtemp(prefix="polar-sandbox-"))
         report_dir = Path(tempfile.mkdtemp(prefix="polar-sandbox-report-"))
         name = f"polar-{uuid.uuid4().hex[:12]}"
-        relay = None
+        relay = egress = None
         notes: list[str] = []
         try:
+            if spec.image:
+                stand_in = self.image_ready(spec.image)
+                if stand_in:
+                    notes.append(f"STAND-IN IMAGE: {stand_in}")
             shutil.copy(Path(__file__).with_name("_init.py"), private / "init.py")
             cfg: dict = {"report_path": "/run/polar-report/report.json"}
+            env = dict(spec.env)
             if spec.proxy_port and not spec.network:
                 relay = UnixToTcpRelay(private / "proxy.sock", spec.proxy_port)
                 os.chmod(private / "proxy.sock", 0o666)  # the container's user connects to it
                 cfg.update(proxy_port=spec.proxy_port, socket=f"{PRIVATE}/proxy.sock")
+            if spec.egress and not spec.network:
+                egress = EgressProxy(private / "egress.sock", spec.egress)
+                os.chmod(private / "egress.sock", 0o666)
+                port = egress_port(spec)
+                cfg["relays"] = [[port, f"{PRIVATE}/egress.sock"]]
+                env.update(egress_env(port))
             if spec.disk_mb:
                 cfg["fsize"] = spec.disk_mb * 1024 * 1024
-            cmd = self.argv(spec, private, name, ["python3", f"{PRIVATE}/init.py", json.dumps(cfg), "--", *argv],
-                            report_dir)
+            host_binds: list[tuple[str, str]] = []
+            python = ["python3"]
+            if self.host_init:
+                from polar_runtime.sandbox.hostpython import HostPythonError, host_python
+
+                try:
+                    hp = host_python()
+                except HostPythonError as e:
+                    raise SandboxError(str(e)) from None
+                host_binds, python = hp.binds(), hp.argv()
+            inner = [*python, f"{PRIVATE}/init.py", json.dumps(cfg), "--", *argv]
+            run_spec = spec if env == spec.env else _with_env(spec, env)
+            cmd = self.argv(run_spec, private, name, inner, report_dir, host_binds)
             rc, timed_out, _, wall = supervise(cmd, env=None, cwd=None, stdout=stdout, stderr=stderr,
                                                timeout_s=spec.timeout_s)
             report = {}
@@ -123,16 +163,42 @@ class DockerSandbox(Sandbox):
                 notes.append(f"timed out after {spec.timeout_s:g} s: the container and every process in it removed")
             if report.get("leftovers"):
                 notes.append(f"killed {report['leftovers']} leftover process(es) when the command exited")
-            notes.append("no network" if not spec.network else "network open (allow_internet)")
+            if egress is not None:
+                notes.append(f"package registries reachable through the filtering proxy "
+                             f"({len(egress.passed)} connection(s) let through, {len(egress.refused)} refused)")
+                notes += [f"egress refused: {why}" for why in egress.refused[:5]]
+            else:
+                notes.append("no network" if not spec.network else "network open (allow_internet)")
             return SandboxResult(rc if not timed_out else -9, timed_out, notes, wall)
         finally:
             self.remove(name)
             if relay is not None:
                 relay.close()
+            if egress is not None:
+                egress.close()
             shutil.rmtree(private, ignore_errors=True)
             shutil.rmtree(report_dir, ignore_errors=True)
+
+    def image_ready(self, image: str) -> str | None:
+        """Make sure ``image`` is on the daemon, standing one in where it is missing (once per
+        process and image); its stand-in sentence, or None for a real image."""
+        from polar_runtime.sandbox.standin import StandInError, ensure_image
+
+        with self._images_lock:
+            if image not in self._images:
+                try:
+                    self._images[image] = ensure_image(image, runtime=self.runtime)["stand_in"]
+                except StandInError as e:
+                    raise SandboxError(str(e)) from None
+            return self._images[image]
 
     def remove(self, name: str) -> None:
         """After the phase (or its timeout): the container and every process in it go."""
         subprocess.run([self.runtime, "rm", "-f", name], capture_output=True, timeout=60,
                        stdin=subprocess.DEVNULL, check=False)
+
+
+def _with_env(spec: SandboxSpec, env: dict[str, str]) -> SandboxSpec:
+    import dataclasses
+
+    return dataclasses.replace(spec, env=env)

@@ -26,8 +26,8 @@ class PodmanSandbox(DockerSandbox):
     probe_failure = "podman cannot run containers here"
 
     def argv(self, spec: SandboxSpec, private: Path, name: str, inner: list[str],
-             report_dir: Path | None = None) -> list[str]:
-        a = super().argv(spec, private, name, inner, report_dir)
+             report_dir: Path | None = None, host_binds: list[tuple[str, str]] = ()) -> list[str]:
+        a = super().argv(spec, private, name, inner, report_dir, host_binds)
         if os.getuid() != 0:  # rootless: the caller's uid inside too, so its binds stay writable
             a[2:2] = ["--userns", "keep-id"]
         return a

@@ -1,0 +1,206 @@
+"""Stand-in base images, built from Debian packages, for machines that reach no image registry.
+
+A Harbor task's Dockerfile starts ``FROM debian:bookworm``, ``FROM ubuntu:24.04`` or ``FROM
+python:3.11-slim``. Where Docker Hub does not answer (our machines reach only PyPI, npm and the
+Debian mirrors), such a base is built here instead: ``debootstrap --variant=minbase`` of a Debian
+release from the host's own mirror, the host's CA bundle added (so pip and curl inside verify the
+same TLS chain the host does), then ``docker import`` under the name the task asked for, with
+labels saying what it really is:
+
+* ``debian:12``/``bookworm``/``stable``/``latest`` and ``debian:13``/``trixie``: that release;
+* ``ubuntu:*``: Debian bookworm underneath (no Ubuntu archive is reachable): apt, bash, coreutils
+  behave alike; package names mostly agree; the record says so;
+* ``python:3.11*``: bookworm with its Python 3.11, pip and venv, pip allowed to install system-wide
+  (as in the real image, which has no EXTERNALLY-MANAGED marker) and ``python`` -> ``python3``;
+  ``python:3.13*``/``3.12*``/``3``/``latest``: trixie's Python 3.13 (3.12 is no Debian release's).
+
+A stand-in is never silent: ``STANDIN_LABEL`` holds the sentence every sandbox run reports in its
+notes (``docker.py``), so each rollout row says which image stood in for which. The root file
+system is cached as a tarball under ``$POLAR_HOME/standins/`` (keyed by release and flavour), so a
+fresh daemon (CI's private one) imports it in seconds instead of bootstrapping again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from polar_core import paths
+
+#: the label of a stand-in image: a sentence saying what stands in for what
+STANDIN_LABEL = "org.polar.stand-in"
+#: where the host's CA bundle lies in a stand-in (its own path: the ca-certificates package
+#: rewrites the standard bundle); pip's ``cert``, SSL_CERT_FILE and REQUESTS_CA_BUNDLE name it
+CA_PATH = "/etc/ssl/certs/polar-host-ca.pem"
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+
+
+class StandInError(RuntimeError):
+    """No stand-in for this image, or building it failed."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    image: str  # what the task asked for
+    suite: str  # the Debian release built
+    python: bool  # python3, pip and venv added, pip allowed system-wide
+    why: str  # the sentence recorded with every run
+
+    @property
+    def flavour(self) -> str:
+        return f"{self.suite}-{'python' if self.python else 'base'}"
+
+
+def plan_for(image: str) -> Plan | None:
+    """The stand-in for ``image`` (None: none is known, e.g. node:20 or a private image)."""
+    name, _, tag = image.rpartition("@")[0].partition(":") if "@" in image else image.partition(":")
+    name = name.removeprefix("docker.io/").removeprefix("library/")
+    tag = tag or "latest"
+    what = f"stand-in for {image}: Debian"
+    if name == "debian":
+        if re.match(r"^(13|trixie)\b", tag):
+            return Plan(image, "trixie", False, f"{what} trixie built locally by debootstrap (no registry reachable)")
+        if re.match(r"^(12|bookworm|stable|latest)\b", tag):
+            return Plan(image, "bookworm", False, f"{what} bookworm built locally by debootstrap (no registry reachable)")
+        return None
+    if name == "ubuntu":
+        return Plan(image, "bookworm", False,
+                    f"{what} bookworm (NOT Ubuntu: no Ubuntu archive is reachable) built locally by debootstrap")
+    if name == "python":
+        m = re.match(r"^(\d+)(?:\.(\d+))?", tag)
+        minor = (int(m[1]), int(m[2]) if m[2] else None) if m else (3, None)
+        if minor == (3, 11):
+            return Plan(image, "bookworm", True, f"{what} bookworm with its Python 3.11 built locally by debootstrap")
+        if minor[0] == 3 and (minor[1] is None or minor[1] in (12, 13)):
+            return Plan(image, "trixie", True, f"{what} trixie with its Python 3.13"
+                        + (" (3.12 is no Debian release's)" if minor[1] == 12 else "")
+                        + " built locally by debootstrap")
+    return None
+
+
+def host_ca_bundle() -> Path | None:
+    """The CA bundle the host's pip trusts (PIP_CERT, then the system's), if there is one."""
+    for c in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"), "/etc/ssl/certs/ca-certificates.crt"):
+        if c and Path(c).is_file():
+            return Path(c)
+    return None
+
+
+def host_mirror() -> str:
+    """The Debian mirror the host's apt uses (the one this machine reaches)."""
+    for f in sorted(Path("/etc/apt/sources.list.d").glob("*.sources")) + [Path("/etc/apt/sources.list")]:
+        try:
+            text = f.read_text()
+        except OSError:
+            continue
+        for m in re.finditer(r"(?m)^(?:URIs:\s*|deb\s+(?:\[[^\]]*\]\s+)?)(\S+)", text):
+            uri = m[1]
+            if "security" not in uri and uri.startswith(("http://", "https://")):
+                return uri
+    return DEFAULT_MIRROR
+
+
+def cache_dir() -> Path:
+    return paths.polar_home() / "standins"
+
+
+def rootfs_tarball(plan: Plan, cache: Path | None = None) -> tuple[Path, float]:
+    """The cached root file system of ``plan`` (built on first use); (path, seconds spent building,
+    0 when cached). Needs root and ``debootstrap`` (installed with apt when missing)."""
+    from polar_core.processes import file_lock
+    from polar_runtime.sandbox.dockerd import DaemonError, ensure_installed
+
+    cache = cache or cache_dir()
+    ca = host_ca_bundle()
+    ca_sum = hashlib.sha256(ca.read_bytes()).hexdigest()[:12] if ca else "noca"
+    out = cache / f"{plan.flavour}-{ca_sum}.tar"
+    with file_lock(cache / f".{plan.flavour}.lock"):
+        if out.exists():
+            return out, 0.0
+        try:
+            ensure_installed(("debootstrap",), command="debootstrap")
+        except DaemonError as e:
+            raise StandInError(str(e)) from None
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="polar-standin-", dir=cache) as tmp:
+            root = Path(tmp) / "rootfs"
+            include = ["ca-certificates"] + (["python3", "python3-pip", "python3-venv"] if plan.python else [])
+            cmd = ["debootstrap", "--variant=minbase", f"--include={','.join(include)}", plan.suite, str(root),
+                   host_mirror()]
+            r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            if r.returncode != 0:
+                log = root / "debootstrap" / "debootstrap.log"
+                detail = log.read_text(errors="replace")[-1200:] if log.exists() else (r.stderr or r.stdout)[-1200:]
+                raise StandInError(f"debootstrap {plan.suite} failed: {detail}")
+            _finish_rootfs(root, plan, ca)
+            part = out.with_suffix(".tar.part")
+            subprocess.run(["tar", "-C", str(root), "--numeric-owner", "-cf", str(part), "."], check=True,
+                           capture_output=True)
+            part.rename(out)
+        return out, time.monotonic() - t0
+
+
+def _finish_rootfs(root: Path, plan: Plan, ca: Path | None) -> None:
+    """The host's CA bundle at CA_PATH and pip pointed at it; apt's caches emptied; for a python
+    stand-in, ``python`` -> python3 and pip allowed to install system-wide."""
+    if ca is not None:
+        shutil.copyfile(ca, root / CA_PATH.lstrip("/"))
+        (root / "etc" / "pip.conf").write_text(f"[global]\ncert = {CA_PATH}\n")
+    for sub in ("var/cache/apt/archives", "var/lib/apt/lists"):
+        d = root / sub
+        for p in d.glob("*") if d.is_dir() else ():
+            if p.is_file():
+                p.unlink()
+    if plan.python:
+        for marker in (root / "usr" / "lib").glob("python3*/EXTERNALLY-MANAGED"):
+            marker.unlink()
+        py = root / "usr" / "bin" / "python"
+        if not py.exists() and not py.is_symlink():
+            py.symlink_to("python3")
+
+
+def image_exists(image: str, env: dict[str, str] | None = None, runtime: str = "docker") -> bool:
+    r = subprocess.run([runtime, "image", "inspect", "--format", "{{.Id}}", image], capture_output=True,
+                       env=env, stdin=subprocess.DEVNULL)
+    return r.returncode == 0
+
+
+def ensure_image(image: str, *, env: dict[str, str] | None = None, cache: Path | None = None,
+                 runtime: str = "docker") -> dict:
+    """Make ``image`` exist on the daemon: already there -> nothing; otherwise its stand-in is
+    imported under that name. Returns {"image", "stand_in" (the sentence or None), "build_s",
+    "import_s"}. Raises StandInError when the image is missing and no stand-in is known."""
+    if image_exists(image, env, runtime):
+        return {"image": image, "stand_in": standin_of(image, env, runtime), "build_s": 0.0, "import_s": 0.0}
+    plan = plan_for(image)
+    if plan is None:
+        raise StandInError(f"image {image!r} is not on the daemon, no registry is reachable here, and Polar has no "
+                           "stand-in for it (debian:*, ubuntu:*, python:3.1x*)")
+    tar, build_s = rootfs_tarball(plan, cache)
+    ca_env = [f"ENV {k}={CA_PATH}" for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT")] if host_ca_bundle() else []
+    changes = [f'LABEL {STANDIN_LABEL}="{plan.why}"', "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               "ENV LANG=C.UTF-8", 'CMD ["bash"]', *ca_env]
+    t0 = time.monotonic()
+    cmd = [runtime, "import"]
+    for c in changes:
+        cmd += ["--change", c]
+    r = subprocess.run([*cmd, str(tar), image], capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        raise StandInError(f"docker import of the stand-in for {image} failed: {r.stderr.strip()[-600:]}")
+    return {"image": image, "stand_in": plan.why, "build_s": round(build_s, 2),
+            "import_s": round(time.monotonic() - t0, 2)}
+
+
+def standin_of(image: str, env: dict[str, str] | None = None, runtime: str = "docker") -> str | None:
+    """The stand-in sentence of a local image (None for a real one)."""
+    r = subprocess.run([runtime, "image", "inspect", "--format", "{{index .Config.Labels \"%s\"}}" % STANDIN_LABEL,
+                        image], capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+    val = r.stdout.strip() if r.returncode == 0 else ""
+    return val if val and val != "<no value>" else None
