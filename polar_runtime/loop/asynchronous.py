@@ -33,6 +33,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from .groups import LoopError, groups_for, reward_summary, sample_versions_of
 from .staleness import Admission
 
 if TYPE_CHECKING:
@@ -40,16 +41,12 @@ if TYPE_CHECKING:
 
 
 def _groups_per_batch(run: "Run", ids: list[str]) -> int:
-    from .loop import groups_for
-
     return len(groups_for(0, ids, run.cfg.rollout.groups_per_step))
 
 
 def run_async(run: "Run", ids: list[str]) -> None:
     """Train batches ``state.next_step`` .. ``iterations - 1`` with rollouts running alongside; the
     final measuring rollout (step ``iterations``) is left to the synchronous path."""
-    from .loop import LoopError, groups_for, reward_summary, sample_versions_of
-
     cfg, placement, state, log = run.cfg, run.placement, run.state, run.log
     k = cfg.schedule.max_off_policy_steps
     iterations = cfg.rollout.iterations

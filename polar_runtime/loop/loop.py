@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .config import LoopConfig
+from .groups import LoopError, groups_for, groups_with_variance, reward_summary, sample_versions_of
 from .measures import IdleMeter, metrics_row, token_ages
 from .placement import Placement
 from .state import LoopState
@@ -39,35 +40,6 @@ REPORT_FILE = "loop-report.json"
 IDENTITY_KEYS = (("model", "name"), ("harness", "name"), ("tasks", "source"), ("tasks", "ids"), ("tasks", "limit"),
                  ("rollout", "samples_per_group"), ("rollout", "groups_per_step"), ("trainer", "lr"),
                  ("trainer", "lora_rank"), ("sampling", "temperature"), ("sampling", "seed"))
-
-
-class LoopError(RuntimeError):
-    """The loop cannot go on; the message says why and what to do."""
-
-
-def groups_for(step: int, task_ids: list[str], groups_per_step: int) -> list[str]:
-    """The step's groups: every task, or ``groups_per_step`` of them, cycling (a function of the step alone)."""
-    n = len(task_ids)
-    if groups_per_step <= 0 or groups_per_step >= n:
-        return list(task_ids)
-    return [task_ids[(step * groups_per_step + i) % n] for i in range(groups_per_step)]
-
-
-def groups_with_variance(rows: list[dict[str, Any]]) -> list[str]:
-    """Groups whose rewards differ among the samples that take part (ok, a reward, calls captured)."""
-    by: dict[str, list[float]] = {}
-    for r in rows:
-        if r.get("reward") is not None and r.get("status") == "ok" and (r.get("calls") or 0) > 0:
-            by.setdefault(r["group_id"], []).append(float(r["reward"]))
-    return sorted(g for g, v in by.items() if len(v) > 1 and max(v) > min(v))
-
-
-def reward_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    rewards = [r.get("reward") for r in rows if r.get("reward") is not None]
-    return {"samples": len(rows), "mean_reward": sum(rewards) / len(rewards) if rewards else None,
-            "solved": sum(1 for v in rewards if v > 0),
-            "statuses": dict(Counter(str(r.get("status")) for r in rows)),
-            "calls": sum(int(r.get("calls") or 0) for r in rows)}
 
 
 def _identity(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -190,15 +162,6 @@ def _versions(placement: Placement, rows: list[dict[str, Any]]) -> dict[str, dic
     cannot tell, an older one; then every token counts as sampled by the version served at the step)."""
     fn = getattr(placement, "sample_versions", None)
     return fn(rows) if fn is not None else None
-
-
-def sample_versions_of(rows: list[dict[str, Any]], versions: dict[str, dict[int, int]] | None, v: int) -> dict[str, int]:
-    """Samples by the oldest version that produced any of their tokens."""
-    out: Counter[str] = Counter()
-    for r in rows:
-        by = (versions or {}).get(r["session_id"])
-        out[str(min(by) if by else r.get("policy_version", v))] += 1
-    return dict(out)
 
 
 def run_loop(cfg: LoopConfig, placement: Placement, out: Path, log: Callable[[str], None] = print,
