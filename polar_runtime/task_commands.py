@@ -91,9 +91,10 @@ def build_notes(task: Any, sandbox: str) -> list[str]:
 
 
 def stand_ins(row: dict[str, Any]) -> list[str]:
-    """The stand-in images a phase ran on (a container backend says so in its notes), once each."""
+    """The stand-ins a phase ran on (images, astral's uv installer: a container backend says so in
+    its notes), once each."""
     notes = (row.get("sandbox_notes") or "").splitlines()
-    return list(dict.fromkeys(n for n in notes if n.startswith("STAND-IN IMAGE")))
+    return list(dict.fromkeys(n.removeprefix("verifier: ") for n in notes if "STAND-IN" in n))
 
 
 def refused_row(task: str, reason: str) -> dict[str, Any]:

@@ -233,6 +233,8 @@ _URL_FETCH = re.compile(
 #: what needs more than the registries (toolchains and interpreters downloaded from elsewhere)
 _OTHER_NET = re.compile(r"\bcargo\s+install\b|\bgo\s+(get|install|mod\s+download)\b|\buv\s+python\s+install\b"
                         r"|\buvx\s+(-p|--python)\b|\bgit\s+clone\b[^\n|;&]*git@")
+#: Terminal-Bench 2's verifier bootstrap, which a container backend serves (``sandbox/uvstandin.py``)
+_TB2_UV = re.compile(r"\bcurl\b.*https://astral\.sh/uv/\d+\.\d+\.\d+/install\.sh|^\s*uvx\b")
 _LOCAL_HOST = re.compile(r"^(localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|\[::1\])(:\d+)?$")
 
 
@@ -310,6 +312,8 @@ def local_mode_refusal(task: Task, *, builds_image: bool = False) -> str | None:
                     return (f"{f}:{n}: {what} installs apt packages this host lacks ({' '.join(missing)}); the "
                             "local mode cannot install into the read-only host system")
                 continue
+            if builds_image and what == "the verifier" and _TB2_UV.search(line):
+                continue  # astral's uv installer is stood in for, `uvx -p` finds the image's Python
             why = network_refusal(line, registries_reachable=(what == "the verifier"))
             if why:
                 reach = ("reaches only the package registries" if what == "the verifier"

@@ -176,4 +176,22 @@ def test_a_dockerfile_apt_install_is_in_the_built_image_cold_then_warm(dockerd, 
     rows = check_tasks(tasks, work=tmp_path / "warm", sandbox="docker")
     assert [r["status"] for r in rows] == ["passed"], [r["verdict"] for r in rows]
     assert imagebuild.BUILDS == builds + 1 and imagebuild.image_id(tag) == first
-    assert any("reused" in n for n in (rows[0]["notes"] or [])) or True
+
+
+def test_terminal_bench_2s_verifier_bootstraps_offline(dockerd, tmp_path):
+    """TB2's standard test.sh, unedited: ``apt-get install curl``, ``curl -LsSf
+    https://astral.sh/uv/0.9.5/install.sh | sh``, ``uvx -p 3.13 -w pytest==8.4.1 -w
+    pytest-json-ctrf==0.3.5 pytest --ctrf ...``. astral.sh is unreachable: the curl shim answers that
+    one URL with a local installer of uv 0.9.5 from its PyPI wheel (``uvstandin.py``), pytest comes
+    from PyPI through the egress proxy, Python 3.13 is the python:3.13 stand-in's. Oracle 1 (ctrf
+    report written), nop 0, and the row says the installer stood in."""
+    from polar_runtime.task_commands import check_tasks, load_for_check
+
+    tasks, refused = load_for_check(str(REPO / "tests/fixtures/tb2-style"))
+    assert not refused and len(tasks) == 1
+    rows = check_tasks(tasks, work=tmp_path, sandbox="docker")
+    assert [r["status"] for r in rows] == ["passed"], [r["verdict"] for r in rows]
+    assert rows[0]["oracle"] == 1 and rows[0]["nop"] == 0
+    assert any(n.startswith("STAND-IN UV INSTALLER") for n in rows[0]["notes"]), rows[0]["notes"]
+    ctrf = Path(rows[0]["oracle_verifier"]) / "ctrf.json"
+    assert '"passed": 2' in ctrf.read_text().replace('"passed":2', '"passed": 2'), ctrf.read_text()[:400]
