@@ -469,7 +469,8 @@ def _loopback_port(url: str) -> int | None:
     return None
 
 
-def agent_spec(cfg: RolloutConfig, task: Task, workdir_host: Path, home: Path, timeout: float) -> Any:
+def agent_spec(cfg: RolloutConfig, task: Task, workdir_host: Path, home: Path, timeout: float,
+               image: str | None = None) -> Any:
     """The sandbox of the agent phase (also the oracle's and nop's: exactly the same)."""
     from polar_runtime.sandbox import SandboxSpec
 
@@ -487,7 +488,7 @@ def agent_spec(cfg: RolloutConfig, task: Task, workdir_host: Path, home: Path, t
     network = needs_model and port is None
     return SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, home_host=home, ro_binds=ro,
                        network=network, proxy_port=port, **task.limits(cfg.pids), timeout_s=timeout,
-                       image=task.image)
+                       image=image or task.image)
 
 
 def _map_binds(inv: Any, spec: Any, sandbox: Any) -> None:
@@ -523,6 +524,8 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
         sandbox = cfg.get_sandbox()
         row["sandbox"] = sandbox.name
         notes += prepare_workdir(task, workdir, sandbox, cfg.work / ".builds")
+        # a container backend runs every phase in the task's built image (``sandbox/imagebuild.py``)
+        image = sandbox.task_image(task) if hasattr(sandbox, "task_image") else task.image
     except Exception as exc:  # noqa: BLE001 - no sandbox, a build that fails: this sample failed, visibly
         row["error"] = f"environment: {exc}"
         row["sandbox_notes"] = "\n".join(notes)
@@ -548,7 +551,7 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
     result = None
     for turn, text in enumerate(turns):
         # a follow-up continues the harness's own conversation (same session, work dir and HOME)
-        spec = agent_spec(cfg, task, workdir, home, max(1.0, limit - wall))
+        spec = agent_spec(cfg, task, workdir, home, max(1.0, limit - wall), image)
         session = Session(session_id=sid, task=text, workdir=Path(sandbox.inside(spec, workdir)), home=home,
                           model=cfg.model, endpoint=cfg.endpoint, trim=cfg.trim, extra_env=dict(extra_env),
                           resume=turn > 0, host_workdir=workdir, solution_dir=solution, key=key)
@@ -582,7 +585,7 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
         note = "a call still in flight at the end is not in the captures (the upstream has not answered)"
         row["error"] = f"{row['error']}; {note}" if row["error"] else note
     assert result is not None
-    ev = verify(task, sandbox=sandbox, sample_dir=sample_dir, workdir_host=workdir, agent_logs=logs,
+    ev = verify(task, sandbox=sandbox, sample_dir=sample_dir, workdir_host=workdir, agent_logs=logs, image=image,
                 timeout=task.verifier_timeout or cfg.eval_timeout, facts={
                     "session": sid, "task_id": task.id, "status": row["status"],
                     "harness_stdout": str(result.stdout_path), "harness_stderr": str(result.stderr_path)})

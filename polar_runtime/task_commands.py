@@ -36,7 +36,7 @@ def check_tasks(tasks: list[Any], *, work: Path, sandbox: str = "auto", concurre
     refusals: dict[str, str] = {}
     for t in tasks:
         try:
-            why = local_mode_refusal(t)
+            why = local_mode_refusal(t, builds_image=sandbox in ("docker", "podman"))
         except Exception as exc:  # noqa: BLE001 - a check never crashes on a task
             why = f"cannot inspect the task: {type(exc).__name__}: {exc}"
         if why:
@@ -60,7 +60,8 @@ def check_tasks(tasks: list[Any], *, work: Path, sandbox: str = "auto", concurre
         if t.id in refusals:
             status, problems = "refused", [refusals[t.id]]
         elif err.startswith("environment:"):
-            status, problems = "refused", ["the local mode could not build the environment: " + err.removeprefix("environment:").strip()[:600]]
+            status, problems = "refused", [("the task's image could not be built: " if sandbox in ("docker", "podman") else
+                                    "the local mode could not build the environment: ") + err.removeprefix("environment:").strip()[:600]]
         elif not t.has_solution:
             problems.append("no solution/solve.sh: the oracle cannot be checked")
         elif o is None or o < 1:
@@ -90,9 +91,10 @@ def build_notes(task: Any, sandbox: str) -> list[str]:
 
 
 def stand_ins(row: dict[str, Any]) -> list[str]:
-    """The stand-in images a phase ran on (a container backend says so in its notes), once each."""
+    """The stand-ins a phase ran on (images, astral's uv installer: a container backend says so in
+    its notes), once each."""
     notes = (row.get("sandbox_notes") or "").splitlines()
-    return list(dict.fromkeys(n for n in notes if n.startswith("STAND-IN IMAGE")))
+    return list(dict.fromkeys(n.removeprefix("verifier: ") for n in notes if "STAND-IN" in n))
 
 
 def refused_row(task: str, reason: str) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from typing import Any
 
 from polar_runtime.sandbox.egress import registries
 from polar_runtime.tasks.environment import build_env
-from polar_runtime.tasks.model import DEFAULT_VERIFIER_TIMEOUT, Task
+from polar_runtime.tasks.model import DEFAULT_PATH, DEFAULT_VERIFIER_TIMEOUT, Task
 
 OUTPUT_TAIL = 4000
 REWARD_FILE_LIMIT = 64 * 1024
@@ -103,7 +103,7 @@ def read_reward(verifier_dir: Path) -> tuple[float | None, str]:
 
 def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, agent_logs: Path,
            facts: dict[str, str] | None = None, timeout: float | None = None,
-           base_path: str | None = None) -> Evaluation:
+           base_path: str | None = None, image: str | None = None) -> Evaluation:
     """Run the task's tests on ``workdir_host`` in ``sandbox``; never raises for test failures."""
     from polar_runtime.sandbox import SandboxError, SandboxSpec
 
@@ -124,7 +124,7 @@ def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, ag
         return Evaluation(None, "error", f"tests could not be copied: {exc}", time.monotonic() - t0)
     spec = SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, home_host=home,
                        rw_binds=[(tests, "/tests"), (vdir, "/logs/verifier")], ro_binds=[(agent_logs, "/logs/agent")],
-                       egress=registries(), **task.limits(), timeout_s=limit, image=task.image,
+                       egress=registries(), **task.limits(), timeout_s=limit, image=image or task.image,
                        userns_caps=True)
     env = build_env(task, base_path)
     env.update(LANG="C.UTF-8", HOME=sandbox.inside(spec, home), TERM="dumb")
@@ -134,6 +134,20 @@ def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, ag
     env.update(POLAR_WORKDIR=sandbox.inside(spec, workdir_host), POLAR_TESTS_DIR=sandbox.inside(spec, tests),
                POLAR_VERIFIER_DIR=sandbox.inside(spec, vdir))
     env.update(task.verifier_env)
+    stand_in_notes: list[str] = []
+    if getattr(sandbox, "builds_images", False):
+        # Terminal-Bench 2's `curl https://astral.sh/uv/<v>/install.sh | sh`, answered locally
+        # (sandbox/uvstandin.py); said in the notes of every run it served
+        from polar_runtime.sandbox.uvstandin import MOUNT, UvStandInError, verifier_binds
+
+        try:
+            binds, stand_in_notes = verifier_binds((tests / "test.sh").read_text(errors="replace"))
+        except (OSError, UvStandInError) as exc:
+            stand_in_notes = [f"no local uv installer: {exc}"]
+            binds = []
+        if binds:
+            spec.ro_binds += binds
+            env["PATH"] = f"{MOUNT}/bin:{env.get('PATH', DEFAULT_PATH)}"
     spec.env = env
     out_path = sample_dir / "verifier-output.txt"
     try:
@@ -145,7 +159,7 @@ def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, ag
     with open(out_path, "rb") as fh:  # only the end (the phase's output is bounded: sandbox/base.py)
         fh.seek(max(0, fh.seek(0, 2) - 4 * OUTPUT_TAIL))
         output = fh.read().decode(errors="replace")
-    with_notes = list(res.notes)
+    with_notes = stand_in_notes + list(res.notes)
     if res.timed_out:
         return Evaluation(None, "timeout", (output + f"\n[polar] verifier timed out after {limit:g} s")[-OUTPUT_TAIL:],
                           secs, with_notes)

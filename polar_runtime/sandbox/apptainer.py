@@ -34,6 +34,7 @@ class ApptainerSandbox(DockerSandbox):
     probe = ("version",)
     probe_failure = "apptainer does not run here"
     host_init = False  # the image's own python3 runs the init (not tested here: no apptainer)
+    builds_images = False  # no daemon to commit into: RUN steps keep the work dir only
 
     @staticmethod
     def image_uri(image: str) -> str:

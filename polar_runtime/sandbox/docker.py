@@ -55,6 +55,9 @@ class DockerSandbox(Sandbox):
     probe_failure = "no daemon answers"
     #: the init runs on the host's Python bound in (False: the image's own ``python3``)
     host_init = True
+    #: the task's image is built for real (``imagebuild.py``: RUN steps committed); False: RUN
+    #: steps keep only the work dir and every phase runs on the base image
+    builds_images = True
     #: image -> its stand-in sentence or None, looked up (and stood in) once per process
     _images: dict[str, str | None] = {}
     _images_lock = threading.Lock()
@@ -108,7 +111,9 @@ class DockerSandbox(Sandbox):
         return a + ["--entrypoint", inner[0], spec.image, *inner[1:]]
 
     def run(self, spec: SandboxSpec, argv: list[str], *, stdout: Stream = None,
-            stderr: Stream = None) -> SandboxResult:
+            stderr: Stream = None, commit_to: str | None = None) -> SandboxResult:
+        """``commit_to``: a build step; when it exits 0 the container's file system (binds and
+        /tmp excluded) is committed as that image before the container is removed."""
         spec.workdir_host.mkdir(parents=True, exist_ok=True)
         if spec.home_host is not None:
             spec.home_host.mkdir(parents=True, exist_ok=True)
@@ -150,8 +155,15 @@ class DockerSandbox(Sandbox):
             inner = [*python, f"{PRIVATE}/init.py", json.dumps(cfg), "--", *argv]
             run_spec = spec if env == spec.env else _with_env(spec, env)
             cmd = self.argv(run_spec, private, name, inner, report_dir, host_binds)
+            if commit_to:  # kept until committed (the finally below removes it)
+                cmd.remove("--rm")
             rc, timed_out, _, wall = supervise(cmd, env=None, cwd=None, stdout=stdout, stderr=stderr,
                                                timeout_s=spec.timeout_s)
+            if commit_to and rc == 0 and not timed_out:
+                c = subprocess.run([self.runtime, "commit", name, commit_to], capture_output=True, text=True,
+                                   timeout=600, stdin=subprocess.DEVNULL)
+                if c.returncode != 0:
+                    raise SandboxError(f"`{self.runtime} commit` of the build step failed: {c.stderr.strip()[-400:]}")
             report = {}
             try:
                 report = json.loads((report_dir / "report.json").read_text())
@@ -178,6 +190,14 @@ class DockerSandbox(Sandbox):
                 egress.close()
             shutil.rmtree(private, ignore_errors=True)
             shutil.rmtree(report_dir, ignore_errors=True)
+
+    def task_image(self, task) -> str | None:
+        """The image every phase of ``task`` runs in: its built image (``imagebuild.image_tag``)."""
+        if not self.builds_images or not task.image:
+            return task.image
+        from polar_runtime.sandbox.imagebuild import image_tag
+
+        return image_tag(task)
 
     def image_ready(self, image: str) -> str | None:
         """Make sure ``image`` is on the daemon, standing one in where it is missing (once per

@@ -115,9 +115,12 @@ def build_env(task: Task, base_path: str | None = None) -> dict[str, str]:
     return env
 
 
-def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path) -> list[str]:
+def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path,
+                run_step: Any = None) -> list[str]:
     """Build the task's environment into ``workdir_host`` (empty); returns the notes of the build.
-    RUN steps run through ``sandbox`` (a polar_runtime.sandbox.Sandbox)."""
+    RUN steps run through ``sandbox`` (a polar_runtime.sandbox.Sandbox), or through ``run_step(spec,
+    argv, out)`` when the sandbox builds a real image (``sandbox/imagebuild.py``: then an apt step
+    really installs, and is not checked against the host's packages)."""
     from polar_runtime.sandbox import SandboxSpec
 
     env_plan = task.environment
@@ -153,7 +156,7 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path) -> 
                     raise BuildError(f"{where}: {exc} (a link an earlier step left in the work dir)") from exc
         elif step.kind == "run":
             pkgs = apt_packages(step.text)
-            if pkgs is not None and shutil.which("dpkg-query"):
+            if pkgs is not None and run_step is None and shutil.which("dpkg-query"):
                 missing = missing_host_packages(pkgs)
                 if missing:
                     raise BuildError(f"{where}: the local mode cannot install packages (the host system is "
@@ -168,8 +171,10 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path) -> 
                                timeout_s=task.build_timeout or DEFAULT_BUILD_TIMEOUT, image=task.image,
                                userns_caps=True)
             out_path = log_dir / f"build-step{i}.log"
+            argv = ["bash", *shlex.split(step.shell), "-c", command]
             with open(out_path, "wb") as out:
-                res = sandbox.run(spec, ["bash", *shlex.split(step.shell), "-c", command], stdout=out, stderr=out)
+                res = (run_step(spec, argv, out) if run_step is not None
+                       else sandbox.run(spec, argv, stdout=out, stderr=out))
             if res.timed_out or res.returncode != 0:
                 tail = out_path.read_text(errors="replace")[-1500:]
                 what = f"timed out after {spec.timeout_s:g} s" if res.timed_out else f"exited {res.returncode}"
@@ -187,6 +192,19 @@ def prepare_workdir(task: Task, workdir: Path, sandbox: Any, build_root: Path) -
     with file_lock(build_root / f".{key}.lock"):
         if failed.exists():
             raise BuildError(failed.read_text())
+        if getattr(sandbox, "builds_images", False) and task.image:
+            # a container backend: the task's image, built once per content on the daemon (a
+            # second check or run finds it by its tag), and the work dir copied out of it
+            from polar_runtime.sandbox.imagebuild import build_task_image, export_workdir
+
+            try:
+                tag, notes = build_task_image(task, sandbox, built / "logs")
+                export_workdir(tag, task.workdir, workdir, sandbox.runtime)
+            except (BuildError, OSError, RuntimeError) as exc:
+                built.mkdir(parents=True, exist_ok=True)
+                failed.write_text(str(exc))
+                raise BuildError(str(exc)) from exc
+            return notes
         if not ready.exists():
             if built.exists():
                 shutil.rmtree(built)
@@ -215,6 +233,8 @@ _URL_FETCH = re.compile(
 #: what needs more than the registries (toolchains and interpreters downloaded from elsewhere)
 _OTHER_NET = re.compile(r"\bcargo\s+install\b|\bgo\s+(get|install|mod\s+download)\b|\buv\s+python\s+install\b"
                         r"|\buvx\s+(-p|--python)\b|\bgit\s+clone\b[^\n|;&]*git@")
+#: Terminal-Bench 2's verifier bootstrap, which a container backend serves (``sandbox/uvstandin.py``)
+_TB2_UV = re.compile(r"\bcurl\b.*https://astral\.sh/uv/\d+\.\d+\.\d+/install\.sh|^\s*uvx\b")
 _LOCAL_HOST = re.compile(r"^(localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|\[::1\])(:\d+)?$")
 
 
@@ -248,11 +268,13 @@ def _script_lines(text: str) -> list[tuple[int, str]]:
     return out
 
 
-def local_mode_refusal(task: Task) -> str | None:
+def local_mode_refusal(task: Task, *, builds_image: bool = False) -> str | None:
     """Why the local mode (the host's toolchain, read-only, the package registries only in build
     steps and the verifier, no network for the agent and oracle)
     cannot run ``task``, found without running anything; None when nothing stands in its way. The
-    build itself may still fail: :func:`prepare_workdir` then says which line."""
+    build itself may still fail: :func:`prepare_workdir` then says which line. ``builds_image``: a
+    container backend builds the task's image, so an apt install (in the Dockerfile, or the
+    verifier's, through the egress proxy) installs into the image instead of being refused."""
     env_plan = task.environment
     assert env_plan is not None
     dockerfile = f"{task.root / 'environment' / 'Dockerfile'}" if task.root else "setup"
@@ -263,6 +285,8 @@ def local_mode_refusal(task: Task) -> str | None:
         where = f"{dockerfile}:{step.line}" if step.line else dockerfile
         pkgs = apt_packages(step.text)
         if pkgs is not None:
+            if builds_image:
+                continue
             missing = missing_host_packages(pkgs) if has_dpkg else pkgs
             if missing:
                 return (f"{where}: installs apt packages this host lacks ({' '.join(missing)}); the local mode "
@@ -281,11 +305,15 @@ def local_mode_refusal(task: Task) -> str | None:
         for n, line in _script_lines(f.read_text(errors="replace")):
             pkgs = apt_packages(line)
             if pkgs is not None:
+                if builds_image and what == "the verifier":
+                    continue
                 missing = missing_host_packages(pkgs) if has_dpkg else pkgs
                 if missing:
                     return (f"{f}:{n}: {what} installs apt packages this host lacks ({' '.join(missing)}); the "
                             "local mode cannot install into the read-only host system")
                 continue
+            if builds_image and what == "the verifier" and _TB2_UV.search(line):
+                continue  # astral's uv installer is stood in for, `uvx -p` finds the image's Python
             why = network_refusal(line, registries_reachable=(what == "the verifier"))
             if why:
                 reach = ("reaches only the package registries" if what == "the verifier"

@@ -151,3 +151,50 @@ def test_tasks_check_passes_through_docker(dockerd, tmp_path, dataset, expect):
     bad = [(r["task"], r["verdict"]) for r in rows if r["status"] != "passed"]
     assert not bad, bad
     assert all(any(n.startswith("STAND-IN IMAGE") for n in r["notes"]) for r in rows), rows
+
+
+def test_a_dockerfile_apt_install_is_in_the_built_image_cold_then_warm(dockerd, tmp_path):
+    """The task's Dockerfile apt-installs jq; its oracle and verifier use it. Every RUN step is
+    committed into the task's image (``imagebuild.py``), so oracle 1 / nop 0 cold; a second
+    ``tasks check`` (another work dir) finds the image by its content tag and builds nothing
+    (the build counter and the image id do not change). Without the commit (the RUN step's
+    container thrown away, as before) the oracle fails: ``jq: command not found``."""
+    from polar_runtime.sandbox import imagebuild
+    from polar_runtime.task_commands import check_tasks, load_for_check
+
+    tasks, refused = load_for_check(str(REPO / "tests/fixtures/harbor-apt-image"))
+    assert not refused and len(tasks) == 1
+    builds = imagebuild.BUILDS
+    rows = check_tasks(tasks, work=tmp_path / "cold", sandbox="docker")
+    assert [r["status"] for r in rows] == ["passed"], [r["verdict"] for r in rows]
+    assert imagebuild.BUILDS == builds + 1
+    tag = imagebuild.image_tag(tasks[0])
+    first = imagebuild.image_id(tag)
+    assert first, tag
+    env = imagebuild._docker("docker", "image", "inspect", "--format", "{{json .Config.Env}}", tag, text=True).stdout
+    assert "SUM_FILE=/app/sum.txt" in env and "proxy" not in env.lower(), env  # the Dockerfile's ENV, not the build's
+    rows = check_tasks(tasks, work=tmp_path / "warm", sandbox="docker")
+    assert [r["status"] for r in rows] == ["passed"], [r["verdict"] for r in rows]
+    assert imagebuild.BUILDS == builds + 1 and imagebuild.image_id(tag) == first
+
+
+@pytest.mark.xfail(reason="OPEN: under docker the verifier's `docker run` client dies of SIGPIPE (rc -13) while "
+                   "apt-get/uvx stream output through the egress proxy; the same apt with its output sent to a "
+                   "file inside passes. Not yet diagnosed (see docs/sandbox.md)", strict=False)
+def test_terminal_bench_2s_verifier_bootstraps_offline(dockerd, tmp_path):
+    """TB2's standard test.sh, unedited: ``apt-get install curl``, ``curl -LsSf
+    https://astral.sh/uv/0.9.5/install.sh | sh``, ``uvx -p 3.13 -w pytest==8.4.1 -w
+    pytest-json-ctrf==0.3.5 pytest --ctrf ...``. astral.sh is unreachable: the curl shim answers that
+    one URL with a local installer of uv 0.9.5 from its PyPI wheel (``uvstandin.py``), pytest comes
+    from PyPI through the egress proxy, Python 3.13 is the python:3.13 stand-in's. Oracle 1 (ctrf
+    report written), nop 0, and the row says the installer stood in."""
+    from polar_runtime.task_commands import check_tasks, load_for_check
+
+    tasks, refused = load_for_check(str(REPO / "tests/fixtures/tb2-style"))
+    assert not refused and len(tasks) == 1
+    rows = check_tasks(tasks, work=tmp_path, sandbox="docker")
+    assert [r["status"] for r in rows] == ["passed"], [r["verdict"] for r in rows]
+    assert rows[0]["oracle"] == 1 and rows[0]["nop"] == 0
+    assert any(n.startswith("STAND-IN UV INSTALLER") for n in rows[0]["notes"]), rows[0]["notes"]
+    ctrf = Path(rows[0]["oracle_verifier"]) / "ctrf.json"
+    assert '"passed": 2' in ctrf.read_text().replace('"passed":2', '"passed": 2'), ctrf.read_text()[:400]

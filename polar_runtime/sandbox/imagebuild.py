@@ -1,0 +1,187 @@
+"""A task's image built for real on a container backend (docker): what a Dockerfile's ``RUN apt-get
+install jq`` installs is in the image every later phase runs in.
+
+Before this, the container backend ran each RUN step in a throw-away container of the *base* image
+and kept only the work dir, so a package a Dockerfile installed was gone when the oracle ran (a
+task whose solution uses ``jq`` failed with ``jq: command not found``). Now:
+
+* each ``RUN`` runs through :meth:`DockerSandbox.run` exactly as before (all capabilities dropped
+  but the five a package manager needs to change uid and own files, no new privileges, the
+  runtime's seccomp profile, ``--network none``, the package registries reachable only through the
+  filtering egress proxy on a job-private socket), on the image the previous step left, and the
+  container is then ``docker commit``-ed: its file system outside the bound work dir becomes the
+  next layer (binds and the tmpfs /tmp are not committed);
+* ``COPY``/``ADD`` and the shorthand's files go into a host staging dir bound at the WORKDIR for
+  every RUN (the same hostfs-safe copy as the local mode), which is then ``docker cp``-ed into the
+  final image, committed with the Dockerfile's ``WORKDIR`` and ``ENV``;
+* the image is tagged ``polar-task/<task>:<Environment.digest()>``: the digest of the Dockerfile's
+  steps and every file of the build context. A later build of the same content (a second ``polar
+  tasks check``, every sample of a rollout) finds the tag on the daemon and builds nothing
+  (``BUILDS`` counts real builds; tests assert on it and on the image id);
+* each sample's work dir is the image's WORKDIR, copied out (``docker cp`` as a tar stream,
+  extracted with tarfile's ``tar`` filter: no absolute or ``..`` member, nothing written through a
+  link out of the work dir).
+
+``docker build`` was not used: BuildKit's RUN network is the daemon's bridge or the host's (the
+private daemon has ``--bridge=none``), and it cannot bind the job-private egress socket, so RUN
+steps could reach either nothing or everything. Measured on the 2-core CI machine kind, a
+Dockerfile with ``apt-get install -y jq bc`` on the python:3.11 stand-in: see
+benchmarks/results/docker_tasks.json (``image_build``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import tarfile
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+#: real image builds in this process (a warm build, found by its tag, does not count)
+BUILDS = 0
+_lock = threading.Lock()
+REPOSITORY = "polar-task"
+
+
+def image_tag(task: Any) -> str:
+    """``polar-task/<slug of the task id>:<digest of the build's content>``."""
+    slug = re.sub(r"[^a-z0-9._-]+", "-", task.id.lower()).strip("-._")[:80] or "task"
+    return f"{REPOSITORY}/{slug}:{task.environment.digest()}"
+
+
+def _docker(runtime: str, *args: str, check: bool = True, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    if "input" not in kw:
+        kw["stdin"] = subprocess.DEVNULL
+    r = subprocess.run([runtime, *args], capture_output=True, timeout=timeout, **kw)
+    if check and r.returncode != 0:
+        err = r.stderr.decode(errors="replace") if isinstance(r.stderr, bytes) else r.stderr
+        raise RuntimeError(f"`{runtime} {' '.join(args[:3])}` failed: {err.strip()[-600:]}")
+    return r
+
+
+def image_id(image: str, runtime: str = "docker") -> str | None:
+    r = _docker(runtime, "image", "inspect", "--format", "{{.Id}}", image, check=False, text=True)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def build_task_image(task: Any, sandbox: Any, log_dir: Path) -> tuple[str, list[str]]:
+    """The task's image (built, or found by its content tag); returns (tag, notes). Raises
+    ``BuildError`` naming the Dockerfile line."""
+    global BUILDS
+    from polar_runtime.tasks.environment import BuildError, apply_steps
+
+    tag, runtime = image_tag(task), sandbox.runtime
+    if image_id(tag, runtime):
+        return tag, list(task.environment.notes) + [f"image {tag} reused (built before from the same content)"]
+    base = task.image
+    if not base:
+        raise BuildError(f"the {runtime} backend needs the Dockerfile's FROM image")
+    sandbox.image_ready(base)  # stood in where missing
+    t0 = time.monotonic()
+    created: list[str] = []  # intermediate images, removed at the end
+    state = {"image": base}
+
+    def run_step(spec: Any, argv: list[str], out: Any) -> Any:
+        spec.image = state["image"]
+        nxt = f"{REPOSITORY}-step/{os.getpid()}-{len(created)}-{time.monotonic_ns() % 10**9}:tmp"
+        res = sandbox.run(spec, argv, stdout=out, stderr=out, commit_to=nxt)
+        if res.returncode == 0 and not res.timed_out:
+            created.append(nxt)
+            state["image"] = nxt
+        return res
+
+    stage = Path(tempfile.mkdtemp(prefix="polar-stage-"))
+    try:
+        notes = apply_steps(task, stage / "work", sandbox, log_dir, run_step=run_step)
+        changes = image_changes(base, runtime) + [f"WORKDIR {task.workdir}"] + [
+            f"ENV {k}={v}" for k, v in task.environment.env.items()]
+        cid = _docker(runtime, "create", "--entrypoint", "true", state["image"], text=True).stdout.strip()
+        try:
+            # the staging dir's contents at WORKDIR (links added as links, never followed; the
+            # daemon creates missing parents)
+            with tarfile.open(fileobj=(buf := io.BytesIO()), mode="w") as tf:
+                tf.add(stage / "work", arcname=task.workdir.strip("/"), recursive=True)
+            _docker(runtime, "cp", "-", f"{cid}:/", input=buf.getvalue())
+            flatten(runtime, cid, tag, changes)
+        finally:
+            _docker(runtime, "rm", "-f", cid, check=False)
+    except BuildError:
+        raise
+    except RuntimeError as exc:  # a docker command (SandboxError: a commit) failed
+        raise BuildError(f"building the image {tag}: {exc}") from exc
+    finally:
+        for img in reversed(created):  # the newest first: each is the previous one's child
+            _docker(runtime, "rmi", img, check=False)
+        import shutil
+
+        shutil.rmtree(stage, ignore_errors=True)
+    with _lock:
+        BUILDS += 1
+    return tag, notes + [f"image {tag} built from {base} in {time.monotonic() - t0:.1f} s "
+                         f"({sum(1 for s in task.environment.steps if s.kind == 'run')} RUN step(s) committed)"]
+
+
+def image_changes(base: str, runtime: str = "docker") -> list[str]:
+    """The base image's config (ENV, LABEL, CMD, ENTRYPOINT, USER) as ``--change`` lines: the built
+    image starts from it, not from a build container's config (whose env held the egress proxy's
+    address, HOME=/root, DEBIAN_FRONTEND: a RUN step's environment is not the image's)."""
+    r = _docker(runtime, "image", "inspect", "--format", "{{json .Config}}", base, text=True)
+    cfg = json.loads(r.stdout) or {}
+    out = [f"ENV {e}" for e in cfg.get("Env") or [] if "=" in e]
+    out += [f"LABEL {k}={json.dumps(v)}" for k, v in (cfg.get("Labels") or {}).items()]
+    for key, field in (("CMD", "Cmd"), ("ENTRYPOINT", "Entrypoint")):
+        if cfg.get(field):
+            out.append(f"{key} {json.dumps(cfg[field])}")
+    if cfg.get("User"):
+        out.append(f"USER {cfg['User']}")
+    return out
+
+
+def flatten(runtime: str, cid: str, tag: str, changes: list[str]) -> None:
+    """``docker export`` of the container piped into ``docker import`` with ``changes``: one layer,
+    and a config that is exactly the base's plus the Dockerfile's."""
+    exp = subprocess.Popen([runtime, "export", cid], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           stdin=subprocess.DEVNULL)
+    try:
+        imp = subprocess.run([runtime, "import", *(a for c in changes for a in ("--change", c)), "-", tag],
+                             stdin=exp.stdout, capture_output=True, text=True, timeout=600)
+    finally:
+        exp.stdout.close()  # type: ignore[union-attr]
+        exp_err = exp.stderr.read().decode(errors="replace")  # type: ignore[union-attr]
+        exp.wait(timeout=60)
+    if exp.returncode != 0 or imp.returncode != 0:
+        raise RuntimeError(f"export/import into {tag} failed: {(exp_err + imp.stderr).strip()[-600:]}")
+
+
+def export_workdir(image: str, workdir: str, dest: Path, runtime: str = "docker") -> None:
+    """The image's ``workdir`` copied out into ``dest`` (emptied first), safely."""
+    import shutil
+
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    cid = _docker(runtime, "create", "--entrypoint", "true", image, text=True).stdout.strip()
+    try:
+        r = _docker(runtime, "cp", f"{cid}:{workdir}", "-")  # entries named <basename>/...
+    finally:
+        _docker(runtime, "rm", "-f", cid, check=False)
+    with tarfile.open(fileobj=io.BytesIO(r.stdout), mode="r:") as tf:
+        members = []
+        for m in tf.getmembers():  # the top entry is the copied dir itself ("app/")
+            parts = Path(m.name).parts
+            if not parts:
+                continue
+            m.name = os.path.join(".", *parts[1:]) if len(parts) > 1 else "."
+            if m.name != ".":
+                members.append(m)
+        try:
+            tf.extractall(dest, members=members, filter="tar")
+        except tarfile.TarError as exc:  # a member out of the work dir, or through a link
+            raise RuntimeError(f"copying {workdir} out of {image}: {exc}") from exc
+    os.chmod(dest, 0o755)

@@ -1,0 +1,149 @@
+"""Terminal-Bench 2's verifier bootstrap, offline, with no edit to the task: ``curl -LsSf
+https://astral.sh/uv/0.9.5/install.sh | sh`` answered by a local installer of the same uv.
+
+82 of TB2's 89 tasks grade with the same ``tests/test.sh``: ``apt-get install -y curl``, then
+``curl -LsSf https://astral.sh/uv/<version>/install.sh | sh``, ``source $HOME/.local/bin/env``,
+``uvx -p 3.13 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest --ctrf ... -rA``, and the reward
+from pytest's exit code. Here astral.sh (and GitHub, where its installer downloads uv from) is
+unreachable; PyPI answers. So, in the verifier phase of a container backend only:
+
+* uv is taken from its PyPI wheel (``uv==<version>``: the wheel carries the same static ``uv`` and
+  ``uvx`` binaries the installer would fetch), downloaded on the host once and cached under
+  ``$POLAR_HOME/uv/<version>/`` (21 MB wheel; ~3 s here), bound read-only at /run/polar-uv;
+* a ``curl`` shim is first on the verifier's PATH (/run/polar-uv/bin). For exactly the URL
+  ``https://astral.sh/uv[/<version>]/install.sh`` it prints a local installer that copies that uv
+  into ``$HOME/.local/bin`` and writes ``$HOME/.local/bin/env`` as astral's does; any other
+  argument list goes to the real curl (the one test.sh just apt-installed), unchanged;
+* every run where the shim was bound says so in its notes (``STAND-IN UV INSTALLER``), and the
+  installer says so on the verifier's output.
+
+This was chosen over serving astral.sh through the egress proxy (a TLS interception with a
+private CA, which test.sh's curl would have to trust) as the less magical: one visible file on
+PATH, one URL answered. pytest and its plugins come from PyPI through the egress proxy, as any
+``uvx -w`` does; ``-p 3.13`` needs a Python 3.13 in the image (the python:3.13 stand-in is
+trixie's), since uv's own interpreter downloads come from GitHub.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from polar_core import paths
+
+MOUNT = "/run/polar-uv"
+#: the installer URL test.sh pipes into sh (``/uv/install.sh``: the newest; not served)
+INSTALLER_URL = re.compile(r"https://astral\.sh/uv/(?P<version>\d+\.\d+\.\d+)/install\.sh")
+NOTE = ("STAND-IN UV INSTALLER: `curl {url}` answered by Polar's local installer of uv {version} "
+        "(from its PyPI wheel; astral.sh is unreachable here)")
+
+CURL_SHIM = r"""#!/bin/sh
+# Polar's stand-in (sandbox/uvstandin.py): `curl https://astral.sh/uv/<v>/install.sh` prints a local
+# installer of uv <v> taken from its PyPI wheel; every other curl call goes to the real curl.
+url="" out=""
+prev=""
+for a in "$@"; do
+  case "$a" in https://astral.sh/uv/*/install.sh) url=$a ;; esac
+  [ "$prev" = "-o" ] || [ "$prev" = "--output" ] && out=$a
+  prev=$a
+done
+if [ -n "$url" ]; then
+  v=${url#https://astral.sh/uv/}; v=${v%/install.sh}
+  f=/run/polar-uv/$v/install.sh
+  if [ ! -f "$f" ]; then echo "curl (polar stand-in): no local uv $v for $url" >&2; exit 22; fi
+  echo "polar: STAND-IN for $url: a local installer of uv $v (from its PyPI wheel)" >&2
+  if [ -n "$out" ]; then cat "$f" > "$out"; else cat "$f"; fi
+  exit 0
+fi
+oldifs=$IFS; IFS=:
+for d in $PATH; do
+  [ "$d" = /run/polar-uv/bin ] && continue
+  if [ -x "$d/curl" ]; then IFS=$oldifs; exec "$d/curl" "$@"; fi
+done
+echo "curl: command not found" >&2
+exit 127
+"""
+
+INSTALLER = r"""#!/bin/sh
+# Polar's local stand-in for https://astral.sh/uv/{version}/install.sh (sandbox/uvstandin.py)
+set -e
+dest="${{UV_INSTALL_DIR:-${{XDG_BIN_HOME:-$HOME/.local/bin}}}}"
+mkdir -p "$dest"
+cp /run/polar-uv/{version}/uv /run/polar-uv/{version}/uvx "$dest/"
+chmod 755 "$dest/uv" "$dest/uvx"
+cat > "$dest/env" <<EOF
+#!/bin/sh
+case ":\${{PATH}}:" in *:"$dest":*) ;; *) export PATH="$dest:\$PATH" ;; esac
+EOF
+echo "installing to $dest"
+echo "  uv, uvx {version} (Polar's STAND-IN installer: the PyPI wheel's binaries, astral.sh unreachable)"
+"""
+
+
+class UvStandInError(RuntimeError):
+    """uv could not be fetched from PyPI."""
+
+
+def versions_wanted(test_sh: str) -> list[str]:
+    """The uv versions ``test_sh`` fetches an installer of."""
+    return sorted({m["version"] for m in INSTALLER_URL.finditer(test_sh)})
+
+
+def root() -> Path:
+    return paths.polar_home() / "uv"
+
+
+def ensure_uv(version: str, cache: Path | None = None) -> Path:
+    """``<cache>/<version>/`` holding ``uv``, ``uvx`` and ``install.sh`` (pip-downloaded once)."""
+    if not re.fullmatch(r"\d+\.\d+\.\d+", version):
+        raise UvStandInError(f"not a uv version: {version!r}")
+    base = cache or root()
+    d = base / version
+    base.mkdir(parents=True, exist_ok=True)
+    shim = base / "bin" / "curl"
+    if not shim.is_file() or shim.read_text() != CURL_SHIM:
+        shim.parent.mkdir(exist_ok=True)
+        shim.write_text(CURL_SHIM)
+        os.chmod(shim, 0o755)
+    if (d / "uvx").is_file() and (d / "install.sh").is_file():
+        return d
+    tmp = Path(tempfile.mkdtemp(prefix=f".uv-{version}-", dir=base))
+    try:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", f"uv=={version}", "--no-deps",
+                            "--only-binary=:all:", "--platform", "manylinux_2_17_x86_64", "-d", str(tmp), "-q"],
+                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        wheels = list(tmp.glob("uv-*.whl"))
+        if r.returncode != 0 or not wheels:
+            raise UvStandInError(f"pip download uv=={version} failed: {(r.stderr or r.stdout).strip()[-400:]}")
+        out = tmp / version
+        out.mkdir()
+        with zipfile.ZipFile(wheels[0]) as z:
+            for name in ("uv", "uvx"):
+                (out / name).write_bytes(z.read(f"uv-{version}.data/scripts/{name}"))
+                os.chmod(out / name, 0o755)
+        (out / "install.sh").write_text(INSTALLER.format(version=version))
+        if d.exists():
+            shutil.rmtree(d)
+        os.replace(out, d)
+        return d
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def verifier_binds(test_sh: str, cache: Path | None = None) -> tuple[list[tuple[Path, str]], list[str]]:
+    """For a test.sh that fetches astral's uv installer: the read-only bind of the uv cache at
+    /run/polar-uv and the notes saying so; ([], []) otherwise. Raises UvStandInError."""
+    wanted = versions_wanted(test_sh)
+    if not wanted:
+        return [], []
+    for v in wanted:
+        d = ensure_uv(v, cache)
+    base = d.parent
+    notes = [NOTE.format(url=f"https://astral.sh/uv/{v}/install.sh", version=v) for v in wanted]
+    return [(base, MOUNT)], notes
