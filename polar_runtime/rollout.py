@@ -45,6 +45,7 @@ from polar_core.schema import SESSIONS_SUBDIR, read_capture_lines, valid_session
 from polar_runtime.harnesses import Endpoint, Preset, Session, run_invocation, terminate_all
 from polar_runtime.tasks import TASKS_DIR, Task, builtin_sets, load_tasks, resolve_tasks_path, task_from_dict  # noqa: F401
 from polar_runtime.tasks.environment import BuildError, build_env, prepare_workdir
+from polar_runtime.tasks.imagebuild import task_image
 from polar_runtime.verifier import Evaluation, verify  # noqa: F401
 ROLLOUTS_SUBDIR = "rollouts"
 ROLLOUTS_FILE = "rollouts.parquet"
@@ -524,8 +525,8 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
         sandbox = cfg.get_sandbox()
         row["sandbox"] = sandbox.name
         notes += prepare_workdir(task, workdir, sandbox, cfg.work / ".builds")
-        # a container backend runs every phase in the task's built image (``sandbox/imagebuild.py``)
-        image = sandbox.task_image(task) if hasattr(sandbox, "task_image") else task.image
+        # a container backend runs every phase in the task's built image (``tasks/imagebuild.py``)
+        image = task_image(task, sandbox)
     except Exception as exc:  # noqa: BLE001 - no sandbox, a build that fails: this sample failed, visibly
         row["error"] = f"environment: {exc}"
         row["sandbox_notes"] = "\n".join(notes)

@@ -55,7 +55,7 @@ class DockerSandbox(Sandbox):
     probe_failure = "no daemon answers"
     #: the init runs on the host's Python bound in (False: the image's own ``python3``)
     host_init = True
-    #: the task's image is built for real (``imagebuild.py``: RUN steps committed); False: RUN
+    #: the task's image is built for real (``tasks/imagebuild.py``: RUN steps committed); False: RUN
     #: steps keep only the work dir and every phase runs on the base image
     builds_images = True
     #: image -> its stand-in sentence or None, looked up (and stood in) once per process
@@ -190,14 +190,6 @@ class DockerSandbox(Sandbox):
                 egress.close()
             shutil.rmtree(private, ignore_errors=True)
             shutil.rmtree(report_dir, ignore_errors=True)
-
-    def task_image(self, task) -> str | None:
-        """The image every phase of ``task`` runs in: its built image (``imagebuild.image_tag``)."""
-        if not self.builds_images or not task.image:
-            return task.image
-        from polar_runtime.sandbox.imagebuild import image_tag
-
-        return image_tag(task)
 
     def image_ready(self, image: str) -> str | None:
         """Make sure ``image`` is on the daemon, standing one in where it is missing (once per

@@ -25,11 +25,7 @@ from typing import Any
 from polar_core.processes import file_lock
 from polar_runtime.sandbox.egress import registries
 from polar_runtime.sandbox.hostfs import UnsafePath, copy_tree, write_bytes
-from polar_runtime.tasks.model import DEFAULT_BUILD_TIMEOUT, DEFAULT_PATH, Task
-
-
-class BuildError(RuntimeError):
-    """The environment could not be built; the message names the step (Dockerfile line)."""
+from polar_runtime.tasks.model import DEFAULT_BUILD_TIMEOUT, DEFAULT_PATH, BuildError, Task  # noqa: F401
 
 
 _APT_NOISE = re.compile(r"^(apt(-get)?\s+(-\S+\s+)*(update|clean|autoremove)\b.*|rm\s+-rf\s+/var/lib/apt/lists/\S*|true)$")
@@ -119,7 +115,7 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path,
                 run_step: Any = None) -> list[str]:
     """Build the task's environment into ``workdir_host`` (empty); returns the notes of the build.
     RUN steps run through ``sandbox`` (a polar_runtime.sandbox.Sandbox), or through ``run_step(spec,
-    argv, out)`` when the sandbox builds a real image (``sandbox/imagebuild.py``: then an apt step
+    argv, out)`` when the sandbox builds a real image (``tasks/imagebuild.py``: then an apt step
     really installs, and is not checked against the host's packages)."""
     from polar_runtime.sandbox import SandboxSpec
 
@@ -195,10 +191,10 @@ def prepare_workdir(task: Task, workdir: Path, sandbox: Any, build_root: Path) -
         if getattr(sandbox, "builds_images", False) and task.image:
             # a container backend: the task's image, built once per content on the daemon (a
             # second check or run finds it by its tag), and the work dir copied out of it
-            from polar_runtime.sandbox.imagebuild import build_task_image, export_workdir
+            from polar_runtime.tasks.imagebuild import build_task_image, export_workdir
 
             try:
-                tag, notes = build_task_image(task, sandbox, built / "logs")
+                tag, notes = build_task_image(task, sandbox, built / "logs", apply_steps)
                 export_workdir(tag, task.workdir, workdir, sandbox.runtime)
             except (BuildError, OSError, RuntimeError) as exc:
                 built.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,11 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+
+class BuildError(RuntimeError):
+    """The environment could not be built; the message names the step (Dockerfile line)."""
+
+
 DEFAULT_WORKDIR = "/app"
 DEFAULT_AGENT_TIMEOUT = 600.0
 DEFAULT_VERIFIER_TIMEOUT = 120.0

@@ -159,7 +159,7 @@ def test_a_dockerfile_apt_install_is_in_the_built_image_cold_then_warm(dockerd, 
     ``tasks check`` (another work dir) finds the image by its content tag and builds nothing
     (the build counter and the image id do not change). Without the commit (the RUN step's
     container thrown away, as before) the oracle fails: ``jq: command not found``."""
-    from polar_runtime.sandbox import imagebuild
+    from polar_runtime.tasks import imagebuild
     from polar_runtime.task_commands import check_tasks, load_for_check
 
     tasks, refused = load_for_check(str(REPO / "tests/fixtures/harbor-apt-image"))

@@ -41,12 +41,22 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+from polar_runtime.tasks.model import BuildError
 
 #: real image builds in this process (a warm build, found by its tag, does not count)
 BUILDS = 0
 _lock = threading.Lock()
 REPOSITORY = "polar-task"
+
+
+def task_image(task: Any, sandbox: Any) -> str | None:
+    """The image every phase of ``task`` runs in under ``sandbox``: its built image on a backend that
+    builds images (docker, podman), else the Dockerfile's FROM image as it is."""
+    if not getattr(sandbox, "builds_images", False) or not task.image:
+        return task.image
+    return image_tag(task)
 
 
 def image_tag(task: Any) -> str:
@@ -70,12 +80,11 @@ def image_id(image: str, runtime: str = "docker") -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
-def build_task_image(task: Any, sandbox: Any, log_dir: Path) -> tuple[str, list[str]]:
+def build_task_image(task: Any, sandbox: Any, log_dir: Path, apply_steps: Callable[..., list[str]]) -> tuple[str, list[str]]:
     """The task's image (built, or found by its content tag); returns (tag, notes). Raises
-    ``BuildError`` naming the Dockerfile line."""
+    ``BuildError`` naming the Dockerfile line. ``apply_steps``: ``environment.apply_steps`` (passed
+    in: the environment module calls this one)."""
     global BUILDS
-    from polar_runtime.tasks.environment import BuildError, apply_steps
-
     tag, runtime = image_tag(task), sandbox.runtime
     if image_id(tag, runtime):
         return tag, list(task.environment.notes) + [f"image {tag} reused (built before from the same content)"]
