@@ -215,7 +215,9 @@ class ResultStore:
                 return None
             self._last_write = now
             df = self.frame()
-            tmp = self.capture_dir / f".{ROLLOUTS_FILE}.{os.getpid()}.tmp"
+            # a temp file per thread: stores of concurrent groups (the asynchronous loop makes one per
+            # group) gather at once; a per-process name made one's rename fail on the other's file
+            tmp = self.capture_dir / f".{ROLLOUTS_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
             df.write_parquet(tmp)
             os.replace(tmp, self.parquet)
             return df
