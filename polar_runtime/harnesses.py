@@ -32,6 +32,7 @@ from typing import Callable, Literal
 
 from polar_core import paths
 from polar_core.processes import file_lock, kill_group
+from polar_runtime import cancel
 
 Mode = Literal["base_url", "proxy"]
 MODES: tuple[Mode, ...] = ("base_url", "proxy")
@@ -683,6 +684,7 @@ def run_invocation(inv: Invocation, timeout: float, log_dir: Path, name: str = "
                                 stdout=out, stderr=err, start_new_session=True)
         with _ACTIVE_LOCK:
             _ACTIVE.add(proc)
+        cancel.track(proc)  # a dropped straggler group's harnesses are killed with it
         try:
             rc: int | None = proc.wait(timeout=timeout)
             timed_out = False
@@ -691,6 +693,7 @@ def run_invocation(inv: Invocation, timeout: float, log_dir: Path, name: str = "
         finally:
             # On timeout the whole group goes; after a clean exit, whatever it left behind does.
             kill_group(proc, grace=5.0 if proc.returncode is None else 0.0)
+            cancel.untrack(proc)
             with _ACTIVE_LOCK:
                 _ACTIVE.discard(proc)
     return RunResult(rc, timed_out, time.monotonic() - t0, out_p, err_p)

@@ -42,6 +42,7 @@ import polars as pl
 
 from polar_core import paths
 from polar_core.schema import SESSIONS_SUBDIR, read_capture_lines, valid_session_id
+from polar_runtime import cancel
 from polar_runtime.harnesses import Endpoint, Preset, Session, run_invocation, terminate_all
 from polar_runtime.tasks import TASKS_DIR, Task, builtin_sets, load_tasks, resolve_tasks_path, task_from_dict  # noqa: F401
 from polar_runtime.tasks.environment import BuildError, build_env, prepare_workdir
@@ -215,7 +216,9 @@ class ResultStore:
                 return None
             self._last_write = now
             df = self.frame()
-            tmp = self.capture_dir / f".{ROLLOUTS_FILE}.{os.getpid()}.tmp"
+            # a temp file per thread: stores of concurrent groups (the asynchronous loop makes one per
+            # group) gather at once; a per-process name made one's rename fail on the other's file
+            tmp = self.capture_dir / f".{ROLLOUTS_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
             df.write_parquet(tmp)
             os.replace(tmp, self.parquet)
             return df
@@ -541,6 +544,7 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
     except Exception as exc:  # noqa: BLE001 - an unreachable proxy fails this sample, visibly
         row["error"] = f"session registration failed: {exc}"
         return row
+    cancel.note_session(sid)  # a cancelled group closes its sessions at the proxy
     limit = task.timeout or cfg.timeout
     wall = 0.0
     # follow-ups are user turns for a model; the oracle and nop act once
@@ -582,6 +586,9 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
             row["error"] = (result.tail(600).strip()[-600:] or f"exit code {result.returncode}") + at
         if row["status"] != "ok":
             break
+    if cancel.is_cancelled():  # its group was dropped (the asynchronous loop): no verifier, no result
+        row.update(status="failed", error="cancelled: its group was dropped", sandbox_notes="\n".join(notes))
+        return row
     if not registry.settle(cfg.capture_dir, sid, cfg.settle_s):
         note = "a call still in flight at the end is not in the captures (the upstream has not answered)"
         row["error"] = f"{row['error']}; {note}" if row["error"] else note

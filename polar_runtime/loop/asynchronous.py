@@ -124,7 +124,9 @@ def run_async(run: "Run", ids: list[str]) -> None:
             save([{"gid": g.gid, "version": g.version, "batch": b} for g in batch])
             if not rows:
                 rec = {"step": b, "policy_version": state.policy_version, "groups": gids, "rewards": reward_summary(rows),
-                       "train": None, "push": None, "note": "every group of this batch was dropped"}
+                       "train": None, "push": None, "dropped": list(dropped_at.get(str(b), [])),
+                       "note": ("every group of this batch was dropped" if dropped_at.get(str(b)) else
+                                "no group left: its stragglers moved to the next batch (within the bound)")}
                 run.finish(rec, b, t_step)
                 save()
                 continue

@@ -31,6 +31,7 @@ def print_summary(report: dict[str, Any]) -> None:
     t = report.get("timing") or {}
     if t:
         console.print(f"idle: trainer {t['trainer_idle_frac']:.1%}, vLLM {t['vllm_idle_frac']:.1%} of {t['wall_s']:.0f} s"
+                      f" (both busy {t.get('overlap_s', 0.0):.0f} s)"
                       f"   dropped groups (stragglers over the bound): {len(report.get('dropped_groups') or [])}")
     console.print(f"resumes: {report['resumes']}   finished: {report['finished']}   policy v{report['policy_version']}"
                   f"   checkpoint: {report['checkpoint'] or '-'}")

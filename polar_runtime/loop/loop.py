@@ -105,12 +105,16 @@ class Run:
             rec["note"] = "no sampled tokens captured: nothing to train on"
             return self.finish(rec, step, t_step)
         self.meter.train(True)
+        t_train = time.time()
         try:
             res = placement.train(step, traj)
         finally:
             self.meter.train(False)
+        # wall-clock window of the step (Unix seconds, as the captures' t_request_in): which calls
+        # vLLM served while the trainer stepped can be read back from the captures
         rec["train"] = {"updated": res.updated, "policy_version": res.policy_version, "checkpoint": res.checkpoint,
-                        "metrics": res.metrics, "note": res.note}
+                        "metrics": res.metrics, "note": res.note, "t_start": round(t_train, 3),
+                        "t_end": round(time.time(), 3)}
         if not res.updated or not res.checkpoint:
             rec["note"] = res.note or "the trainer made no update"
             return self.finish(rec, step, t_step)

@@ -7,7 +7,8 @@ point of asynchronous rollouts. The rows go through the project's one metrics wr
 
 - :class:`IdleMeter`: busy time of the trainer (inside ``placement.train``) and of vLLM (at least one
   group or step rolling out, and no push swapping weights: calls wait at the proxy's gate then),
-  accumulated across resumes through the state file. Idle fraction = 1 - busy / wall.
+  accumulated across resumes through the state file. Idle fraction = 1 - busy / wall. ``overlap_s``:
+  both busy at once (rollouts running while the trainer steps; 0 in the synchronous loop).
 - token age = (version of the policy being trained) - (version that sampled the token), per call,
   from the captures (each capture record carries the ``policy_version`` the proxy served).
 """
@@ -29,6 +30,7 @@ class IdleMeter:
         self.wall = float(saved.get("wall_s", 0.0))
         self.trainer = float(saved.get("trainer_busy_s", 0.0))
         self.vllm = float(saved.get("vllm_busy_s", 0.0))
+        self.overlap = float(saved.get("overlap_s", 0.0))  # both busy at once: what asynchrony buys
         self.rolling = 0  # groups (or whole steps) rolling out now
         self.training = False
         self.pushing = False
@@ -42,6 +44,8 @@ class IdleMeter:
             self.trainer += dt
         if self.rolling > 0 and not self.pushing:
             self.vllm += dt
+            if self.training:
+                self.overlap += dt
 
     def _set(self, **kw: Any) -> None:
         with self._lock:
@@ -71,6 +75,7 @@ class IdleMeter:
             self._tick()
             wall = self.wall
             return {"wall_s": round(wall, 3), "trainer_busy_s": round(self.trainer, 3), "vllm_busy_s": round(self.vllm, 3),
+                    "overlap_s": round(self.overlap, 3),
                     "trainer_idle_frac": round(1 - self.trainer / wall, 4) if wall > 0 else 0.0,
                     "vllm_idle_frac": round(1 - self.vllm / wall, 4) if wall > 0 else 0.0}
 

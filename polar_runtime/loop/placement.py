@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
+from polar_runtime import cancel
+
 from .config import LoopConfig
 
 CHILDREN_FILE = "loop-children.json"
@@ -184,6 +186,9 @@ class LocalPlacement:
         self.trainer: Any = None
         self.checkpoint: Optional[str] = None  # what the trainer resumes from when (re)started
         self.stop_event = threading.Event()
+        self._scopes: dict[str, Any] = {}  # "task.st<label>" -> the CancelScope of a running group
+        self._scopes_lock = threading.Lock()
+        self.cancelled_groups: list[dict[str, Any]] = []  # what each cancel_group stopped
 
     # ---- start ----------------------------------------------------------------------------------
     def start(self, serve_from: Optional[str], policy_version: int) -> None:
@@ -266,24 +271,50 @@ class LocalPlacement:
                                capture_dir=self.dcfg.captures, model=self.served, samples=self.dcfg.samples,
                                concurrency=self.dcfg.concurrency, timeout=self.dcfg.timeout, step=step,
                                sandbox=self.cfg.sandbox.backend, pids=self.cfg.sandbox.pids)
+        rcfg.capture_dir.mkdir(parents=True, exist_ok=True)
         store = r.ResultStore(rcfg.capture_dir)
         todo, done = r.plan(rcfg, store)
         registry = r.SessionRegistry(self.proxy.control)
+        scope = self._scope(step, task_id)
 
         def one(job: Any) -> Optional[dict[str, Any]]:
-            if self.stop_event.is_set():
-                return None
-            row = r.run_sample(rcfg, job, registry)
-            if self.stop_event.is_set():
-                return None
-            store.put(r.sample_key(job.task.id, rcfg.step, job.sample), row)
-            return row
+            with cancel.bound(scope):  # what this sample starts is killed if its group is dropped
+                if self.stop_event.is_set() or scope.cancelled.is_set():
+                    return None
+                row = r.run_sample(rcfg, job, registry)
+                if self.stop_event.is_set() or scope.cancelled.is_set():
+                    return None  # not a result: a dropped group is never trained on
+                store.put(r.sample_key(job.task.id, rcfg.step, job.sample), row)
+                return row
 
         with cf.ThreadPoolExecutor(max_workers=rcfg.concurrency, thread_name_prefix=f"loop-{task_id}") as pool:
             rows = [row for row in pool.map(one, todo) if row is not None]
         store.write_parquet()  # the trajectories read rewards from rollouts.parquet
+        with self._scopes_lock:
+            self._scopes.pop(scope.name, None)
+        if scope.cancelled.is_set():
+            self.log(f"  group {scope.name}: cancelled after {len(rows)} finished sample(s)")
+            return []
         self.log(f"  group {task_id}.st{step}: {len(rows)} run, {len(done)} reused, started under v{policy_version}")
         return done + rows
+
+    def _scope(self, step: int, task_id: str) -> Any:
+        name = f"{task_id}.st{step}"
+        with self._scopes_lock:  # a cancel that came before the group's thread got here stays
+            scope = self._scopes.get(name) or cancel.CancelScope(name)
+            self._scopes[name] = scope
+        return scope
+
+    def cancel_group(self, step: int, task_id: str) -> dict[str, Any]:
+        """Stop a dropped straggler group now (``polar_runtime/cancel.py``): its harnesses and sandboxes
+        are killed, its proxy sessions closed, its unstarted samples never start; other groups are
+        untouched. Without it the group ran to ``harness.timeout_s`` and held a rollout slot."""
+        scope = self._scope(step, task_id)  # one not started yet is refused when it starts
+        res = scope.cancel(self.proxy.control)
+        self.cancelled_groups.append(res)
+        self.log(f"  group {scope.name} dropped: {res['processes_killed']} process group(s) killed, "
+                 f"{res['sessions_closed']} session(s) closed")
+        return res
 
     def sample_versions(self, rows: list[dict[str, Any]]) -> dict[str, dict[int, int]]:
         import polars as pl

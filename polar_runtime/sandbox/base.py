@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, Callable, Union
 
 from polar_core.processes import kill_group
+from polar_runtime import cancel
 
 #: What ``stdout``/``stderr`` may be: an open file, a raw fd, or None (inherit).
 Stream = Union[IO[bytes], IO[str], int, None]
@@ -191,6 +192,7 @@ def supervise(argv: list[str], *, env: dict[str, str] | None, cwd: str | os.Path
             o.started()
     with _ACTIVE_LOCK:
         _ACTIVE.add(proc)
+    cancel.track(proc)  # a dropped straggler group's phases are killed with it (polar_runtime/cancel.py)
     timed_out, reason = False, None
     try:
         if on_start is not None:
@@ -212,6 +214,7 @@ def supervise(argv: list[str], *, env: dict[str, str] | None, cwd: str | os.Path
         # On timeout, a watchdog's reason or Ctrl-C the whole group goes; after a clean exit,
         # whatever it left in the group goes too.
         kill_group(proc, grace=0.0)
+        cancel.untrack(proc)
         with _ACTIVE_LOCK:
             _ACTIVE.discard(proc)
         for o in outputs:

@@ -305,3 +305,28 @@ def test_followups_are_validated():
     for bad in ("y", [""], [3]):
         with pytest.raises(ValueError, match="followups"):
             r.task_from_dict({"id": "a", "instruction": "x", "followups": bad})
+
+
+def test_result_stores_of_concurrent_groups_gather_at_once(tmp_path):
+    """The asynchronous loop makes one ResultStore per group, on one capture dir, and each gathers
+    rollouts.parquet when its group ends. A temp name per process made two at once fail
+    (FileNotFoundError on the rename: seen in the live asynchronous loop); FAILS with it restored."""
+    import threading
+
+    stores = [r.ResultStore(tmp_path) for _ in range(2)]
+    stores[0].put(r.sample_key("a", 0, 0), {"task_id": "a", "step": 0, "sample_index": 0, "session_id": "a.st0.s0"})
+    errors: list[BaseException] = []
+
+    def gather(store: r.ResultStore) -> None:
+        try:
+            for _ in range(40):
+                store.write_parquet()
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=gather, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and pl.read_parquet(tmp_path / r.ROLLOUTS_FILE).height == 1
