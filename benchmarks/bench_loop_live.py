@@ -25,38 +25,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from polar_testing.live_loop import live_config, write_run_dir
+
 HERE = Path(__file__).resolve().parent
-TASK = {"id": "echo", "instruction": "Say hello.",
-        "evaluator": 'case "$POLAR_SESSION" in *.s0) exit 0;; esac; exit 1'}
-CONFIG = """\
-out = "run"
-[model]
-name = "tiny-qwen"
-max_model_len = 8192
-[harness]
-timeout_s = 300
-concurrency = 2
-[tasks]
-source = "tasks.jsonl"
-[rollout]
-samples_per_group = 2
-iterations = 3
-[sampling]
-max_tokens = 16
-[schedule]
-max_off_policy_steps = {k}
-groups_in_flight = {in_flight}
-[trainer]
-server_during_train = "keep"
-"""
 
 
 def run_one(k: int) -> dict:
     polar = str(Path(sys.executable).with_name("polar"))
     with tempfile.TemporaryDirectory(prefix=f"loop-live-k{k}-") as tmp:
         d = Path(tmp)
-        (d / "tasks.jsonl").write_text(json.dumps(TASK) + "\n")
-        (d / "loop.toml").write_text(CONFIG.format(k=k, in_flight=1))
+        write_run_dir(d, live_config(iterations=3, k=k, in_flight=1, concurrency=2))
         t0 = time.monotonic()
         done = subprocess.run([polar, "loop", "loop.toml"], cwd=d, capture_output=True, text=True, timeout=1500,
                               stdin=subprocess.DEVNULL)

@@ -17,26 +17,11 @@ import pytest
 from polar_runtime import harnesses as h
 from polar_runtime.loop.placement import CHILDREN_FILE
 from polar_runtime.loop.state import STATE_FILE
+from polar_testing.live_loop import live_config, write_run_dir
 
 VARIANCE_ONCE = {"id": "echo", "instruction": "Say hello.",
                  "evaluator": 'case "$POLAR_SESSION" in *.st0.s0) exit 0;; esac; exit 1'}
-CONFIG = """\
-out = "run"
-[model]
-name = "tiny-qwen"
-max_model_len = 8192
-[harness]
-timeout_s = 300
-[tasks]
-source = "tasks.jsonl"
-[rollout]
-samples_per_group = 2
-iterations = 2
-[sampling]
-max_tokens = 16
-[trainer]
-server_during_train = "keep"
-"""
+CONFIG = live_config(iterations=2)
 
 
 def _alive(pid: int) -> bool:
@@ -54,8 +39,7 @@ def _alive(pid: int) -> bool:
 def test_loop_killed_in_a_rollout_resumes(tmp_path: Path, tiny_qwen_dir: Path) -> None:
     if not h.get_preset("pi-chat").installed():
         pytest.fail("Pi is not installed: run `polar harness install pi` (setup does)")
-    (tmp_path / "tasks.jsonl").write_text(json.dumps(VARIANCE_ONCE) + "\n")
-    (tmp_path / "loop.toml").write_text(CONFIG)
+    write_run_dir(tmp_path, CONFIG, VARIANCE_ONCE)
     polar = str(Path(sys.executable).with_name("polar"))
     out = tmp_path / "run"
     t0 = time.monotonic()

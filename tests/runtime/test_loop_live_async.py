@@ -39,30 +39,9 @@ from pathlib import Path
 import pytest
 
 from polar_runtime import harnesses as h
+from polar_testing.live_loop import live_config, write_run_dir
 
-TASK = {"id": "echo", "instruction": "Say hello.",
-        "evaluator": 'case "$POLAR_SESSION" in *.s0) exit 0;; esac; exit 1'}
-CONFIG = """\
-out = "run"
-[model]
-name = "tiny-qwen"
-max_model_len = 8192
-[harness]
-timeout_s = 300
-concurrency = 2
-[tasks]
-source = "tasks.jsonl"
-[rollout]
-samples_per_group = 2
-iterations = 3
-[sampling]
-max_tokens = 16
-[schedule]
-max_off_policy_steps = 1
-groups_in_flight = 1
-[trainer]
-server_during_train = "keep"
-"""
+CONFIG = live_config(iterations=3, k=1, in_flight=1, concurrency=2)
 K = 1
 
 
@@ -73,8 +52,7 @@ K = 1
 def test_loop_asynchronous_live_within_the_bound_and_overlapping(tmp_path: Path, tiny_qwen_dir: Path) -> None:
     if not h.get_preset("pi-chat").installed():
         pytest.fail("Pi is not installed: run `polar harness install pi` (setup does)")
-    (tmp_path / "tasks.jsonl").write_text(json.dumps(TASK) + "\n")
-    (tmp_path / "loop.toml").write_text(CONFIG)
+    write_run_dir(tmp_path, CONFIG)
     polar = str(Path(sys.executable).with_name("polar"))
     out = tmp_path / "run"
     t0 = time.monotonic()
