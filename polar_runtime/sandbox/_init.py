@@ -225,6 +225,9 @@ def _spawn_and_wait(argv: list[str], drop: dict | None = None, harden: bool = Fa
         try:
             os.close(r)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            # Python ignores SIGPIPE and an ignored signal stays ignored across exec: the phase
+            # gets it back as on any system (`curl ... | sh`, `yes | head` end as they would)
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
             if drop:
                 os.close(up_r)
                 os.close(down_w)

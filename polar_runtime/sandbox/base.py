@@ -176,12 +176,17 @@ def supervise(argv: list[str], *, env: dict[str, str] | None, cwd: str | os.Path
     timed_out, the poll's reason or None, wall seconds)."""
     t0 = time.monotonic()
     outputs: list[_BoundedOutput] = []
+    # One sink for both: one pipe. (Deciding on stderr after stdout was swapped for the pipe's
+    # write end made that int a "sink" of its own: a second pump wrote stderr to the write end
+    # the parent closes after the start, got EBADF and closed its read end, and the next write
+    # to stderr killed the phase with SIGPIPE: the docker CLI's rc -13 in TB2's verifier.)
+    same = _is_sink(stdout) and stderr is stdout
     if _is_sink(stdout):
         outputs.append(_BoundedOutput(stdout))
-        if stderr is stdout:
-            stderr = outputs[0].w
         stdout = outputs[0].w
-    if _is_sink(stderr):
+    if same:
+        stderr = stdout
+    elif _is_sink(stderr):
         outputs.append(_BoundedOutput(stderr))
         stderr = outputs[-1].w
     try:
@@ -248,12 +253,30 @@ class _BoundedOutput:
         os.close(self.w)  # the child holds its copy; EOF when every process of the phase is gone
 
     def _pump(self, r: int) -> None:
+        # The read end is closed only at EOF: a sink that fails (EBADF, ENOSPC, EFBIG) stops the
+        # copying, never the draining, or the phase's next write would die of SIGPIPE.
         head, tail, dropped = 0, bytearray(), 0
+        broken = False
+
+        def write(data: bytes) -> None:
+            nonlocal broken
+            if not broken:
+                try:
+                    os.write(self.fd, data)
+                except OSError:
+                    broken = True
+
         try:
-            while chunk := os.read(r, 65536):
+            while True:
+                try:
+                    chunk = os.read(r, 65536)
+                except InterruptedError:
+                    continue
+                if not chunk:
+                    break
                 if head < OUTPUT_HEAD:
                     part = chunk[:OUTPUT_HEAD - head]
-                    os.write(self.fd, part)
+                    write(part)
                     head += len(part)
                     chunk = chunk[len(part):]
                 if chunk:
@@ -262,9 +285,9 @@ class _BoundedOutput:
                         dropped += len(tail) - OUTPUT_TAIL
                         del tail[:len(tail) - OUTPUT_TAIL]
             if dropped:
-                os.write(self.fd, f"\n[polar: {dropped} bytes of output dropped]\n".encode())
+                write(f"\n[polar: {dropped} bytes of output dropped]\n".encode())
             if tail:
-                os.write(self.fd, bytes(tail))
+                write(bytes(tail))
         except OSError:
             pass
         finally:

@@ -178,10 +178,6 @@ def test_a_dockerfile_apt_install_is_in_the_built_image_cold_then_warm(dockerd, 
     assert imagebuild.BUILDS == builds + 1 and imagebuild.image_id(tag) == first
 
 
-@pytest.mark.xfail(reason="OPEN: under docker the verifier's `docker run` client dies of SIGPIPE (rc -13) while "
-                   "apt-get/uvx stream output through the egress proxy; the same apt with its output sent to a "
-                   "file inside passes. Not yet diagnosed (see docs/sandbox.md); not run (35 s of CI for a known failure): "
-                   "run it with --runxfail", run=False)
 def test_terminal_bench_2s_verifier_bootstraps_offline(dockerd, tmp_path):
     """TB2's standard test.sh, unedited: ``apt-get install curl``, ``curl -LsSf
     https://astral.sh/uv/0.9.5/install.sh | sh``, ``uvx -p 3.13 -w pytest==8.4.1 -w
