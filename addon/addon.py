@@ -212,6 +212,11 @@ class Polar:
             s.writer.fsync = o.polar_fsync
         if "polar_control_token" in updated and o.polar_control_token:
             self.state.control_token = o.polar_control_token
+        if not self.state.control_token:
+            # settled here, before the listener accepts anything: a control request that arrived
+            # before ``running`` (a readiness probe) was refused for want of a secret (seen in the
+            # unit suite under load); ``running`` only writes it to the token file
+            self.state.control_token = control.settle_token()
         s.require_session_key = o.polar_require_session_key
         if "polar_pause" in updated:
             s.gate.set_paused(o.polar_pause)

@@ -66,11 +66,16 @@ def refuse(s: ProxyState, flow: http.HTTPFlow) -> None:
                   {"www-authenticate": 'Bearer realm="polar-control"'})
 
 
+def settle_token() -> str:
+    """The control secret when no option sets it: the environment's (the runner's), else a new one."""
+    return os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
+
+
 def publish_token(s: ProxyState, options: Any) -> Path | None:
     """Settle the control secret (option, environment, or a new one) and write it, mode 0600, where
     polar's clients look. Returns the file written (None when it could not be: logged)."""
     if not s.control_token:
-        s.control_token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
+        s.control_token = settle_token()
     if options.polar_control_token_file:
         path = Path(options.polar_control_token_file).expanduser()
     else:
