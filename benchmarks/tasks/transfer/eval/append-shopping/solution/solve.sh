@@ -1,0 +1,3 @@
+#!/usr/bin/env bash
+cd /app
+printf 'bread\n' >> shopping.txt

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# csv-price (extract-csv-field): reward 1 when the work dir passes the check below
+chmod -R go-rwx /tests
+cd /app || exit 2
+mkdir -p /logs/verifier
+if [ -f price.txt ] && [ ! -L price.txt ] && [ "$(head -c 4096 price.txt 2>/dev/null | tr -d '\r' | sed -e 's/^[[:space:]]*//' -e 's/[[:space:]]*$//' | sed '/^$/d')" = '7' ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+ecko 'hi there' > out.txt

@@ -1,0 +1,3 @@
+#!/usr/bin/env bash
+cd /app
+printf 'carol\n' >> names.txt

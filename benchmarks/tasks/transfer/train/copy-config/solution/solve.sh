@@ -1,0 +1,3 @@
+#!/usr/bin/env bash
+cd /app
+cp config.ini config.bak

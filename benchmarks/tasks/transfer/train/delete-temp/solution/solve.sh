@@ -1,0 +1,3 @@
+#!/usr/bin/env bash
+cd /app
+rm temp.txt

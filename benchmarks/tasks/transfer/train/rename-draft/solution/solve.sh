@@ -1,0 +1,3 @@
+#!/usr/bin/env bash
+cd /app
+mv draft.txt final.txt
