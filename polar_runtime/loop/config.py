@@ -99,6 +99,8 @@ class TrainerSection:
 class EvalSection:
     every: int = 0  # evaluate the served policy every N rollout steps and at the end (0: off)
     samples: int = 4
+    tasks: str = ""  # tasks evaluated, as tasks.source takes them ("": the training tasks; another set measures transfer)
+    ids: list[str] = field(default_factory=list)  # only these task ids of eval.tasks
 
 
 @dataclass
@@ -309,6 +311,8 @@ def _check_values(cfg: LoopConfig, err: Any) -> None:
     if cfg.schedule.max_off_policy_steps > 0 and cfg.trainer.server_during_train == "stop":
         err(("trainer", "server_during_train"), "trainer.server_during_train = \"stop\" stops rollouts while training: "
             "asynchronous rollouts (schedule.max_off_policy_steps > 0) need \"keep\" or \"auto\"")
+    if cfg.eval.ids and not cfg.eval.tasks:
+        err(("eval", "ids"), "eval.ids selects tasks of eval.tasks: set eval.tasks too (the training tasks are tasks.ids)")
     if cfg.placement.kind != "local" and ":" not in cfg.placement.kind:
         err(("placement", "kind"), f"placement.kind must be \"local\" or \"module:attribute\", got {_describe(cfg.placement.kind)}")
 

@@ -39,11 +39,15 @@ REPORT_FILE = "loop-report.json"
 #: keys whose change makes a run directory another run (resuming it would mix two experiments)
 IDENTITY_KEYS = (("model", "name"), ("harness", "name"), ("tasks", "source"), ("tasks", "ids"), ("tasks", "limit"),
                  ("rollout", "samples_per_group"), ("rollout", "groups_per_step"), ("trainer", "lr"),
-                 ("trainer", "lora_rank"), ("sampling", "temperature"), ("sampling", "seed"))
+                 ("trainer", "lora_rank"), ("sampling", "temperature"), ("sampling", "seed"), ("eval", "tasks"), ("eval", "ids"))
+
+
+#: identity keys added later: a state written before them holds their default
+_LATER_DEFAULTS: dict[tuple[str, str], Any] = {("eval", "tasks"): "", ("eval", "ids"): []}
 
 
 def _identity(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {f"{s}.{k}": (cfg.get(s) or {}).get(k) for s, k in IDENTITY_KEYS}
+    return {f"{s}.{k}": (cfg.get(s) or {}).get(k, _LATER_DEFAULTS.get((s, k))) for s, k in IDENTITY_KEYS}
 
 
 def prune_checkpoints(train_dir: Path, keep: int, protect: set[str]) -> list[str]:

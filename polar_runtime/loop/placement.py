@@ -170,6 +170,22 @@ def demo_config_of(cfg: LoopConfig, out: Path) -> Any:
         checkpoint_every=0, lora_rank=cfg.trainer.lora_rank, eval_every=cfg.eval.every, eval_samples=cfg.eval.samples)
 
 
+def select_tasks(tasks: list[Any], source: str, ids: list[str], limit: int) -> list[Any]:
+    """``ids`` of ``tasks`` (all must exist), else the first ``limit`` (0: all); never empty."""
+    from polar_runtime.demo import DemoError
+
+    if ids:
+        wanted = set(ids)
+        tasks = [t for t in tasks if t.id in wanted]
+        if wanted - {t.id for t in tasks}:
+            raise DemoError(f"no task(s) {sorted(wanted - {t.id for t in tasks})} in {source}")
+    elif limit:
+        tasks = tasks[:limit]
+    if not tasks:
+        raise DemoError(f"no tasks selected from {source}")
+    return tasks
+
+
 class LocalPlacement:
     """vLLM, the proxy, the harness runs and the trainer, all on this machine."""
 
@@ -206,18 +222,13 @@ class LocalPlacement:
             self.model_dir, self.served = demo.ensure_setup(d, self.log)
             self.serve_dir = demo.servable_dir(self.model_dir, self.log)
             self.preset = h.get_preset(d.harness)
-            tasks = r.load_tasks(d.tasks)
-            if d.task_ids:
-                wanted = set(d.task_ids)
-                tasks = [t for t in tasks if t.id in wanted]
-                if wanted - {t.id for t in tasks}:
-                    raise demo.DemoError(f"no task(s) {sorted(wanted - {t.id for t in tasks})} in {d.tasks}")
-            elif d.n_tasks:
-                tasks = tasks[: d.n_tasks]
-            if not tasks:
-                raise demo.DemoError(f"no tasks selected from {d.tasks}")
+            tasks = select_tasks(r.load_tasks(d.tasks), d.tasks, d.task_ids, d.n_tasks)
             self.tasks = {t.id: t for t in tasks}
-            ph.detail = f"{self.served}, {self.preset.name}, {len(tasks)} tasks"
+            # the evaluation's tasks: the training ones, or another set (transfer: tasks never trained on)
+            self.eval_tasks = (select_tasks(r.load_tasks(cfg.eval.tasks), cfg.eval.tasks, cfg.eval.ids, 0)
+                               if cfg.eval.tasks else list(tasks))
+            ph.detail = f"{self.served}, {self.preset.name}, {len(tasks)} tasks" + (
+                f", {len(self.eval_tasks)} other tasks evaluated" if cfg.eval.tasks else "")
         with self.tl.phase("serve", f"vLLM serving {self.served} v{policy_version}") as ph:
             extra = ("--gpu-memory-utilization", "0.35") if d.gpu else ()
             self.server = VLLMServer(Path(serve_from) if serve_from else self.serve_dir, served_model_name=self.served,
@@ -400,7 +411,7 @@ class LocalPlacement:
 
         if not self.dcfg.eval_every:
             return None
-        return demo.run_eval(self.dcfg, self.tl, list(self.tasks.values()), self.endpoint, self.proxy.control,
+        return demo.run_eval(self.dcfg, self.tl, self.eval_tasks, self.endpoint, self.proxy.control,
                              self.stop_event, self.served, step, policy_version)
 
     def close(self) -> None:

@@ -66,3 +66,24 @@ def test_load_config_reads_a_file(tmp_path: Path) -> None:
     assert c.load_config(p).rollout.iterations == 3
     with pytest.raises(c.ConfigError, match="cannot read"):
         c.load_config(tmp_path / "missing.toml")
+
+
+def test_eval_tasks_of_another_set_parse_and_ids_need_them() -> None:
+    cfg = c.parse_config('[eval]\nevery = 2\ntasks = "benchmarks/tasks/transfer/eval"\nids = ["csv-price"]\n')
+    assert (cfg.eval.tasks, cfg.eval.ids) == ("benchmarks/tasks/transfer/eval", ["csv-price"])
+    assert c.LoopConfig().eval.tasks == ""  # default: the training tasks are evaluated
+    assert _err('[eval]\nids = ["x"]\n').startswith("loop.toml:2: eval.ids selects tasks of eval.tasks")
+
+
+def test_select_tasks_by_id_or_limit_and_refuses_a_missing_one() -> None:
+    from types import SimpleNamespace
+
+    from polar_runtime.demo import DemoError
+    from polar_runtime.loop.placement import select_tasks
+
+    ts = [SimpleNamespace(id=i) for i in ("a", "b", "c")]
+    assert [t.id for t in select_tasks(ts, "src", ["c", "a"], 0)] == ["a", "c"]
+    assert [t.id for t in select_tasks(ts, "src", [], 2)] == ["a", "b"]
+    assert [t.id for t in select_tasks(ts, "src", [], 0)] == ["a", "b", "c"]
+    with pytest.raises(DemoError, match=r"no task\(s\) \['z'\] in src"):
+        select_tasks(ts, "src", ["a", "z"], 0)
