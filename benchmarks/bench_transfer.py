@@ -155,8 +155,10 @@ def loop_toml(a: argparse.Namespace, fam: dict[str, Any], run: Path, train: list
 
 def resolvable(p: float | None, n: int) -> float | None:
     """The difference 2 standard errors make at base rate ``p`` with ``n`` samples a side (both
-    sides' se taken at ``p``): what such an evaluation can tell from noise."""
-    if p is None or n < 2:
+    sides' se taken at ``p``): what such an evaluation can tell from noise. None at a base rate of 0
+    or 1 (its se is 0 there, and so would the figure be: the base rates are for choosing tasks away
+    from both edges)."""
+    if p is None or n < 2 or p in (0.0, 1.0):
         return None
     return 2 * math.sqrt(2 * p * (1 - p) / (n - 1))
 
@@ -349,6 +351,9 @@ def analyse(run: Path, a: argparse.Namespace, settings: dict[str, Any], train: l
         res["behaviour"] = behaviour_table(eval_rows, per_session, {"base": 0}, kinds)
     elif eval_rows:
         res["evaluation"] = transfer_table(eval_rows, 0, iterations, kinds)
+        # the versions the two sides were served under (equal: no update happened, nothing to compare)
+        served = {s["step"]: (s.get("evaluation") or {}).get("policy_version") for s in steps}
+        res["evaluation"]["policy_versions"] = {"base": served.get(0), "trained": served.get(iterations)}
         res["behaviour"] = behaviour_table(eval_rows, per_session, {"base": 0, "trained": iterations}, kinds)
     return res
 
@@ -365,7 +370,9 @@ def print_tables(res: dict[str, Any]) -> None:
                       f"{f(c['rate'])} ± {f(c['se'])} | {c['infra']} | {'yes' if c['in_band'] else 'no'} |")
     ev = res.get("evaluation")
     if ev:
-        print("\nheld-out tasks, base (step 0) vs trained (last step)")
+        pv = ev.get("policy_versions") or {}
+        print(f"\nheld-out tasks, base (step 0, v{pv.get('base')}) vs trained (last step, v{pv.get('trained')})"
+              + ("  NOTE: the same policy on both sides (no update was made)" if pv.get("base") == pv.get("trained") else ""))
         print("| kind | task | base | trained | diff ± se | diff / se | z (pooled) | 2 se resolves |\n"
               "|---|---|---:|---:|---:|---:|---:|---:|")
         rows = [(c.get("kind"), t, c) for t, c in ev["tasks"].items()]
@@ -485,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         raise SystemExit(f"the {a.family} family cannot measure transfer:\n  " + "\n  ".join(problems))
     train, evals = pick(fam["train"], a.train_task, "train"), pick(fam["eval"], a.eval_task, "eval")
-    tag = {"base-rates": "-base-rates", "smoke": "-smoke", "train": ""}[a.mode]
+    tag = ("-base-rates" if a.mode == "base-rates" else "") + ("-smoke" if a.smoke else "")
     run = (a.run_dir or REPO / "runs" / f"transfer-{a.family}{tag}-{a.model}-{a.harness}-seed{a.seed}").resolve()
     name = a.name or f"{a.family}_{a.model}_{a.harness}"
     settings = {k: getattr(a, k) for k in SETTINGS}
@@ -509,8 +516,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"polar loop exited {rc} after {time.monotonic() - t0:.0f} s")
     res = analyse(run, a, settings, train, evals)
     res["demo_exit"] = rc  # the loop's exit code (the key learning_*.json has for its demo)
-    if a.mode == "smoke":
-        out = run / f"transfer_{name}_smoke_seed{a.seed}.json"
+    if a.smoke:  # the pipeline, not a measurement: its results stay in the run directory
+        out = run / f"transfer_{'base_rates_' if a.mode == 'base-rates' else ''}{name}_smoke_seed{a.seed}.json"
     elif a.mode == "base-rates":
         out = RESULTS / f"transfer_base_rates_{name}_seed{a.seed}.json"
     else:

@@ -73,6 +73,7 @@ def test_pooled_difference_and_its_se_per_kind(bt) -> None:
 def test_resolvable_difference(bt) -> None:
     assert bt.resolvable(0.4, 32) == pytest.approx(2 * math.sqrt(2 * 0.24 / 31))  # ~0.25, benchmarks/README.md
     assert bt.resolvable(None, 32) is None and bt.resolvable(0.5, 1) is None
+    assert bt.resolvable(0.0, 32) is None and bt.resolvable(1.0, 32) is None  # se 0 at the edges: no figure
 
 
 def test_base_rates_and_the_band(bt) -> None:
@@ -105,7 +106,8 @@ def _fake_run(run: Path) -> None:
     pl.DataFrame(train).write_parquet(run / "captures" / "rollouts.parquet")
     steps = [{"step": s, "policy_version": s, "groups_with_variance": ["g"], "note": None, "wall_s": 300.0,
               "train": {"updated": True, "policy_version": s + 1, "metrics": {"loss": 0.1}, "t_start": 10.0, "t_end": 130.0},
-              "push": {"reload_s": 4.0}} for s in range(4)] + [{"step": 4, "policy_version": 4, "note": "final rollout"}]
+              "push": {"reload_s": 4.0}, "evaluation": {"policy_version": s} if s == 0 else None} for s in range(4)] + \
+        [{"step": 4, "policy_version": 4, "note": "final rollout", "evaluation": {"policy_version": 4}}]
     (run / "loop-state.json").write_text(json.dumps({"steps": steps, "next_step": 5}))
     (run / "loop-report.json").write_text(json.dumps({"finished": True}))
     (run / "bench-loop-0.log").write_text("serve done in 51.2 s (ready)\nrollout 0 done in 300.0 s\neval 0 done in 600.0 s\n"
@@ -129,6 +131,7 @@ def test_the_result_has_learning_json_keys_and_the_task_sets(bt, tmp_path: Path)
     assert {t["kind"] for t in res["eval_tasks"]} == {"same-operation", "new-operation"}
     assert len(res["train_tasks"]) == 9 and res["finished"]
     assert res["evaluation"]["by_kind"]["new-operation"]["pooled"]["post"]["passed"] == 27
+    assert res["evaluation"]["policy_versions"] == {"base": 0, "trained": 4}
     assert res["per_iteration"][0] == {"iteration": 0, "rollout": 300.0, "trajectories": None, "eval": 600.0,
                                        "train": 120.0, "push": 4.0}
     assert res["phases"]["push v1"] == 4.0 and res["training"][0]["train_s"] == 120.0 and len(res["training"]) == 4
