@@ -20,10 +20,12 @@ status=0
 run_phase setup bash scripts/setup.sh || { echo "setup failed"; exit 1; }
 PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider --durations=15)
 run_phase unit "${PYTEST[@]}" -m "not vllm and not harness and not slow" "$@" || status=1
-# Every built-in task and example dataset passes Harbor's check in the sandbox: the oracle (the
-# reference solution) scores 1, nop (doing nothing) below it. No model; seconds.
+# Every built-in task, example dataset and benchmark task set (issue 41's transfer family) passes
+# Harbor's check in the sandbox: the oracle (the reference solution) scores 1, nop (doing nothing)
+# below it. No model; seconds.
 run_phase tasks-check bash -c '.venv/bin/polar tasks check coding && .venv/bin/polar tasks check followups \
-  && .venv/bin/polar tasks check examples/swe-mini' || status=1
+  && .venv/bin/polar tasks check examples/swe-mini \
+  && for s in train eval trivia-train.jsonl trivia-eval.jsonl; do .venv/bin/polar tasks check benchmarks/tasks/transfer/$s || exit 1; done' || status=1
 run_phase integration "${PYTEST[@]}" -m "vllm or harness or slow" "$@" || status=1
 # The README's first command, literally (from the repository root, no arguments), then a check of
 # what it produced: calls in every step, a GRPO step on a group with reward variance, the push, the

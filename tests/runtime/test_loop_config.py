@@ -87,3 +87,13 @@ def test_select_tasks_by_id_or_limit_and_refuses_a_missing_one() -> None:
     assert [t.id for t in select_tasks(ts, "src", [], 0)] == ["a", "b", "c"]
     with pytest.raises(DemoError, match=r"no task\(s\) \['z'\] in src"):
         select_tasks(ts, "src", ["a", "z"], 0)
+
+
+def test_eval_tasks_are_part_of_a_runs_identity_and_older_states_read_as_the_default() -> None:
+    from polar_runtime.loop.loop import _identity
+
+    cfg = c.parse_config('[eval]\ntasks = "other"\n').to_dict()
+    assert _identity(cfg)["eval.tasks"] == "other" != _identity(c.LoopConfig().to_dict())["eval.tasks"]
+    older = c.LoopConfig().to_dict()  # a state written before the keys existed
+    del older["eval"]["tasks"], older["eval"]["ids"]
+    assert _identity(older) == _identity(c.LoopConfig().to_dict())
