@@ -58,9 +58,10 @@ BAND = (0.2, 0.6)
 #: what decides what a sample is: a run directory is resumed only under the same values
 SETTINGS = ("family", "mode", "model", "harness", "train_task", "eval_task", "samples", "groups_per_step", "iterations",
             "eval_samples", "base_samples", "seed", "max_tokens", "timeout", "lr", "lora_rank", "kl_coef", "max_model_len")
-#: per family: (max answer tokens, seconds per harness run): shell tasks take several calls (hello-file:
-#: 5 calls, 241 sampled tokens per run, docs/tasks.md); a trivia answer is 2-3 tokens (issue 26)
-FAMILY_DEFAULTS = {"shell": (256, 150.0), "trivia": (32, 60.0)}
+#: per family: (max answer tokens, seconds per harness run, vLLM context): shell tasks take several
+#: calls (hello-file: 5 calls, 241 sampled tokens per run, up to 53 calls in a looping run:
+#: docs/tasks.md, so the demo's 16k context); a trivia answer is 2-3 tokens in one call (issue 26: 4096)
+FAMILY_DEFAULTS = {"shell": (256, 150.0, 16384), "trivia": (32, 60.0, 4096)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,7 +460,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--lora-rank", type=int, default=0)
     ap.add_argument("--kl-coef", type=float, default=None)
-    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=None, help="vLLM context (default: shell 16384, trivia 4096)")
     ap.add_argument("--run-dir", type=Path, default=None)
     ap.add_argument("--name", default=None, help="results name (default <family>_<model>_<harness>)")
     ap.add_argument("--score-only", action="store_true", help="read back what the run directory holds; run nothing")
@@ -469,9 +470,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--samples-per-hour", type=float, default=None, help="--dry-run's estimate (default: by family, "
                     "from the measured runs named in benchmarks/README.md)")
     a = ap.parse_args(argv)
-    tok, to = FAMILY_DEFAULTS[a.family]
-    a.max_tokens = a.max_tokens or tok
-    a.timeout = a.timeout or to
+    tok, to, ctx = FAMILY_DEFAULTS[a.family]
+    a.max_tokens, a.timeout, a.max_model_len = a.max_tokens or tok, a.timeout or to, a.max_model_len or ctx
     if a.smoke:
         a.model, a.iterations, a.samples, a.eval_samples, a.base_samples = "tiny-qwen", 1, 2, 2, 2
         a.max_tokens, a.timeout, a.concurrency, a.lr = 16, 120.0, 2, 1e-5
