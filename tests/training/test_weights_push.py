@@ -235,6 +235,75 @@ SERVING_NOISE = {"float32": 1e-5, "bfloat16": 0.05}
 UPDATE = {"float32": 5e-4, "bfloat16": 0.005}
 
 
+# -- several replicas -------------------------------------------------------------------------------
+
+@pytest.fixture
+def two():
+    """Two replicas, each with a proxy in front (the fakes answer both), logging into one list."""
+    a, b = FakeEndpoints(), FakeEndpoints()
+    b.events = a.events
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _two_replicas(two, tmp_path, b_reloads: bool = True):
+    a, b = two
+    ck = make_checkpoint(tmp_path / "c", probe=([5, 6, 7], [-1.0, -2.0]), before=[-1.5, -2.5])
+    for f in (a, b):
+        f.served_logprobs = [-1.5, -2.5]  # the previous weights
+        f.after_reload = [-1.0, -2.0]
+    b.after_reload = [-1.0, -2.0] if b_reloads else None  # b "reloads" but keeps serving the old weights
+    return ck, FakeServer(a), FakeServer(b)
+
+
+def test_push_to_two_replicas_closes_every_gate_then_reloads_and_verifies_each(two, tmp_path):
+    ck, sa, sb = _two_replicas(two, tmp_path)
+    a, b = two
+    res = push_weights(ck, [sa, sb], [a.url, b.url], policy_version=4)
+    names = a.names()
+    assert names[:2] == ["/_polar/pause", "/_polar/pause"]  # both gates closed before any reload
+    assert names.count("server.reload") == 2 and names[-2:] == ["/_polar/resume", "/_polar/resume"]
+    assert [body for n, body in a.events if n == "/_polar/resume"] == [{"policy_version": 4}] * 2
+    assert res.method == "reload_weights" and res.policy_version == 4
+    assert [(r["server"], r["state"], r["method"]) for r in res.replicas] == [
+        (a.url, "new", "reload_weights"), (b.url, "new", "reload_weights")]
+    assert all(any("probe" in n for n in r["notes"]) for r in res.replicas)  # verified one by one
+
+
+def test_a_replica_that_fails_is_named_with_the_others_state_and_the_gates_stay_closed(two, tmp_path):
+    ck, sa, sb = _two_replicas(two, tmp_path, b_reloads=False)
+    a, b = two
+    with pytest.raises(PushError) as err:
+        push_weights(ck, [sa, sb], [a.url, b.url], policy_version=4, allow_restart=False)
+    msg = str(err.value)
+    assert f"{b.url} failed (PushError: served weights differ" in msg and f"{a.url} failed" not in msg
+    assert f"{a.url}: new, {b.url}: previous" in msg and "gates stay closed" in msg
+    assert "/_polar/resume" not in a.names()  # a mixed fleet is never labelled with one version
+
+
+def test_replicas_that_all_still_serve_the_previous_weights_reopen_on_the_previous_version(two, tmp_path):
+    ck, _, _ = _two_replicas(two, tmp_path)
+    a, b = two
+    servers = [FakeServer(f, reload_error=RuntimeError(f"boom {i}"), restart_error=RuntimeError("no restart"))
+               for i, f in enumerate(two)]
+    with pytest.raises(PushError, match="reopened on the previous version") as err:
+        push_weights(ck, servers, [a.url, b.url], policy_version=4)
+    assert f"{a.url}: previous, {b.url}: previous" in str(err.value)
+    assert [body for n, body in a.events if n == "/_polar/resume"] == [{}, {}]
+
+
+def test_comma_separated_urls_push_to_each_replica_over_http(two, tmp_path):
+    """``polar train --push-to URL,URL --proxy-control URL``: bare URLs reload through vLLM's RPC."""
+    a, b = two
+    ck = make_checkpoint(tmp_path / "c", probe=([5, 6, 7], [-1.0, -2.0]))
+    a.served_logprobs = b.served_logprobs = [-1.0, -2.0]
+    res = push_weights(ck, f"{a.url},{b.url}", a.url, policy_version=9)
+    assert [r["method"] for r in res.replicas] == ["collective_rpc", "collective_rpc"]
+    assert a.names().count("/collective_rpc") == 2 and a.names().count("/reset_prefix_cache") == 2
+    assert a.names()[0] == "/_polar/pause" and a.names()[-1] == "/_polar/resume"
+
+
 def _probe_case(update: float, n: int = 48, seed: int = 0):
     rng = random.Random(seed)
     old = [-rng.uniform(0.1, 6.0) for _ in range(n - 1)]
