@@ -115,32 +115,41 @@ def test_least_loaded_for_new_sessions(helpers, proxy_factory):
         t.join(5)
 
 
+def _until(condition, limit: float = 60.0) -> None:
+    """Poll until ``condition()`` holds (a generous limit: CI machines are loaded)."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
 def test_pause_and_policy_version_reach_every_replica(helpers, proxy_factory):
     """One gate in front of both replicas: draining waits for the calls in flight on each, calls of
     sessions pinned to either are held, and resume's version labels what both serve next."""
     with ServerThread() as a, ServerThread() as b:
-        proxy = proxy_factory(f"{a.url},{b.url}")
+        proxy = proxy_factory(f"{a.url},{b.url}", upstream_timeout=60)  # the slow calls take seconds
         ctl = proxy.control
         ctl.set_policy_version(1)
         for sid in ("on-a", "on-b"):  # equal load: the first goes to a, the second to b
             assert helpers.request(proxy.url + "/v1/chat/completions", BODY, headers={"x-polar-session": sid}).status == 200
         assert [helpers.read_records(proxy.capture_dir, sid)[0]["upstream"] for sid in ("on-a", "on-b")] == [a.url, b.url]
         results: dict = {}
-        slow = {"model": "m", "messages": [{"role": "user", "content": "hi #scenario:words:6 #delay:80"}]}
+        slow = {"model": "m", "messages": [{"role": "user", "content": "hi #scenario:words:20 #delay:100"}]}
         slow_calls = [_async_call(helpers, proxy, slow, {"x-polar-session": sid}, results, f"slow-{sid}")
                       for sid in ("on-a", "on-b")]
-        time.sleep(0.3)
-        assert sorted(u["in_flight"] for u in ctl.status()["upstreams"]) == [1, 1]
-        status = ctl.pause(drain=True, timeout=20)  # returns once the calls on both replicas are done
+        _until(lambda: sorted(u["in_flight"] for u in ctl.status()["upstreams"]) == [1, 1])  # one on each
+        status = ctl.pause(drain=True, timeout=60)  # returns once the calls on both replicas are done
         assert status["drained"] is True and status["in_flight"] == 0
+        for t in slow_calls:
+            t.join(30)
         assert results["slow-on-a"].status == results["slow-on-b"].status == 200
         held = [_async_call(helpers, proxy, BODY, {"x-polar-session": sid}, results, f"held-{sid}")
                 for sid in ("on-a", "on-b")]
-        time.sleep(0.5)
-        assert ctl.status()["waiting"] == 2 and not any(k.startswith("held") for k in results)
+        _until(lambda: ctl.status()["waiting"] == 2)
+        assert not any(k.startswith("held") for k in results)
         ctl.resume(policy_version=2)
-        for t in slow_calls + held:
-            t.join(10)
+        for t in held:
+            t.join(30)
         for sid, url in (("on-a", a.url), ("on-b", b.url)):
             recs = helpers.read_records(proxy.capture_dir, sid)
             assert [(r["upstream"], r["policy_version"]) for r in recs] == [(url, 1), (url, 1), (url, 2)]

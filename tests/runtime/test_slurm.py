@@ -69,7 +69,9 @@ FAKE_RAY = '''import os
 def _log(line):
     with open(os.environ["STUB_LOG"], "a") as f:
         f.write(line + "\\n")
-def init(address=None, **kw):
+def init(address=None, **kw):  # like Ray's: refused until the head is up
+    if not nodes():
+        raise ConnectionError("no head yet")
     _log(f"driver connects to {address}")
 def nodes():  # the nodes that have joined so far
     with open(os.environ["STUB_LOG"]) as f:
