@@ -80,8 +80,9 @@ class Polar:
     # -- options -----------------------------------------------------------------------------
     def load(self, loader: Any) -> None:
         loader.add_option("polar_upstream", Optional[str], None,
-                          "Inference server base URL(s), comma-separated (e.g. http://127.0.0.1:8000). "
-                          "Unset: the reverse-mode target.")
+                          "Inference server base URL(s), comma-separated (e.g. http://127.0.0.1:8000): several "
+                          "are replicas; a session stays on the one it first went to, a new one goes to the "
+                          "least loaded (upstreams.py). Unset: the reverse-mode target.")
         loader.add_option("polar_served_model", Optional[str], None,
                           "Model name the upstream serves. Unset: ask the upstream's /v1/models.")
         loader.add_option("polar_engine", str, "vllm", "Inference engine dialect for token ids and logprobs.",

@@ -38,7 +38,7 @@ from .sessions import SessionError, harness_name, resolve_session, scrub_query_s
 from .side_calls import provider_side_call, side_call
 from .state import ProxyState
 from .streaming import answer_finished_stream, to_relay
-from .upstreams import Upstream, model_info
+from .upstreams import SESSION_MOVED, Upstream, model_info
 
 log = logging.getLogger("polar")
 
@@ -202,8 +202,10 @@ async def exchange(s: ProxyState, call: Call, normalized: NormalizedCall) -> Non
     tried: set[str] = set()
     resp: aiohttp.ClientResponse | None = None
     last_error = "no upstream"
+    moved = None  # the server this session was pinned to, when it had to leave it
     while len(tried) < len(s.pool.upstreams):
         up = s.pool.pick(rec.session_id, exclude=tried)
+        moved = moved or s.pool.moved_from
         tried.add(up.url)
         try:
             await model_info(s.http, up, s.served_model, s.client_timeout())
@@ -249,6 +251,10 @@ async def exchange(s: ProxyState, call: Call, normalized: NormalizedCall) -> Non
     if resp is None:
         fail(s, call, 502, "upstream_refused", last_error)
         return
+    if moved is not None and moved is not call.upstream and rec.call_index:  # a first call had no cache there
+        s.stats["session_moves"] += 1
+        rec.translation_notes.append(f"{SESSION_MOVED} from {moved.url} ({moved.last_error or 'out'}) to {up.url}: "
+                                     "its prefix cache there is lost")
     if call.finalized:  # the harness hung up while the upstream was working
         resp.close()
         return

@@ -62,7 +62,7 @@ class ProxyState:
         self.key_of: dict[str, str] = {}  # session -> its issued key
         self.require_session_key = False  # polar_require_session_key: calls without an issued key are refused
         self.max_sessions = 100_000
-        self.stats = {"calls": 0, "errors": 0, "captured": 0, "capture_errors": 0, "streamed": 0,
+        self.stats = {"calls": 0, "errors": 0, "captured": 0, "capture_errors": 0, "streamed": 0, "session_moves": 0,
                       "streamed_at_once": 0, "side_calls": 0, "passthrough": 0, "refused": 0,
                       "control_refused": 0, "session_refused": 0}
 

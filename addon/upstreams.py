@@ -2,9 +2,15 @@
 serves (``model_info``); and the loopback relay that streams their answers (below).
 
 Why sticky: consecutive calls of one harness run share a long prompt prefix; sending them to the
-same server reuses its prefix cache. New sessions go to the least-loaded server (in-flight calls).
+same server reuses its prefix cache. New sessions go to the least-loaded server (in-flight calls;
+ties: fewer pinned sessions, then the order of ``polar_upstream``, so the choice is deterministic).
 A server that refuses connections or answers 5xx is taken out and retried after an exponential
 backoff; when every server is out, the one due soonest is tried anyway (the call is the probe).
+A session whose server is out moves to another one and stays there (``pick`` leaves the server it
+left in ``moved_from``; the record of a call that moved says so, since that server's prefix cache
+is lost: not on a session's first call, which was pinned a moment before and has no cache yet). The
+move costs no token fidelity: the prompt ids of every call come from the server that answered it,
+and in exact-history mode the spliced ids come from the proxy's ledger, not from a server.
 """
 
 from __future__ import annotations
@@ -21,6 +27,10 @@ import aiohttp
 import orjson
 
 from polar_proxy import jsonutil
+
+
+#: how a record's translation note says that its session left the server it was pinned to
+SESSION_MOVED = "session moved"
 
 
 def normalize_url(url: str) -> str:
@@ -91,6 +101,8 @@ class UpstreamPool:
     max_sticky: int = 100_000
     upstreams: list[Upstream] = field(init=False)
     _sticky: OrderedDict[str, Upstream] = field(init=False, default_factory=OrderedDict)
+    #: set by every ``pick``: the server the session was pinned to and has just left, else None
+    moved_from: Upstream | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -103,11 +115,12 @@ class UpstreamPool:
     def pick(self, session_id: str | None, exclude: set[str] | frozenset[str] = frozenset()) -> Upstream:
         """The server for this session's next call (sticky while healthy, else least loaded)."""
         now = time.monotonic()
+        self.moved_from = pinned = None
         if session_id is not None:
-            up = self._sticky.get(session_id)
-            if up is not None and up.url not in exclude and self._eligible(up, now):
+            pinned = self._sticky.get(session_id)
+            if pinned is not None and pinned.url not in exclude and self._eligible(pinned, now):
                 self._sticky.move_to_end(session_id)
-                return up
+                return pinned
         candidates = [u for u in self.upstreams if u.url not in exclude and self._eligible(u, now)]
         if candidates:
             # Least in-flight; ties go to the one with fewer pinned sessions, then list order.
@@ -116,6 +129,8 @@ class UpstreamPool:
             rest = [u for u in self.upstreams if u.url not in exclude] or self.upstreams
             up = min(rest, key=lambda u: u.retry_at)
         if session_id is not None:
+            if pinned is not None and pinned is not up:
+                self.moved_from = pinned
             self._pin(session_id, up)
         return up
 

@@ -66,7 +66,7 @@ class CallRecord:
     user_agent: str = ""
     requested_model: str = ""  # what the harness asked for (restored in answers)
     served_model: str = ""  # what the engine served
-    upstream: str = ""  # base URL of the inference server that answered
+    upstream: str = ""  # base URL of the inference server (replica) that answered (or was tried last)
     policy_version: int | None = None  # weights version served at the time of the call
     stream: bool = False
     stream_mode: str = "passthrough"  # passthrough | synthetic

@@ -84,9 +84,9 @@ def train_command(
              "reloadable like any model) | adapter (a PEFT adapter directory, no full weights: vLLM serves it on "
              "the base model with --enable-lora --lora-modules NAME=DIR).")] = None,
     push_to: Annotated[Optional[str], typer.Option(
-        help="Base URL of the running vLLM to reload the new weights into.")] = None,
+        help="Base URL of the running vLLM to reload the new weights into (replicas: comma-separated).")] = None,
     proxy_control: Annotated[Optional[str], typer.Option(
-        help="Base URL of the proxy's /_polar control API (pause/resume/version).")] = None,
+        help="Base URL of the proxy's /_polar control API (pause/resume/version; several proxies: comma-separated).")] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
 ) -> None:
     """Train the policy with GRPO on captured trajectories and write a servable checkpoint."""

@@ -83,5 +83,40 @@ def loop_command(
     print_summary(report)
 
 
+def slurm_command(
+    config: Annotated[Path, typer.Argument(help="The loop's TOML file (its placement: kind = \"ray\", address = \"auto\").")],
+    nodes: Annotated[int, typer.Option(help="Nodes in the allocation (the first one runs the Ray head and the loop).")],
+    cpus_per_node: Annotated[int, typer.Option(help="CPUs per node, given to Slurm and to Ray.")],
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node (0: none requested).")] = 0,
+    time: Annotated[str, typer.Option(help="Slurm time limit (HH:MM:SS, D-HH:MM:SS or minutes).")] = "04:00:00",
+    job_name: Annotated[str, typer.Option(help="Slurm job name.")] = "polar-loop",
+    partition: Annotated[Optional[str], typer.Option(help="Slurm partition.")] = None,
+    account: Annotated[Optional[str], typer.Option(help="Slurm account.")] = None,
+    venv: Annotated[Optional[Path], typer.Option(help="Virtualenv with polar and ray on every node (default: this one).")] = None,
+    log_dir: Annotated[Optional[Path], typer.Option(help="Where Slurm writes the job's output (default: the config's directory).")] = None,
+    ray_port: Annotated[int, typer.Option(help="The Ray head's port.")] = 6379,
+    template: Annotated[Optional[Path], typer.Option(help="A template of your own (default: the shipped slurm.sbatch.tmpl).")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the script here (default: stdout).")] = None,
+) -> None:
+    """Print an sbatch script that starts Ray on a Slurm allocation and runs `polar loop CONFIG` on it
+    (docs/slurm.md). Submit it with `sbatch`."""
+    from .slurm import SlurmJob, TemplateError, render
+
+    job = SlurmJob(config=config, nodes=nodes, cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, time=time,
+                   job_name=job_name, venv=venv, log_dir=log_dir, partition=partition, account=account, ray_port=ray_port)
+    try:
+        script = render(job, template.read_text() if template else None)
+    except (TemplateError, OSError) as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    if output is None:
+        print(script, end="")
+    else:
+        output.write_text(script)
+        output.chmod(0o755)
+        console.print(f"wrote {output}: submit it with `sbatch {output}`")
+
+
 def register(app: typer.Typer) -> None:
     app.command("loop")(loop_command)
+    app.command("slurm")(slurm_command)

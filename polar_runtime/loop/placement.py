@@ -401,7 +401,8 @@ class LocalPlacement:
 
         target: Any = demo._Stopped(self.server) if getattr(self, "server_stopped", False) else self.server
         with self.tl.phase(f"push v{policy_version}", "new weights into vLLM (proxy holds calls)") as ph:
-            res = push_weights(checkpoint, target, self.proxy.url, policy_version)
+            # push_weights takes every replica and every proxy in front of them; here, one of each
+            res = push_weights(checkpoint, [target], [self.proxy.url], policy_version)
             ph.detail = f"via {res.method} in {res.reload_s:.1f} s"
         self.children.add("vllm", getattr(self.server.proc, "pid", None), group=True)  # a restart is a new pid
         return asdict(res)

@@ -275,6 +275,31 @@ def test_pool_sticky_least_loaded_backoff():
     assert a.healthy and a.failures == 0
 
 
+def test_pool_session_moves_off_a_server_that_is_out_and_stays_moved():
+    pool = UpstreamPool(["http://a:1", "http://b:2"], backoff_base=30.0)
+    a = pool.pick("s1")
+    assert a.url == "http://a:1" and pool.moved_from is None and pool.pick("s1") is a and pool.moved_from is None
+    pool.mark_failed(a, "refused")
+    b = pool.pick("s1")
+    assert b.url == "http://b:2" and pool.moved_from is a
+    assert (a.sessions, b.sessions) == (0, 1)
+    pool.mark_ok(a)  # back: the session stays where its prefix cache now is
+    assert pool.pick("s1") is b and pool.moved_from is None
+    assert pool.pick(None) is a and pool.moved_from is None  # side calls move nothing
+
+
+def test_pool_ties_are_broken_by_pinned_sessions_then_list_order():
+    pool = UpstreamPool(["http://a:1", "http://b:2", "http://c:3"])
+    a, b, c = pool.upstreams
+    assert [pool.pick(f"s{i}") for i in range(4)] == [a, b, c, a]  # equal load: fewest sessions, then order
+    pool.acquire(a)
+    pool.acquire(b)
+    assert pool.pick("s4") is c  # fewest calls in flight wins over pinned sessions
+    pool.acquire(c)
+    pool.acquire(c)
+    assert pool.pick("s5") is b  # a and b tie on in-flight calls; b holds fewer sessions
+
+
 # -- engines --------------------------------------------------------------------------------------
 
 def test_vllm_engine_reads_whole_and_chunks():

@@ -235,6 +235,75 @@ SERVING_NOISE = {"float32": 1e-5, "bfloat16": 0.05}
 UPDATE = {"float32": 5e-4, "bfloat16": 0.005}
 
 
+# -- several replicas -------------------------------------------------------------------------------
+
+@pytest.fixture
+def two():
+    """Two replicas, each with a proxy in front (the fakes answer both), logging into one list."""
+    a, b = FakeEndpoints(), FakeEndpoints()
+    b.events = a.events
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _two_replicas(two, tmp_path, b_reloads: bool = True):
+    a, b = two
+    ck = make_checkpoint(tmp_path / "c", probe=([5, 6, 7], [-1.0, -2.0]), before=[-1.5, -2.5])
+    for f in (a, b):
+        f.served_logprobs = [-1.5, -2.5]  # the previous weights
+        f.after_reload = [-1.0, -2.0]
+    b.after_reload = [-1.0, -2.0] if b_reloads else None  # b "reloads" but keeps serving the old weights
+    return ck, FakeServer(a), FakeServer(b)
+
+
+def test_push_to_two_replicas_closes_every_gate_then_reloads_and_verifies_each(two, tmp_path):
+    ck, sa, sb = _two_replicas(two, tmp_path)
+    a, b = two
+    res = push_weights(ck, [sa, sb], [a.url, b.url], policy_version=4)
+    names = a.names()
+    assert names[:2] == ["/_polar/pause", "/_polar/pause"]  # both gates closed before any reload
+    assert names.count("server.reload") == 2 and names[-2:] == ["/_polar/resume", "/_polar/resume"]
+    assert [body for n, body in a.events if n == "/_polar/resume"] == [{"policy_version": 4}] * 2
+    assert res.method == "reload_weights" and res.policy_version == 4
+    assert [(r["server"], r["state"], r["method"]) for r in res.replicas] == [
+        (a.url, "new", "reload_weights"), (b.url, "new", "reload_weights")]
+    assert all(any("probe" in n for n in r["notes"]) for r in res.replicas)  # verified one by one
+
+
+def test_a_replica_that_fails_is_named_with_the_others_state_and_the_gates_stay_closed(two, tmp_path):
+    ck, sa, sb = _two_replicas(two, tmp_path, b_reloads=False)
+    a, b = two
+    with pytest.raises(PushError) as err:
+        push_weights(ck, [sa, sb], [a.url, b.url], policy_version=4, allow_restart=False)
+    msg = str(err.value)
+    assert f"{b.url} failed (PushError: served weights differ" in msg and f"{a.url} failed" not in msg
+    assert f"{a.url}: new, {b.url}: previous" in msg and "gates stay closed" in msg
+    assert "/_polar/resume" not in a.names()  # a mixed fleet is never labelled with one version
+
+
+def test_replicas_that_all_still_serve_the_previous_weights_reopen_on_the_previous_version(two, tmp_path):
+    ck, _, _ = _two_replicas(two, tmp_path)
+    a, b = two
+    servers = [FakeServer(f, reload_error=RuntimeError(f"boom {i}"), restart_error=RuntimeError("no restart"))
+               for i, f in enumerate(two)]
+    with pytest.raises(PushError, match="reopened on the previous version") as err:
+        push_weights(ck, servers, [a.url, b.url], policy_version=4)
+    assert f"{a.url}: previous, {b.url}: previous" in str(err.value)
+    assert [body for n, body in a.events if n == "/_polar/resume"] == [{}, {}]
+
+
+def test_comma_separated_urls_push_to_each_replica_over_http(two, tmp_path):
+    """``polar train --push-to URL,URL --proxy-control URL``: bare URLs reload through vLLM's RPC."""
+    a, b = two
+    ck = make_checkpoint(tmp_path / "c", probe=([5, 6, 7], [-1.0, -2.0]))
+    a.served_logprobs = b.served_logprobs = [-1.0, -2.0]
+    res = push_weights(ck, f"{a.url},{b.url}", a.url, policy_version=9)
+    assert [r["method"] for r in res.replicas] == ["collective_rpc", "collective_rpc"]
+    assert a.names().count("/collective_rpc") == 2 and a.names().count("/reset_prefix_cache") == 2
+    assert a.names()[0] == "/_polar/pause" and a.names()[-1] == "/_polar/resume"
+
+
 def _probe_case(update: float, n: int = 48, seed: int = 0):
     rng = random.Random(seed)
     old = [-rng.uniform(0.1, 6.0) for _ in range(n - 1)]
@@ -418,3 +487,83 @@ def test_push_through_the_proxy_into_the_running_vllm(vllm_tiny, tiny_qwen_dir, 
         vllm_tiny.reload_weights(tiny_qwen_dir)
     restored = _served_prompt_logprobs(vllm_tiny, probe)
     assert max(abs(a - b) for a, b in zip(restored, before)) < 1e-4
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_two_real_replicas_behind_one_proxy(vllm_tiny, tiny_qwen_dir, tiny_model, make_frame, tmp_path):
+    """Two vLLM servers of tiny-qwen behind one proxy: sessions spread over both and stay; one GRPO
+    step pushed to both (each reloads in place and is verified), every later call recorded under
+    the new version with the new weights' logprobs on whichever replica served it; then a replica
+    goes away and its session moves, saying so, with its answer still the new weights'."""
+    import torch
+
+    from polar_core.schema import read_capture_lines
+    from polar_proxy.process import ProxyProcess
+    from polar_proxy.upstreams import SESSION_MOVED
+    from polar_runtime import models
+    from polar_runtime.serve import VLLMServer
+    from polar_training.loss import LossConfig
+    from polar_training.policy import TokenLogprobs
+    from polar_training.trainer import GRPOTrainer, TrainConfig
+
+    # the session's server and one of our own (started while the trainer steps); ours is the one stopped
+    own = VLLMServer(models.TINY_QWEN, served_model_name="tiny-qwen", max_model_len=4096, log_path=tmp_path / "vllm.log")
+    servers = [vllm_tiny, own]
+    before = _served_prompt_logprobs(vllm_tiny, list(make_frame(groups=1, samples=4, min_len=12, max_len=24,
+                                                                 seed=9)["input_ids"][0]))
+    proxy = None
+    try:
+        own.start(wait=False)
+        frame = make_frame(groups=1, samples=4, min_len=12, max_len=24, seed=9)
+        probe = list(frame["input_ids"][0])
+        trainer = GRPOTrainer(tiny_model, TrainConfig(lr=5e-3, loss=LossConfig(kl_coef=0.0)))
+        trainer.fit(frame)  # while the servers start
+        out = ckpt.save_checkpoint(tmp_path / "step-000001", trainer.model, tiny_qwen_dir, probe_ids=probe)
+        own.wait_ready()
+        urls = [s.base_url for s in servers]
+        proxy = ProxyProcess(urls, tmp_path / "captures", confdir=tmp_path / "mitm", upstream_timeout=300).start()
+        proxy.control.set_policy_version(0)
+        results: dict = {}
+        for sid in ("s0", "s1"):
+            _chat(proxy.url, sid, results, sid)
+
+        def recs(sid):
+            return list(read_capture_lines(tmp_path / "captures" / "sessions" / f"{sid}.jsonl"))
+
+        assert [recs(sid)[0]["upstream"] for sid in ("s0", "s1")] == urls  # equal load: list order
+
+        res = push_weights(out, servers, proxy.url, policy_version=trainer.step)
+        assert [(r["server"], r["method"], r["state"]) for r in res.replicas] == [
+            (u, "reload_weights", "new") for u in urls], res.replicas
+        want = ckpt.read_meta(out)["probe"]["logprobs"]
+        for s in servers:
+            assert max(abs(a - w) for a, w in zip(_served_prompt_logprobs(s, probe), want)) < 2e-3
+
+        def new_weights_sampled(rec):
+            ids = rec["prompt_token_ids"] + rec["sampled_token_ids"]
+            n_p, n_s = len(rec["prompt_token_ids"]), len(rec["sampled_token_ids"])
+            with torch.no_grad():
+                x = torch.tensor([ids])
+                lp, _ = TokenLogprobs(trainer.model)(x, torch.arange(len(ids))[None],
+                                                      torch.arange(n_p - 1, n_p + n_s - 1), x[0, n_p:])
+            return max(abs(a - b) for a, b in zip(lp.tolist(), rec["sampled_logprobs"])) < 2e-3
+
+        for sid, url in zip(("s0", "s1"), urls):  # each session stays on its replica, now serving v1
+            _chat(proxy.url, sid, results, sid)
+            rec = recs(sid)[-1]
+            assert (rec["upstream"], rec["policy_version"]) == (url, 1) and new_weights_sampled(rec)
+
+        own.stop()  # s1's replica goes away: s1 moves to the other one
+        _chat(proxy.url, "s1", results, "s1")
+        rec = recs("s1")[-1]
+        assert results["s1"][0] == 200 and rec["upstream"] == urls[0] and rec["policy_version"] == 1
+        assert any(n.startswith(f"{SESSION_MOVED} from {urls[1]}") for n in rec["translation_notes"])
+        assert new_weights_sampled(rec)
+        print(f"\npush to 2 replicas: reload {res.reload_s:.2f}s, calls held {res.paused_s:.2f}s")
+    finally:  # the session's server serves the original weights again
+        if proxy is not None:
+            proxy.stop()
+        own.stop()
+        vllm_tiny.reload_weights(tiny_qwen_dir)
+    assert max(abs(a - b) for a, b in zip(_served_prompt_logprobs(vllm_tiny, probe), before)) < 1e-4
