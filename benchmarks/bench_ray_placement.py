@@ -4,7 +4,9 @@
 real parts: the Polar proxy (mitmdump + addon), the rollout runner, the generic harness (``curl``,
 one chat call per sample) in the default sandbox and its evaluator; the model is the scripted
 vLLM-format upstream (milliseconds per call), so what is timed is what a placement adds around a
-sample. Local: ``LocalPlacement.rollout`` with one proxy, 4 harness runs at once. Ray: a
+sample, and what it takes to hand the step's training sequences to the trainer (``trajectories``:
+the local placement builds them after the rollout from its one capture directory, the Ray placement
+on each node as each sample finishes). Local: ``LocalPlacement.rollout`` with one proxy, 4 harness runs at once. Ray: a
 ``ray.cluster_utils.Cluster`` (head + 2 nodes) on this machine, ``RayPlacement`` with a node agent
 (and its own proxy) per node, 2 harness runs at once on each. Two simulated nodes on two shared
 cores measure Ray's overhead, never scaling: both placements share the same two cores. Figures:
@@ -20,7 +22,8 @@ per step grows with the groups it trains (linear in groups, from the measured 2-
 push reloads every replica from a weights directory on shared storage: 3.55 s measured reload plus
 the N replicas' reads of the checkpoint (``--ckpt-gib``, 1.9 GiB: the 0.5B in float32) over a
 shared ``--fs-gibps`` (1.0 GiB/s). It shows where samples/hour stop growing with nodes: the trainer
-(or the push) is then the bottleneck.
+(or the push) is then the bottleneck. A second scenario divides the measured training time by 25
+(an assumed GPU trainer, not measured) to show where the push, growing with the replicas, takes over.
 
     .venv/bin/python benchmarks/bench_ray_placement.py        # ~4 min; writes results/ray_placement.json
     .venv/bin/python benchmarks/bench_ray_placement.py --simulate-only
@@ -71,7 +74,10 @@ def _local(cfg: Any, out: Path, upstream: str) -> tuple[Any, float]:
     from polar_runtime import rollout as r
     from polar_runtime.loop.placement import LocalPlacement
 
+    from polar_runtime import models
+
     p = LocalPlacement(cfg, out, log=lambda _m: None)
+    p.model_dir = models.ensure_model("tiny-qwen")  # the chat template its trajectories are built with
     t = time.monotonic()
     p.preset, p.served = h.get_preset("generic", cfg.harness.command), "scripted-model"
     p.tasks = {t.id: t for t in r.load_tasks(cfg.tasks.source)}
@@ -116,10 +122,15 @@ def measure(rounds: int, groups: int, samples: int) -> dict[str, Any]:
                 for name, p in (("local", local), ("ray", rp)):
                     t = time.monotonic()
                     rows = p.rollout(step, ids, 0)
+                    t_roll = time.monotonic() - t
+                    path, stats = p.trajectories(step, rows)  # what the trainer is handed, both ways
                     wall = time.monotonic() - t
                     assert len(rows) == groups * samples and all(r["status"] == "ok" for r in rows), rows[:2]
+                    assert path and stats["coverage"] == 1.0, stats
                     res[name]["rollouts"].append(round(wall, 2))
-                    print(f"round {step} {name}: {len(rows)} samples in {wall:.1f} s", flush=True)
+                    res[name].setdefault("rollout_only", []).append(round(t_roll, 2))
+                    print(f"round {step} {name}: {len(rows)} samples in {wall:.1f} s (rollout {t_roll:.1f} s, "
+                          f"trajectories {wall - t_roll:.1f} s)", flush=True)
             local.close()
             rp.close()
         finally:
@@ -140,22 +151,32 @@ def measure(rounds: int, groups: int, samples: int) -> dict[str, Any]:
 
 
 def simulate_nodes(overhead_s_per_sample: float, ckpt_gib: float, fs_gibps: float,
-                   nodes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), groups_per_step: tuple[int, ...] = (2, 8)) -> list[dict]:
+                   nodes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), groups_per_step: tuple[int, ...] = (2, 8),
+                   train_speedups: tuple[float, ...] = (1.0, 25.0)) -> list[dict]:
+    """Samples/hour with N nodes (one group at a time each), k = 1. ``train_speedups``: 1 is the
+    measured CPU trainer; 25 is an assumed GPU trainer (not measured here), to show where the push
+    takes over as the bottleneck."""
     from polar_runtime.loop.staleness import simulate
 
     out = []
     group_s = [g + overhead_s_per_sample * SAMPLES_PER_GROUP / 4 for g in GROUP_S]  # 4 samples at once per node
-    for gps in groups_per_step:
-        train_s = sum(TRAIN_S_PER_2_GROUPS) / len(TRAIN_S_PER_2_GROUPS) * gps / 2
-        for n in nodes:
-            push_s = PUSH_S + n * ckpt_gib / fs_gibps
-            r = simulate(1, gps, 30, group_s, train_s, push_s=push_s, slots=n)
-            sph = 3600 * r.trained_groups * SAMPLES_PER_GROUP / r.wall
-            rollout_only = 3600 * n * SAMPLES_PER_GROUP / (sum(group_s) / len(group_s))
-            out.append({"nodes": n, "groups_per_step": gps, "train_s": round(train_s, 1), "push_s": round(push_s, 2),
-                        "samples_per_hour": round(sph, 1), "rollout_capacity_per_hour": round(rollout_only, 1),
-                        "trainer_idle": round(r.trainer_idle, 3), "server_idle": round(r.server_idle, 3),
-                        "bottleneck": "rollouts" if r.trainer_idle > 0.1 else ("push" if push_s > train_s else "trainer")})
+    for speed in train_speedups:
+        for gps in groups_per_step:
+            train_s = sum(TRAIN_S_PER_2_GROUPS) / len(TRAIN_S_PER_2_GROUPS) * gps / 2 / speed
+            for n in nodes:
+                push_s = PUSH_S + n * ckpt_gib / fs_gibps
+                r = simulate(1, gps, 30, group_s, train_s, push_s=push_s, slots=n)
+                sph = 3600 * r.trained_groups * SAMPLES_PER_GROUP / r.wall
+                capacity = 3600 * n * SAMPLES_PER_GROUP / (sum(group_s) / len(group_s))
+                bound = 3600 * gps * SAMPLES_PER_GROUP / (train_s + push_s)  # one step trained and pushed at a time
+                # k = 1 admits at most (k + 1) x groups_per_step groups at once: more nodes than that idle
+                usable = capacity * min(n, 2 * gps) / n
+                what = (("staleness bound (nodes > 2 x groups/step)" if n > 2 * gps else "rollouts") if usable < bound
+                        else ("trainer" if train_s >= push_s else "push"))
+                out.append({"train_speedup": speed, "nodes": n, "groups_per_step": gps, "train_s": round(train_s, 1),
+                            "push_s": round(push_s, 2), "samples_per_hour": round(sph, 1),
+                            "rollout_capacity_per_hour": round(capacity, 1), "train_push_bound_per_hour": round(bound, 1),
+                            "trainer_idle": round(r.trainer_idle, 3), "bottleneck": what})
     return out
 
 
@@ -185,9 +206,9 @@ def main() -> None:
     print(f"samples/h: local {m['local']['samples_per_hour']}, ray {m['ray']['samples_per_hour']} "
           f"(ray/local {m['ray_over_local_samples_per_hour']})")
     for row in sim:
-        print(f"  groups/step {row['groups_per_step']:2d} nodes {row['nodes']:2d}: {row['samples_per_hour']:8.1f} samples/h "
-              f"(rollout capacity {row['rollout_capacity_per_hour']:8.1f}; trainer idle {row['trainer_idle']:.0%}; "
-              f"bottleneck {row['bottleneck']})")
+        print(f"  trainer x{row['train_speedup']:<4g} groups/step {row['groups_per_step']:2d} nodes {row['nodes']:2d}: "
+              f"{row['samples_per_hour']:8.1f} samples/h (rollouts could {row['rollout_capacity_per_hour']:8.1f}, "
+              f"train+push allow {row['train_push_bound_per_hour']:8.1f}; bottleneck {row['bottleneck']})")
 
 
 if __name__ == "__main__":

@@ -195,26 +195,30 @@ class NodeAgent:
         versions: dict[int, int] = {}
         traj: Optional[bytes] = None
         stats: dict[str, Any] = {}
-        with self._build_lock:
-            lf = frames.calls(self.captures, rewards=None).filter(pl.col("session_id") == sid)
-            by = lf.group_by("policy_version").agg(tokens=pl.col("n_sampled_ids").sum()).collect()
-            for rec in by.iter_rows(named=True):
-                if rec["policy_version"] is not None:
-                    versions[int(rec["policy_version"])] = int(rec["tokens"] or 0)
-            if row.get("calls"):
-                renderer = self.renderer()
-                df, st = prefix_merge.build(lf, template=alignment.template_info_for(renderer, lf))
-                df = common.stamp_tokenizer(df, alignment.tokenizer_fingerprint(renderer))
-                buf = io.BytesIO()
-                df.write_ipc(buf)
-                traj = buf.getvalue()
-                d = st.as_dict()
-                stats = {k: d[k] for k in ("calls", "usable_calls", "sessions", "chains", "sequences", "merges",
-                                           "breaks", "sampled_tokens", "covered_tokens", "sequence_tokens")}
+        with self._build_lock:  # the session's file converted once, its frame held in memory
+            lf = frames.session_calls(self.captures, sid).filter(pl.col("session_id") == sid).collect().lazy()
+        by = lf.group_by("policy_version").agg(tokens=pl.col("n_sampled_ids").sum()).collect()
+        for rec in by.iter_rows(named=True):
+            if rec["policy_version"] is not None:
+                versions[int(rec["policy_version"])] = int(rec["tokens"] or 0)
+        if row.get("calls"):
+            renderer = self.renderer()
+            df, st = prefix_merge.build(lf, template=alignment.template_info_for(renderer, lf))
+            df = common.stamp_tokenizer(df, alignment.tokenizer_fingerprint(renderer))
+            buf = io.BytesIO()
+            df.write_ipc(buf)
+            traj = buf.getvalue()
+            d = st.as_dict()
+            stats = {k: d[k] for k in ("calls", "usable_calls", "sessions", "chains", "sequences", "merges",
+                                       "breaks", "sampled_tokens", "covered_tokens", "sequence_tokens")}
         return {"row": row, "versions": versions, "trajectory": traj, "stats": stats, "node_id": self.spec.node_id}
 
     def renderer(self) -> Any:
         """The chat template the trajectories are checked against (the served model's tokenizer)."""
+        with self._build_lock:
+            return self._load_renderer()
+
+    def _load_renderer(self) -> Any:
         if self._renderer is None:
             from polar_analysis import alignment
             from polar_runtime import models
