@@ -262,7 +262,11 @@ class RayPlacement:
         assert self.dispatcher is not None
         t = time.monotonic()
         agents = dict(self.dispatcher.agents)
-        self._live("pause", {n: a.pause.remote() for n, a in agents.items()})
+        try:
+            self._live("pause", {n: a.pause.remote() for n, a in agents.items()})
+        except Exception:  # calls did not drain somewhere: nothing was reloaded, every gate reopens unchanged
+            self._live("resume", {n: a.resume.remote(None) for n, a in self.dispatcher.agents.items()})
+            raise
         results: dict[str, Any] = {}
         if self.pc.replicas:
             for url, rep in self.replicas.items():
