@@ -763,6 +763,20 @@ def calls(
     return attach_session_rewards(lf, capture_dir, rewards)
 
 
+def session_calls(capture_dir: str | Path, session_id: str, *, cache_dir: str | Path | None = None) -> pl.LazyFrame:
+    """The calls of one session (its capture file alone, converted if it changed), without rewards:
+    what a node of the Ray placement hands over per finished sample. :func:`calls` would re-check
+    every session file of the directory: on a node that has run n samples, n times the work."""
+    capture_dir = Path(capture_dir)
+    path = capture_dir / SESSIONS_SUBDIR / f"{session_id}.jsonl"
+    if not path.is_file():
+        return empty_calls().lazy()
+    cache = Path(cache_dir) if cache_dir else default_cache_dir(capture_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    parts, _, _ = sync_file(path, cache)
+    return attach_session_rewards(_with_derived(scan_parts(parts)), None, None)
+
+
 def attach_session_rewards(lf: pl.LazyFrame, capture_dir: str | Path | None, rewards: Any) -> pl.LazyFrame:
     from polar_analysis import rewards as rw
 

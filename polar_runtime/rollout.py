@@ -415,6 +415,9 @@ class RolloutConfig:
     #: docker, or host (no isolation at all: tests with a fake harness that writes outside)
     sandbox: str = "auto"
     pids: int | None = 4096  # the most processes alive at once in one sample's sandbox
+    #: the lowest attempt number of a session id (``.r<n>``): a sample re-run on another machine after
+    #: its first one was lost (polar_runtime/cluster) gets a session id of its own there too
+    first_attempt: int = 0
 
     def __post_init__(self) -> None:
         self.capture_dir = paths.absolute(self.capture_dir)
@@ -457,7 +460,7 @@ def plan(cfg: RolloutConfig, store: ResultStore) -> tuple[list[Job], list[dict[s
 
 
 def next_attempt(cfg: RolloutConfig, task_id: str, sample: int) -> int:
-    attempt = 0
+    attempt = cfg.first_attempt
     while session_capture_files(cfg.capture_dir, session_id_for(task_id, cfg.step, sample, attempt)):
         attempt += 1
     return attempt

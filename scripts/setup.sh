@@ -64,7 +64,7 @@ if [ ! -x "$ROOT/.venv/bin/python" ] || [ "$(cat "$ROOT/.venv/.polar-stamp" 2>/d
   command -v "$PY" >/dev/null || die "$PY not found (Polar needs Python 3.11 or 3.12 for mitmproxy 11)"
   [ -x "$ROOT/.venv/bin/python" ] || quiet "$PY" -m venv "$ROOT/.venv" || die "cannot create $ROOT/.venv"
   quiet "$ROOT/.venv/bin/python" -m pip install -q --upgrade pip setuptools wheel || die "pip upgrade failed"
-  quiet "$ROOT/.venv/bin/python" -m pip install -q -e "$ROOT[dev]" \
+  quiet "$ROOT/.venv/bin/python" -m pip install -q -e "$ROOT[dev,cluster]" \
     || die "pip could not install the main environment (the resolver's message is in the log)"
   echo "$MAIN_STAMP_VAL" > "$ROOT/.venv/.polar-stamp"
   phase "main venv: ready in $(took "$t")"

@@ -60,6 +60,7 @@ class ModelSection:
 @dataclass
 class HarnessSection:
     name: str = "pi-chat"  # a preset of `polar harness list`
+    command: str = ""  # the generic preset's command template ({base_url}, {api_key}, {task}, ...)
     timeout_s: Optional[float] = None  # per harness run (absent: 150 on CPU, 300 on a GPU)
     concurrency: int = 2  # harness runs at once
     exact_history: bool = True  # proxy option polar_exact_history
@@ -111,7 +112,14 @@ class SandboxSection:
 
 @dataclass
 class PlacementSection:
-    kind: str = "local"  # local (this machine), or "module:attribute" naming a Placement factory
+    kind: str = "local"  # local (this machine), ray (docs/cluster.md), or "module:attribute" naming a Placement factory
+    address: str = ""  # ray: an existing cluster ("auto", "HOST:6379"); empty starts a local one on this machine
+    node_dir: str = ""  # ray: each node's own directory (captures, work dirs), absolute; empty: <out>/nodes
+    node_resource: str = ""  # ray: only nodes with this custom resource get a node agent; empty: every node
+    replicas: list[str] = field(default_factory=list)  # ray: vLLM URLs you run; empty: one vLLM actor per node
+    trainer_cpus: int = 1  # ray: the trainer's placement group bundle
+    trainer_gpus: int = 0
+    max_retries: int = 2  # ray: a group's re-dispatches after node losses before it is dropped
 
 
 @dataclass
@@ -290,6 +298,7 @@ _MINIMA = {
     ("harness", "concurrency"): 1, ("tasks", "limit"): 0, ("trainer", "lora_rank"): 0,
     ("trainer", "keep_checkpoints"): 1, ("eval", "every"): 0, ("eval", "samples"): 1,
     ("schedule", "max_off_policy_steps"): 0, ("schedule", "groups_in_flight"): 0, ("model", "max_model_len"): 256, ("sandbox", "pids"): 1,
+    ("placement", "trainer_cpus"): 1, ("placement", "trainer_gpus"): 0, ("placement", "max_retries"): 0,
 }
 
 
@@ -313,8 +322,14 @@ def _check_values(cfg: LoopConfig, err: Any) -> None:
             "asynchronous rollouts (schedule.max_off_policy_steps > 0) need \"keep\" or \"auto\"")
     if cfg.eval.ids and not cfg.eval.tasks:
         err(("eval", "ids"), "eval.ids selects tasks of eval.tasks: set eval.tasks too (the training tasks are tasks.ids)")
-    if cfg.placement.kind != "local" and ":" not in cfg.placement.kind:
-        err(("placement", "kind"), f"placement.kind must be \"local\" or \"module:attribute\", got {_describe(cfg.placement.kind)}")
+    if cfg.placement.kind not in ("local", "ray") and ":" not in cfg.placement.kind:
+        err(("placement", "kind"), "placement.kind must be \"local\", \"ray\" or \"module:attribute\", got "
+            f"{_describe(cfg.placement.kind)}")
+    if cfg.placement.node_dir and not cfg.placement.node_dir.startswith("/"):
+        err(("placement", "node_dir"), "placement.node_dir must be absolute (every node resolves it alone), got "
+            f"{_describe(cfg.placement.node_dir)}")
+    if cfg.harness.name == "generic" and not cfg.harness.command:
+        err(("harness", "command"), "harness.name = \"generic\" needs harness.command (a shell command template)")
 
 
 def parse_config(text: str, source: str = "<config>") -> LoopConfig:

@@ -86,6 +86,9 @@ class Run:
     def finish(self, rec: dict[str, Any], step: int, t_step: float) -> None:
         """Record step ``step`` finished (atomically) and write its metrics row."""
         rec["wall_s"] = round(time.monotonic() - t_step, 3)
+        counters = getattr(self.placement, "counters", None)
+        if counters is not None:  # cumulative (Ray: groups retried after a node loss, dropped, nodes lost)
+            rec["placement"] = counters()
         self.state.steps.append(rec)
         self.state.next_step = step + 1
         self.save()
@@ -227,7 +230,8 @@ def run_loop(cfg: LoopConfig, placement: Placement, out: Path, log: Callable[[st
         placement.close()
         if run.metrics is not None:
             run.metrics.close()
-    report = build_report(cfg, state, out, time.monotonic() - t0)
+    describe = getattr(placement, "report", None)
+    report = build_report(cfg, state, out, time.monotonic() - t0, describe() if describe is not None else None)
     return report
 
 
@@ -239,7 +243,8 @@ def staleness_histogram(steps: list[dict[str, Any]]) -> dict[str, int]:
     return dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
 
 
-def build_report(cfg: LoopConfig, state: LoopState, out: Path, wall_s: float) -> dict[str, Any]:
+def build_report(cfg: LoopConfig, state: LoopState, out: Path, wall_s: float,
+                 placement: dict[str, Any] | None = None) -> dict[str, Any]:
     steps = sorted(state.steps, key=lambda s: s["step"])
     first = steps[0]["rewards"]["mean_reward"] if steps else None
     last = steps[-1]["rewards"]["mean_reward"] if len(steps) > 1 else None
@@ -258,6 +263,8 @@ def build_report(cfg: LoopConfig, state: LoopState, out: Path, wall_s: float) ->
         "steps": steps,
         "wall_s_this_run": round(wall_s, 3),
     }
+    if placement is not None:  # what the placement itself reports (Ray: nodes, start-up, retries, drops)
+        report["placement"] = placement
     tmp = out / f".{REPORT_FILE}.tmp"
     tmp.write_text(json.dumps(report, indent=2, default=str))
     tmp.replace(out / REPORT_FILE)

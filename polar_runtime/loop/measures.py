@@ -100,6 +100,9 @@ def metrics_row(rec: dict[str, Any], idle: dict[str, float], dropped_total: int)
                            "loop/wall_s": idle["wall_s"]}
     if rec["rewards"].get("mean_reward") is not None:
         row["loop/mean_reward"] = rec["rewards"]["mean_reward"]
+    for k, v in (rec.get("placement") or {}).items():  # a placement's own counters (Ray: node losses)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            row[f"placement/{k}"] = v
     if tokens:
         row["loop/age_max"] = max(ages)
         row["loop/age_mean"] = sum(a * n for a, n in ages.items()) / tokens

@@ -87,10 +87,16 @@ class Placement(Protocol):
         """Stop everything started; the trainer's memory goes back to the system."""
 
 
+#: placement kinds by name (docs/cluster.md for "ray")
+KINDS = {"ray": "polar_runtime.cluster.placement:RayPlacement"}
+
+
 def make_placement(cfg: LoopConfig, out: Path) -> Placement:
     if cfg.placement.kind == "local":
         return LocalPlacement(cfg, out)
-    module, _, attr = cfg.placement.kind.partition(":")
+    # "ray" names a factory like any other (imported only when asked for: one machine never needs
+    # Ray, and the cluster package, which builds on this module, is never imported from here)
+    module, _, attr = KINDS.get(cfg.placement.kind, cfg.placement.kind).partition(":")
     factory = getattr(importlib.import_module(module), attr)
     return factory(cfg, out)
 
@@ -221,7 +227,7 @@ class LocalPlacement:
         with self.tl.phase("setup", "venvs, model, harness (built only when missing)") as ph:
             self.model_dir, self.served = demo.ensure_setup(d, self.log)
             self.serve_dir = demo.servable_dir(self.model_dir, self.log)
-            self.preset = h.get_preset(d.harness)
+            self.preset = h.get_preset(d.harness, cfg.harness.command)
             tasks = select_tasks(r.load_tasks(d.tasks), d.tasks, d.task_ids, d.n_tasks)
             self.tasks = {t.id: t for t in tasks}
             # the evaluation's tasks: the training ones, or another set (transfer: tasks never trained on)

@@ -50,7 +50,7 @@ def test_values_out_of_range_and_syntax_errors() -> None:
     assert _err("[trainer]\nserver_during_train = \"never\"\n").startswith(
         "loop.toml:2: trainer.server_during_train must be one of auto, keep, stop")
     assert _err("[sampling]\ntemperature = 0.0\n").startswith("loop.toml:2: sampling.temperature must be > 0")
-    assert _err("[placement]\nkind = \"ray\"\n").startswith("loop.toml:2: placement.kind must be")
+    assert _err("[placement]\nkind = \"slurm\"\n").startswith("loop.toml:2: placement.kind must be")
     assert _err("[rollout\n").startswith("loop.toml: not valid TOML:") and "line 1" in _err("[rollout\n")
 
 
