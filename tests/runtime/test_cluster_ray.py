@@ -87,7 +87,9 @@ def _node_sessions(root: Path) -> dict[str, set[str]]:
     return {d.name: {p.stem for p in (d / "captures" / "sessions").glob("*.jsonl")} for d in root.iterdir() if d.is_dir()}
 
 
-@pytest.mark.parametrize("k", [0, 1], ids=["sync", "async-k1"])
+# k = 1 only: the synchronous schedule (k = 0) is the node-removal test's and the acceptance test's
+# (test_cluster_cli.py); one more cluster run would cost CI ~1 min
+@pytest.mark.parametrize("k", [1], ids=["async-k1"])
 def test_two_nodes_run_the_loop_and_keep_their_captures_apart(tmp_path: Path, cluster: Any, k: int) -> None:
     cl, nodes = cluster
     with ServerThread(served_model="scripted-model", script=Script(["text"])) as up:
