@@ -83,6 +83,13 @@ case ":\${{PATH}}:" in *:"$dest":*) ;; *) export PATH="$dest:\$PATH" ;; esac
 EOF
 echo "installing to $dest"
 echo "  uv, uvx {version} (Polar's STAND-IN installer: the PyPI wheel's binaries, astral.sh unreachable)"
+# uv downloads a Python from GitHub (unreachable) for an image without one: Debian's python3 instead
+if ! command -v python3 >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  echo "polar: STAND-IN: no python3 in the image, and uv's Python downloads (GitHub) are unreachable: apt-get install python3" >&2
+  (apt-get install -y -qq --no-install-recommends python3 >/dev/null 2>&1 ||
+   {{ apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends python3 >/dev/null 2>&1; }}) ||
+    echo "polar: apt-get install python3 failed" >&2
+fi
 """
 
 
@@ -112,6 +119,8 @@ def ensure_uv(version: str, cache: Path | None = None) -> Path:
         shim.write_text(CURL_SHIM)
         os.chmod(shim, 0o755)
     if (d / "uvx").is_file() and (d / "install.sh").is_file():
+        if (d / "install.sh").read_text() != INSTALLER.format(version=version):  # a newer installer of ours
+            (d / "install.sh").write_text(INSTALLER.format(version=version))
         return d
     tmp = Path(tempfile.mkdtemp(prefix=f".uv-{version}-", dir=base))
     try:
