@@ -243,8 +243,9 @@ def ensure_image(image: str, *, env: dict[str, str] | None = None, cache: Path |
                            "buildpack-deps)")
     tar, build_s = rootfs_tarball(plan, cache)
     ca_env = [f"ENV {k}={CA_PATH}" for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT")] if host_ca_bundle() else []
-    env = dict(e.split("=", 1) for e in (f"PATH={_PATH}", "LANG=C.UTF-8", *plan.env))
-    changes = [f'LABEL {STANDIN_LABEL}="{plan.why}"', *(f"ENV {k}={v}" for k, v in env.items()), 'CMD ["bash"]', *ca_env]
+    image_env = dict(e.split("=", 1) for e in (f"PATH={_PATH}", "LANG=C.UTF-8", *plan.env))
+    changes = [f'LABEL {STANDIN_LABEL}="{plan.why}"', *(f"ENV {k}={v}" for k, v in image_env.items()), 'CMD ["bash"]',
+               *ca_env]
     t0 = time.monotonic()
     cmd = [runtime, "import"]
     for c in changes:
