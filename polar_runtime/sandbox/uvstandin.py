@@ -79,23 +79,36 @@ UVX_WRAPPER = r"""#!/bin/sh
 # Polar's stand-in uvx (sandbox/uvstandin.py): the real uvx, but a --python no interpreter here
 # satisfies (uv would download it from GitHub, unreachable) is served by the image's python3.
 here=$(dirname "$0")
-want="" take=0
+# uvx [OPTIONS] COMMAND [ARGS]: only uvx's own options count (`pytest -p no:x` is pytest's)
+want="" take=0 skip=0
 for a in "$@"; do
   if [ $take = 1 ]; then want=$a; take=0; continue; fi
-  case "$a" in -p|--python) take=1 ;; --python=*|-p=*) want=${a#*=} ;; esac
+  if [ $skip = 1 ]; then skip=0; continue; fi
+  case "$a" in
+    -p|--python) take=1 ;;
+    --python=*|-p=*) want=${a#*=} ;;
+    -w|--with|--from|--with-editable|--with-requirements|--index|--index-url|-i|--extra-index-url|\
+    --default-index|-f|--find-links|-c|--constraints|--overrides|-b|--build-constraints|--env-file|\
+    --directory|--project|--config-file|--cache-dir|--index-strategy|--keyring-provider|--resolution|\
+    --prerelease|--exclude-newer|--link-mode|-P|--upgrade-package|--reinstall-package|-C|\
+    --config-setting|--python-preference|--python-platform|--color|--allow-insecure-host) skip=1 ;;
+    -*) ;;
+    *) break ;;
+  esac
 done
 if [ -n "$want" ] && ! UV_PYTHON_DOWNLOADS=never "$here/uv" python find "$want" >/dev/null 2>&1; then
   py=$(command -v python3)
   if [ -n "$py" ]; then
     echo "polar: STAND-IN: uvx --python $want: no Python $want here and uv's downloads (GitHub) are unreachable; the image's $("$py" -V 2>&1) ($py) instead" >&2
-    first=1 take=0
-    for a in "$@"; do
+    first=1 take=0 done=0
+    for a in "$@"; do  # the same walk: the first --python of uvx's options gets the image's python3
       [ $first = 1 ] && { set --; first=0; }
-      if [ $take = 1 ]; then set -- "$@" "$py"; take=0; continue; fi
+      if [ $done = 1 ]; then set -- "$@" "$a"; continue; fi
+      if [ $take = 1 ]; then set -- "$@" "$py"; take=0; done=1; continue; fi
       case "$a" in
         -p|--python) take=1; set -- "$@" "$a" ;;
-        --python=*) set -- "$@" "--python=$py" ;;
-        -p=*) set -- "$@" "-p=$py" ;;
+        --python=*) set -- "$@" "--python=$py"; done=1 ;;
+        -p=*) set -- "$@" "-p=$py"; done=1 ;;
         *) set -- "$@" "$a" ;;
       esac
     done

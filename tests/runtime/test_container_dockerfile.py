@@ -109,3 +109,33 @@ def test_stand_in_plans_for_toolchain_images_and_hub_mirrors(image, flavour, say
 def test_no_stand_in_for_images_debian_has_no_toolchain_for():
     assert plan_for("mcr.microsoft.com/dotnet/sdk:8.0.405") is None
     assert plan_for("alpine:3.20") is None and plan_for("debian:buster") is None
+
+
+def test_stand_in_uvx_serves_a_python_it_cannot_download_with_the_images_own(tmp_path):
+    """``uvx --python 3.12`` on the python:3.12 stand-in (Debian's 3.13): uv would download 3.12
+    from GitHub; the wrapper hands the image's python3 instead and says so. A version uv finds, or
+    no --python at all, goes to the real uvx unchanged."""
+    import os
+    import subprocess
+
+    from polar_runtime.sandbox.uvstandin import UVX_WRAPPER
+
+    b = tmp_path / "bin"
+    b.mkdir()
+    for name, text in (("uvx", UVX_WRAPPER), ("uvx-real", '#!/bin/sh\nfor a in "$@"; do echo "[$a]"; done\n'),
+                       ("uv", '#!/bin/sh\n[ "$3" = 3.13 ] && exit 0; exit 2\n'),  # `uv python find X`
+                       ("python3", "#!/bin/sh\necho Python 3.13.5\n")):
+        (b / name).write_text(text)
+        os.chmod(b / name, 0o755)
+    env = {"PATH": f"{b}:/usr/bin:/bin"}
+
+    def uvx(*args):
+        r = subprocess.run([str(b / "uvx"), *args], capture_output=True, text=True, env=env, timeout=30)
+        return r.stdout.split("\n")[:-1], r.stderr
+
+    out, err = uvx("--python", "3.12", "--with", "pytest==8.4.1", "pytest", "a b")
+    assert out == ["[--python]", f"[{b}/python3]", "[--with]", "[pytest==8.4.1]", "[pytest]", "[a b]"]
+    assert "STAND-IN: uvx --python 3.12" in err and "Python 3.13.5" in err
+    assert uvx("--python=3.12", "x")[0] == [f"[--python={b}/python3]", "[x]"]
+    assert uvx("-p", "3.13", "x") == (["[-p]", "[3.13]", "[x]"], "")
+    assert uvx("pytest", "-p", "no:cacheprovider")[0] == ["[pytest]", "[-p]", "[no:cacheprovider]"]
