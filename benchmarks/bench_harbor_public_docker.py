@@ -44,7 +44,8 @@ CAUSES = [
     (r"Permission denied: '/tmp/", "program built into /tmp not executable (tmpfs noexec)"),
     (r"timed out|rc=124|per-task timeout", "per-task timeout"),
     (r"tests test nothing", "nop scored as high as the oracle"),
-    (r"the verifier wrote no reward|no tests/test\.sh", "verifier wrote no reward"),
+    (r"no tests/test\.sh", "the task ships no tests/test.sh"),
+    (r"the verifier wrote no reward", "verifier wrote no reward"),
     (r"could not be built", "image build failed"),
     (r"oracle failed", "oracle scored below 1 (task-specific)"),
 ]
