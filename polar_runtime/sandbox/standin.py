@@ -182,8 +182,7 @@ def rootfs_tarball(plan: Plan, cache: Path | None = None) -> tuple[Path, float]:
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="polar-standin-", dir=cache) as tmp:
             root = Path(tmp) / "rootfs"
-            include = ["ca-certificates"] + (["python3", "python3-pip", "python3-venv"] if plan.python else []) \
-                + list(plan.packages)
+            include = ["ca-certificates"] + (["python3", "python3-pip", "python3-venv"] if plan.python else [])
             cmd = ["debootstrap", "--variant=minbase", f"--include={','.join(include)}", plan.suite, str(root),
                    host_mirror()]
             r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
@@ -191,6 +190,16 @@ def rootfs_tarball(plan: Plan, cache: Path | None = None) -> tuple[Path, float]:
                 log = root / "debootstrap" / "debootstrap.log"
                 detail = log.read_text(errors="replace")[-1200:] if log.exists() else (r.stderr or r.stdout)[-1200:]
                 raise StandInError(f"debootstrap {plan.suite} failed: {detail}")
+            if plan.packages:
+                # apt in the new root, not debootstrap's --include: its resolver left trixie's npm
+                # (hundreds of node-* dependencies) unconfigured ("node-cli-table3 is not installed")
+                apt = ["chroot", str(root), "env", "DEBIAN_FRONTEND=noninteractive", "apt-get"]
+                for cmd in ([*apt, "update", "-qq"], [*apt, "install", "-y", "-qq", "--no-install-recommends",
+                                                      *plan.packages]):
+                    r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+                    if r.returncode != 0:
+                        raise StandInError(f"installing {' '.join(plan.packages)} into the {plan.suite} stand-in failed: "
+                                           f"{(r.stderr or r.stdout)[-1200:]}")
             _finish_rootfs(root, plan, ca)
             part = out.with_suffix(".tar.part")
             subprocess.run(["tar", "-C", str(root), "--numeric-owner", "-cf", str(part), "."], check=True,
