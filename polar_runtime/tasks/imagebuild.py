@@ -225,6 +225,10 @@ def export_workdir(image: str, workdir: str, dest: Path, runtime: str = "docker"
             if not parts:
                 continue
             m.name = os.path.join(".", *parts[1:]) if len(parts) > 1 else "."
+            if m.islnk():  # a hard link names its target by archive path: the same prefix goes
+                # (npm's node_modules/@esbuild/.../bin/esbuild: "linkname 'app/...' not found")
+                lparts = Path(m.linkname).parts
+                m.linkname = os.path.join(".", *lparts[1:]) if len(lparts) > 1 else "."
             if m.name != ".":
                 members.append(m)
         try:

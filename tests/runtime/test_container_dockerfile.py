@@ -139,3 +139,30 @@ def test_stand_in_uvx_serves_a_python_it_cannot_download_with_the_images_own(tmp
     assert uvx("--python=3.12", "x")[0] == [f"[--python={b}/python3]", "[x]"]
     assert uvx("-p", "3.13", "x") == (["[-p]", "[3.13]", "[x]"], "")
     assert uvx("pytest", "-p", "no:cacheprovider")[0] == ["[pytest]", "[-p]", "[no:cacheprovider]"]
+
+
+def test_work_dir_copied_out_of_the_image_keeps_hard_links(tmp_path, monkeypatch):
+    """``docker cp IMAGE:/app -`` names members ``app/...``, hard links' targets too: both lose the
+    prefix (a public node task's npm install left a hard-linked esbuild binary; the copy failed
+    with "linkname 'app/node_modules/...' not found")."""
+    import io
+    import tarfile
+    from types import SimpleNamespace
+
+    from polar_runtime.tasks import imagebuild
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, kind, data in (("app", tarfile.DIRTYPE, b""), ("app/bin", tarfile.DIRTYPE, b""),
+                                 ("app/bin/esbuild", tarfile.REGTYPE, b"ELF")):
+            ti = tarfile.TarInfo(name)
+            ti.type, ti.size, ti.mode = kind, len(data), 0o755
+            tf.addfile(ti, io.BytesIO(data) if data else None)
+        link = tarfile.TarInfo("app/esbuild-link")
+        link.type, link.linkname = tarfile.LNKTYPE, "app/bin/esbuild"
+        tf.addfile(link)
+    monkeypatch.setattr(imagebuild, "_docker", lambda rt, *a, **k: SimpleNamespace(
+        stdout=buf.getvalue() if a[0] == "cp" else "cid", returncode=0))
+    imagebuild.export_workdir("img", "/app", tmp_path / "w")
+    assert (tmp_path / "w" / "esbuild-link").read_bytes() == b"ELF"
+    assert (tmp_path / "w" / "esbuild-link").stat().st_ino == (tmp_path / "w" / "bin" / "esbuild").stat().st_ino
