@@ -40,6 +40,7 @@ CAUSES = [
     (r"multi-step task", "multi-step task ([[steps]]): not supported"),
     (r"no stand-in for it", "FROM an image with no Debian stand-in (e.g. .NET SDK)"),
     (r"fetches from (go\.dev|github\.com|dl\.google\.com|[\w.-]+)", "build downloads from outside the package registries"),
+    (r"go\.mod requires go >=", "module needs a newer Go than the stand-in's (GOTOOLCHAIN=local)"),
     (r"tunnel error", "uv downloads a Python from GitHub (none in the image, or not the version asked)"),
     (r"Permission denied: '/tmp/", "program built into /tmp not executable (tmpfs noexec)"),
     (r"timed out|rc=124|per-task timeout", "per-task timeout"),

@@ -190,7 +190,7 @@ def parse(dockerfile: Path, base_env: dict[str, str] | None = None, *, workdir: 
     ``COPY``/``ADD`` to any path (a step whose ``dest`` is absolute goes into the image, not the
     work dir), ``RUN`` in any ``WORKDIR``, and ``USER`` ignored with a note (every phase runs as
     root). Measured on 36 public Harbor tasks (benchmarks/results/harbor_public_docker.json): the
-    local mode's limits refused 20 of them before anything ran, all but one for their FROM image."""
+    local mode's limits refused 20 of them before anything ran, all for their FROM image."""
     context = dockerfile.parent
     top = task_root or context.parent
     env_out = Environment(workdir="", context=context)
