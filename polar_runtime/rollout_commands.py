@@ -232,7 +232,7 @@ def rollout_command(
     _check_mode(mode)
     preset = _preset(harness, command)
     try:
-        task_list = r.load_tasks(tasks)
+        task_list = r.load_tasks(tasks, container=sandbox in ("docker", "podman"))
         index, count = r.parse_shard(shard)
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -16,6 +16,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+#: the backends that build a task's image for real (tasks/imagebuild.py): their Dockerfiles are planned
+#: for that, not for the local mode's subset
+CONTAINER_BACKENDS = ("docker", "podman")
 tasks_app = typer.Typer(no_args_is_help=True, help="Harbor task directories: check (oracle and nop), list, convert.")
 console = Console()
 
@@ -102,7 +105,7 @@ def refused_row(task: str, reason: str) -> dict[str, Any]:
             "oracle_verifier": None, "notes": []}
 
 
-def load_for_check(path: str) -> tuple[list[Any], list[dict[str, Any]]]:
+def load_for_check(path: str, container: bool = False) -> tuple[list[Any], list[dict[str, Any]]]:
     """The tasks of ``path`` that load, and a refused row for each that does not (a dataset
     directory never stops at its first bad task). Raises FileNotFoundError / ValueError only when
     ``path`` itself is not a task set."""
@@ -112,7 +115,7 @@ def load_for_check(path: str) -> tuple[list[Any], list[dict[str, Any]]]:
     p = T.resolve_tasks_path(path)
     if not p.is_dir():
         return T.load_tasks(p), []
-    tasks, refused = load_dataset_report(p)
+    tasks, refused = load_dataset_report(p, container)
     if not tasks and not refused:
         raise ValueError(f"{p}: neither a Harbor task directory (task.toml + instruction.md) nor a dataset of them")
     base = str(p.resolve()) + "/"
@@ -136,7 +139,7 @@ def check_command(
     from polar_runtime.tasks import resolve_tasks_path
 
     try:
-        tasks, refused = load_for_check(path)
+        tasks, refused = load_for_check(path, container=sandbox in CONTAINER_BACKENDS)
     except (ValueError, FileNotFoundError, OSError) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None

@@ -96,7 +96,10 @@ class DockerSandbox(Sandbox):
             a += ["--memory", f"{spec.memory_mb}m", "--memory-swap", f"{spec.memory_mb}m"]
         if spec.cpus:
             a += ["--cpus", f"{spec.cpus:g}"]
-        tmp = (f"size={spec.disk_mb}m" if spec.disk_mb else "size=1g") + ",nosuid,nodev"
+        # exec: docker's --tmpfs is noexec unless told, and a test that builds a program into /tmp
+        # and runs it (public Go tasks: `go build -o /tmp/bin`) failed with EACCES; in the real
+        # image /tmp is on the image's file system, executable
+        tmp = (f"size={spec.disk_mb}m" if spec.disk_mb else "size=1g") + ",exec,nosuid,nodev"
         a += ["--tmpfs", f"/tmp:{tmp}", "-v", f"{private}:{PRIVATE}:ro"]
         if report_dir is not None:
             a += ["-v", f"{report_dir}:/run/polar-report"]

@@ -52,16 +52,66 @@ class Plan:
     suite: str  # the Debian release built
     python: bool  # python3, pip and venv added, pip allowed system-wide
     why: str  # the sentence recorded with every run
+    #: a toolchain image's Debian packages (golang, a JDK, node, gcc, rust), its name in the cache
+    #: key, and the ENV lines the real image sets (PATH with /usr/local/go/bin, JAVA_HOME, ...)
+    packages: tuple[str, ...] = ()
+    toolchain: str = ""
+    env: tuple[str, ...] = ()
 
     @property
     def flavour(self) -> str:
-        return f"{self.suite}-{'python' if self.python else 'base'}"
+        return f"{self.suite}-{self.toolchain or ('python' if self.python else 'base')}"
+
+
+#: registry prefixes of Docker Hub's official images (``public.ecr.aws/docker/library/golang`` is
+#: ``golang``): the same image under another name, stood in for alike
+_HUB_MIRRORS = re.compile(r"^(?:docker\.io/|index\.docker\.io/|registry-1\.docker\.io/|public\.ecr\.aws/docker/|"
+                          r"mirror\.gcr\.io/)?(?:library/)?")
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: toolchain images from Debian's packages. Versions are Debian's, not the tag's (Debian's
+#: packages: trixie has Go 1.24, OpenJDK 21, Node.js 20, GCC 14, Rust 1.85; bookworm Go 1.19,
+#: OpenJDK 17, Node.js 18): the sentence of every run says which stood in.
+_BUILD = ("git", "curl", "make", "gcc", "g++", "libc6-dev", "pkg-config")
+
+
+def _toolchain(name: str, tag: str, image: str) -> Plan | None:
+    what = f"stand-in for {image}: Debian"
+    major = re.match(r"^(\d+)", tag)
+    if name == "golang":
+        return Plan(image, "trixie", False, f"{what} trixie with its Go 1.24 (golang-go; NOT the tag's Go) built "
+                    "locally by debootstrap", ("golang-go", *_BUILD), "golang",
+                    ("GOPATH=/go", f"PATH=/go/bin:/usr/local/go/bin:{_PATH}"))
+    if name in ("eclipse-temurin", "openjdk", "amazoncorretto"):
+        v = int(major[1]) if major else 17
+        suite, jdk = ("bookworm", 17) if v <= 17 else ("trixie", 21)
+        return Plan(image, suite, False, f"{what} {suite} with its OpenJDK {jdk} (NOT {name}'s build"
+                    f"{'' if v == jdk else f', NOT Java {v}'}) built locally by debootstrap",
+                    (f"openjdk-{jdk}-jdk-headless", "curl"), f"jdk{jdk}",
+                    (f"JAVA_HOME=/usr/lib/jvm/java-{jdk}-openjdk-amd64",))
+    if name == "node":
+        v = int(major[1]) if major else 20
+        suite, node = ("bookworm", 18) if v <= 18 else ("trixie", 20)
+        return Plan(image, suite, False, f"{what} {suite} with its Node.js {node} and npm"
+                    f"{'' if v == node else f' (NOT Node.js {v})'} built locally by debootstrap",
+                    ("nodejs", "npm", "git", "curl"), f"node{node}")
+    if name == "gcc":
+        return Plan(image, "trixie", False, f"{what} trixie with its GCC 14, make and git (NOT the tag's GCC) built "
+                    "locally by debootstrap", _BUILD, "gcc")
+    if name == "rust":
+        return Plan(image, "trixie", False, f"{what} trixie with its Rust 1.85 and cargo (NOT the tag's Rust) built "
+                    "locally by debootstrap", ("rustc", "cargo", *_BUILD), "rust",
+                    ("CARGO_HOME=/usr/local/cargo", f"PATH=/usr/local/cargo/bin:{_PATH}"))
+    if name == "buildpack-deps":
+        suite = "trixie" if re.match(r"^(13|trixie)", tag) else "bookworm"
+        return Plan(image, suite, False, f"{what} {suite} with compilers, curl and git built locally by debootstrap",
+                    _BUILD, "buildpack")
+    return None
 
 
 def plan_for(image: str) -> Plan | None:
     """The stand-in for ``image`` (None: none is known, e.g. node:20 or a private image)."""
     name, _, tag = image.rpartition("@")[0].partition(":") if "@" in image else image.partition(":")
-    name = name.removeprefix("docker.io/").removeprefix("library/")
+    name = _HUB_MIRRORS.sub("", name, count=1)
     tag = tag or "latest"
     what = f"stand-in for {image}: Debian"
     if name == "debian":
@@ -82,7 +132,8 @@ def plan_for(image: str) -> Plan | None:
             return Plan(image, "trixie", True, f"{what} trixie with its Python 3.13"
                         + (" (3.12 is no Debian release's)" if minor[1] == 12 else "")
                         + " built locally by debootstrap")
-    return None
+        return None
+    return _toolchain(name, tag, image)
 
 
 def host_ca_bundle() -> Path | None:
@@ -139,6 +190,16 @@ def rootfs_tarball(plan: Plan, cache: Path | None = None) -> tuple[Path, float]:
                 log = root / "debootstrap" / "debootstrap.log"
                 detail = log.read_text(errors="replace")[-1200:] if log.exists() else (r.stderr or r.stdout)[-1200:]
                 raise StandInError(f"debootstrap {plan.suite} failed: {detail}")
+            if plan.packages:
+                # apt in the new root, not debootstrap's --include: its resolver left trixie's npm
+                # (hundreds of node-* dependencies) unconfigured ("node-cli-table3 is not installed")
+                apt = ["chroot", str(root), "env", "DEBIAN_FRONTEND=noninteractive", "apt-get"]
+                for cmd in ([*apt, "update", "-qq"], [*apt, "install", "-y", "-qq", "--no-install-recommends",
+                                                      *plan.packages]):
+                    r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+                    if r.returncode != 0:
+                        raise StandInError(f"installing {' '.join(plan.packages)} into the {plan.suite} stand-in failed: "
+                                           f"{(r.stderr or r.stdout)[-1200:]}")
             _finish_rootfs(root, plan, ca)
             part = out.with_suffix(".tar.part")
             subprocess.run(["tar", "-C", str(root), "--numeric-owner", "-cf", str(part), "."], check=True,
@@ -164,6 +225,11 @@ def _finish_rootfs(root: Path, plan: Plan, ca: Path | None) -> None:
         py = root / "usr" / "bin" / "python"
         if not py.exists() and not py.is_symlink():
             py.symlink_to("python3")
+    if plan.toolchain == "golang":  # where the official image has Go, and its GOPATH
+        go = root / "usr" / "local" / "go"
+        if not go.exists() and not go.is_symlink():
+            go.symlink_to("/usr/lib/go")
+        (root / "go" / "bin").mkdir(parents=True, exist_ok=True)
 
 
 def image_exists(image: str, env: dict[str, str] | None = None, runtime: str = "docker") -> bool:
@@ -182,11 +248,13 @@ def ensure_image(image: str, *, env: dict[str, str] | None = None, cache: Path |
     plan = plan_for(image)
     if plan is None:
         raise StandInError(f"image {image!r} is not on the daemon, no registry is reachable here, and Polar has no "
-                           "stand-in for it (debian:*, ubuntu:*, python:3.1x*)")
+                           "stand-in for it (debian:*, ubuntu:*, python:3.1x*, golang, eclipse-temurin/openjdk, node, gcc, rust, "
+                           "buildpack-deps)")
     tar, build_s = rootfs_tarball(plan, cache)
     ca_env = [f"ENV {k}={CA_PATH}" for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT")] if host_ca_bundle() else []
-    changes = [f'LABEL {STANDIN_LABEL}="{plan.why}"', "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-               "ENV LANG=C.UTF-8", 'CMD ["bash"]', *ca_env]
+    image_env = dict(e.split("=", 1) for e in (f"PATH={_PATH}", "LANG=C.UTF-8", *plan.env))
+    changes = [f'LABEL {STANDIN_LABEL}="{plan.why}"', *(f"ENV {k}={v}" for k, v in image_env.items()), 'CMD ["bash"]',
+               *ca_env]
     t0 = time.monotonic()
     cmd = [runtime, "import"]
     for c in changes:

@@ -38,10 +38,12 @@ def resolve_tasks_path(spec: str | Path) -> Path:
                             f"file (built-in: {', '.join(b.name for b in builtin_sets())})")
 
 
-def load_tasks(spec: str | Path) -> list[Task]:
+def load_tasks(spec: str | Path, container: bool = False) -> list[Task]:
+    """``container``: Dockerfiles planned for a container backend's image build (any FROM, COPY
+    anywhere), not the local mode's subset (``tasks/dockerfile.py``)."""
     path = resolve_tasks_path(spec)
     if path.is_dir():
-        tasks = [load_task_dir(path)] if is_task_dir(path) else load_dataset(path)
+        tasks = [load_task_dir(path, container)] if is_task_dir(path) else load_dataset(path, container)
     else:
         tasks = load_jsonl(path)
     ids = [t.id for t in tasks]

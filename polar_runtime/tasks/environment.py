@@ -112,11 +112,15 @@ def build_env(task: Task, base_path: str | None = None) -> dict[str, str]:
 
 
 def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path,
-                run_step: Any = None) -> list[str]:
+                run_step: Any = None, copy_in: Any = None) -> list[str]:
     """Build the task's environment into ``workdir_host`` (empty); returns the notes of the build.
     RUN steps run through ``sandbox`` (a polar_runtime.sandbox.Sandbox), or through ``run_step(spec,
     argv, out)`` when the sandbox builds a real image (``tasks/imagebuild.py``: then an apt step
-    really installs, and is not checked against the host's packages)."""
+    really installs, and is not checked against the host's packages). ``copy_in(root)``: a COPY
+    or here-document whose destination is outside the work dir (an absolute ``dest``, planned only
+    for a container backend) is laid out under a fresh ``root`` as it would be under /, then handed
+    to it (``imagebuild`` copies it into the image being built)."""
+    import tempfile
     from polar_runtime.sandbox import SandboxSpec
 
     env_plan = task.environment
@@ -129,6 +133,13 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path,
         where = f"line {step.line} `{step.source[:100]}`" if step.line else (step.source[:100] or step.kind)
         if step.kind in ("env", "arg"):
             env[step.dest] = step.text
+        elif step.kind in ("write", "copy") and step.dest.startswith("/"):
+            if copy_in is None:
+                raise BuildError(f"{where}: destination {step.dest} is outside the work dir (only a container "
+                                 "backend's image can take it)")
+            with tempfile.TemporaryDirectory(prefix="polar-copy-in-") as tmp:
+                _lay_out(step, Path(tmp), env_plan.context, where)
+                copy_in(Path(tmp))
         elif step.kind == "write":
             target = Path(os.path.normpath(workdir_host / step.dest))
             if Path(os.path.normpath(workdir_host)) not in target.parents:
@@ -176,6 +187,25 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path,
                 what = f"timed out after {spec.timeout_s:g} s" if res.timed_out else f"exited {res.returncode}"
                 raise BuildError(f"{where} {what}: {tail}")
     return notes
+
+
+def _lay_out(step: Any, root: Path, context: Path | None, where: str) -> None:
+    """A COPY (or here-document) to the absolute ``step.dest``, laid out under ``root`` as under /."""
+    rel = step.dest.strip("/")
+    if step.kind == "write":
+        write_bytes(root, root / rel, step.text.encode())
+        return
+    assert context is not None
+    sources = sorted(glob.glob(str(context / step.src))) or [str(context / step.src)]
+    for s in map(Path, sources):
+        into = step.dest.endswith("/") or len(sources) > 1
+        target = Path(os.path.normpath(root / rel / s.name if into and s.is_file() else root / rel))
+        if root not in target.parents and target != root:
+            raise BuildError(f"{where}: destination escapes /")
+        try:
+            _copy(s, target, root, context, dockerignore(context))
+        except UnsafePath as exc:
+            raise BuildError(f"{where}: {exc}") from exc
 
 
 def prepare_workdir(task: Task, workdir: Path, sandbox: Any, build_root: Path) -> list[str]:
@@ -231,6 +261,8 @@ _OTHER_NET = re.compile(r"\bcargo\s+install\b|\bgo\s+(get|install|mod\s+download
                         r"|\buvx\s+(-p|--python)\b|\bgit\s+clone\b[^\n|;&]*git@")
 #: Terminal-Bench 2's verifier bootstrap, which a container backend serves (``sandbox/uvstandin.py``)
 _TB2_UV = re.compile(r"\bcurl\b.*https://astral\.sh/uv/\d+\.\d+\.\d+/install\.sh|^\s*uvx\b")
+#: astral's uv installer, which a container backend's build steps and verifier get locally
+_ASTRAL_UV = re.compile(r"https://astral\.sh/uv/\d+\.\d+\.\d+/install\.sh")
 _LOCAL_HOST = re.compile(r"^(localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|\[::1\])(:\d+)?$")
 
 
@@ -288,7 +320,8 @@ def local_mode_refusal(task: Task, *, builds_image: bool = False) -> str | None:
                 return (f"{where}: installs apt packages this host lacks ({' '.join(missing)}); the local mode "
                         "cannot install into the read-only host system")
             continue
-        why = network_refusal(step.text, registries_reachable=True)
+        text = _ASTRAL_UV.sub("", step.text) if builds_image else step.text  # stood in for (uvstandin.py)
+        why = network_refusal(text, registries_reachable=True)
         if why:
             return (f"{where}: {why}; build steps reach only the package registries "
                     "(POLAR_SANDBOX_REGISTRIES; allow_internet widens nothing)")

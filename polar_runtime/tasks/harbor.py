@@ -154,12 +154,12 @@ def _refuse_unsupported(root: Path, cfg: dict[str, Any], envc: dict[str, Any]) -
         raise ValueError(f"[environment] os = {envc['os']!r}: only linux tasks run")
 
 
-def load_task_dir(root: Path) -> Task:
+def load_task_dir(root: Path, container: bool = False) -> Task:
     """One Harbor task directory -> :class:`Task`; a :class:`TaskRefused` (a ValueError) names the
     file and what is wrong. Never raises anything else, whatever the directory holds."""
     root = Path(os.path.abspath(root))
     try:
-        return _load(Path(os.path.realpath(root)), root.name)
+        return _load(Path(os.path.realpath(root)), root.name, container)
     except (TaskRefused, DockerfileError):
         raise
     except (ValueError, OSError, RecursionError) as exc:
@@ -168,7 +168,7 @@ def load_task_dir(root: Path) -> Task:
         raise TaskRefused(root.name, f"{root}: cannot load: {type(exc).__name__}: {exc}") from None
 
 
-def _load(root: Path, task_id: str) -> Task:
+def _load(root: Path, task_id: str, container: bool = False) -> Task:
     toml_path = root / "task.toml"
     try:
         cfg = tomllib.loads(_read(toml_path, root, "task.toml"))
@@ -251,7 +251,8 @@ def _load(root: Path, task_id: str) -> Task:
         if envc.get("docker_image"):
             notes.append(f"[environment] docker_image {envc['docker_image']!r} ignored: the local mode builds "
                          "environment/Dockerfile")
-        task.environment = parse(dockerfile, {"PATH": DEFAULT_PATH}, workdir=workdir, task_root=root)
+        task.environment = parse(dockerfile, {"PATH": DEFAULT_PATH}, workdir=workdir, task_root=root,
+                                 container=container)
     elif envc.get("docker_image"):
         raise ValueError(f"{toml_path}: [environment] docker_image {envc['docker_image']!r} needs a container "
                          "runtime; the local mode builds from environment/Dockerfile")
@@ -305,7 +306,7 @@ def candidate_dirs(root: Path) -> list[Path]:
     return dirs
 
 
-def load_dataset_report(root: Path) -> tuple[list[Task], list[Refusal]]:
+def load_dataset_report(root: Path, container: bool = False) -> tuple[list[Task], list[Refusal]]:
     """Every task of a dataset (or the one task directory ``root``), and the refusals of the others."""
     tasks: list[Task] = []
     refused: list[Refusal] = []
@@ -322,14 +323,14 @@ def load_dataset_report(root: Path) -> tuple[list[Task], list[Refusal]]:
         try:
             if not is_task_dir(d):
                 raise TaskRefused(d.name, f"{d}: not a Harbor task directory: it needs task.toml and instruction.md")
-            tasks.append(load_task_dir(d))
+            tasks.append(load_task_dir(d, container))
         except ValueError as exc:  # TaskRefused or DockerfileError: nothing else leaves load_task_dir
             refused.append(Refusal(getattr(exc, "task", d.name), d, str(exc)))
     return tasks, refused
 
 
-def load_dataset(root: Path) -> list[Task]:
+def load_dataset(root: Path, container: bool = False) -> list[Task]:
     dirs = dataset_task_dirs(root)
     if not dirs:
         raise ValueError(f"{root}: neither a Harbor task directory (task.toml + instruction.md) nor a dataset of them")
-    return [load_task_dir(d) for d in dirs]
+    return [load_task_dir(d, container) for d in dirs]

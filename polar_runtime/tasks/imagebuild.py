@@ -96,18 +96,39 @@ def build_task_image(task: Any, sandbox: Any, log_dir: Path, apply_steps: Callab
     created: list[str] = []  # intermediate images, removed at the end
     state = {"image": base}
 
+    def next_tag() -> str:
+        return f"{REPOSITORY}-step/{os.getpid()}-{len(created)}-{time.monotonic_ns() % 10**9}:tmp"
+
     def run_step(spec: Any, argv: list[str], out: Any) -> Any:
         spec.image = state["image"]
-        nxt = f"{REPOSITORY}-step/{os.getpid()}-{len(created)}-{time.monotonic_ns() % 10**9}:tmp"
+        uv_stand_in(spec, argv[-1], notes_extra)
+        nxt = next_tag()
         res = sandbox.run(spec, argv, stdout=out, stderr=out, commit_to=nxt)
         if res.returncode == 0 and not res.timed_out:
             created.append(nxt)
             state["image"] = nxt
         return res
 
+    def copy_in(root: Path) -> None:
+        """A COPY outside the work dir: ``root``'s tree into / of the image so far, committed."""
+        cid = _docker(runtime, "create", "--entrypoint", "true", state["image"], text=True).stdout.strip()
+        try:
+            with tarfile.open(fileobj=(buf := io.BytesIO()), mode="w") as tf:
+                for child in sorted(root.iterdir()):
+                    tf.add(child, arcname=child.name, recursive=True)
+            _docker(runtime, "cp", "-", f"{cid}:/", input=buf.getvalue())
+            nxt = next_tag()
+            _docker(runtime, "commit", cid, nxt)
+            created.append(nxt)
+            state["image"] = nxt
+        finally:
+            _docker(runtime, "rm", "-f", cid, check=False)
+
     stage = Path(tempfile.mkdtemp(prefix="polar-stage-"))
+    notes_extra: list[str] = []
     try:
-        notes = apply_steps(task, stage / "work", sandbox, log_dir, run_step=run_step)
+        notes = apply_steps(task, stage / "work", sandbox, log_dir, run_step=run_step, copy_in=copy_in)
+        notes += list(dict.fromkeys(notes_extra))
         changes = image_changes(base, runtime) + [f"WORKDIR {task.workdir}"] + [
             f"ENV {k}={v}" for k, v in task.environment.env.items()]
         cid = _docker(runtime, "create", "--entrypoint", "true", state["image"], text=True).stdout.strip()
@@ -134,6 +155,23 @@ def build_task_image(task: Any, sandbox: Any, log_dir: Path, apply_steps: Callab
         BUILDS += 1
     return tag, notes + [f"image {tag} built from {base} in {time.monotonic() - t0:.1f} s "
                          f"({sum(1 for s in task.environment.steps if s.kind == 'run')} RUN step(s) committed)"]
+
+
+def uv_stand_in(spec: Any, command: str, notes: list[str]) -> None:
+    """A RUN step that pipes astral's uv installer into sh (``curl -LsSf
+    https://astral.sh/uv/0.5.11/install.sh | sh``, as Terminal-Bench-style Dockerfiles do) gets the
+    verifier's local installer of that uv (``sandbox/uvstandin.py``), said in the build's notes."""
+    from polar_runtime.sandbox.uvstandin import MOUNT, UvStandInError, verifier_binds
+
+    try:
+        binds, said = verifier_binds(command)
+    except UvStandInError as exc:
+        notes.append(f"no local uv installer: {exc}")
+        return
+    if binds:
+        spec.ro_binds = list(spec.ro_binds) + binds
+        spec.env = {**spec.env, "PATH": f"{MOUNT}/bin:{spec.env.get('PATH', '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin')}"}
+        notes += said
 
 
 def image_changes(base: str, runtime: str = "docker") -> list[str]:
@@ -187,6 +225,10 @@ def export_workdir(image: str, workdir: str, dest: Path, runtime: str = "docker"
             if not parts:
                 continue
             m.name = os.path.join(".", *parts[1:]) if len(parts) > 1 else "."
+            if m.islnk():  # a hard link names its target by archive path: the same prefix goes
+                # (npm's node_modules/@esbuild/.../bin/esbuild: "linkname 'app/...' not found")
+                lparts = Path(m.linkname).parts
+                m.linkname = os.path.join(".", *lparts[1:]) if len(lparts) > 1 else "."
             if m.name != ".":
                 members.append(m)
         try:

@@ -68,7 +68,7 @@ def test_standin_plans_say_what_stands_in():
     assert plan_for("python:3.11-slim").python and plan_for("python:3.11-slim").suite == "bookworm"
     assert plan_for("python:3.13-slim-bookworm").suite == "trixie"
     assert plan_for("debian:trixie").suite == "trixie" and plan_for("debian:bookworm-slim").suite == "bookworm"
-    assert plan_for("node:20") is None and plan_for("debian:buster") is None
+    assert plan_for("alpine:3.20") is None and plan_for("debian:buster") is None  # node:20: a toolchain plan now
 
 
 def test_a_standin_is_labelled_and_trusts_the_hosts_cas(dockerd, tmp_path):

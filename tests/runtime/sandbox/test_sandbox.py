@@ -212,7 +212,8 @@ def test_container_backends_drop_every_capability_but_what_the_verifier_needs(tm
     (tmp_path / "w").mkdir()
     agent = " ".join(backend().argv(SandboxSpec(tmp_path / "w", image="x"), tmp_path, "n", ["true"]))
     assert "--cap-drop ALL" in agent and "--security-opt no-new-privileges" in agent and "--cap-add" not in agent
-    assert "nosuid,nodev" in agent and "seccomp=unconfined" not in agent and "--privileged" not in agent
+    # exec: a test may build a program into /tmp and run it (docker's tmpfs default is noexec)
+    assert "exec,nosuid,nodev" in agent and "seccomp=unconfined" not in agent and "--privileged" not in agent
     verifier = " ".join(backend().argv(SandboxSpec(tmp_path / "w", image="x", userns_caps=True), tmp_path, "n", ["true"]))
     assert "--cap-add SETUID" in verifier and "--cap-add SYS_ADMIN" not in verifier
 

@@ -1,0 +1,168 @@
+"""Public Harbor tasks on a container backend: what the Dockerfile planner accepts there that the
+local mode refuses, the toolchain stand-ins' plans, COPY outside the work dir laid out for the
+image, and astral's uv installer in a build step. Pure Python, no daemon: well under a second.
+
+Why (benchmarks/results/harbor_public_docker.json): on 36 public tasks, the docker backend refused
+most before building anything, because the loader planned every Dockerfile for the local mode
+(``FROM golang``, ``FROM eclipse-temurin``, ``COPY x /build/x``).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from polar_runtime.sandbox.standin import plan_for
+from polar_runtime.tasks import load_tasks
+from polar_runtime.tasks.dockerfile import DockerfileError
+from polar_runtime.tasks.environment import apply_steps, local_mode_refusal
+from polar_runtime.tasks.model import BuildError
+
+
+def make_task(root: Path, dockerfile: str, files: dict[str, str] | None = None, test_sh: str = "true\n") -> Path:
+    d = root / "t"
+    (d / "environment").mkdir(parents=True)
+    (d / "tests").mkdir()
+    (d / "task.toml").write_text('version = "1.0"\n')
+    (d / "instruction.md").write_text("do it\n")
+    (d / "environment" / "Dockerfile").write_text(textwrap.dedent(dockerfile))
+    for rel, text in (files or {}).items():
+        (d / "environment" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / "environment" / rel).write_text(text)
+    (d / "tests" / "test.sh").write_text(test_sh)
+    return d
+
+
+PUBLIC_SHAPES = """\
+    FROM public.ecr.aws/docker/library/golang:1.26.2-bookworm AS base
+    ENV GOTOOLCHAIN=local
+    COPY tool/Validator.kt /build/Validator.kt
+    WORKDIR /src
+    RUN go version
+    USER agent
+    WORKDIR /app
+    COPY <<EOF /etc/motd
+    hi
+    EOF
+    COPY a.txt /app/a.txt
+    """
+
+
+def test_container_plan_takes_what_the_local_mode_refuses(tmp_path):
+    d = make_task(tmp_path, PUBLIC_SHAPES, {"tool/Validator.kt": "k", "a.txt": "a"})
+    with pytest.raises(DockerfileError, match="cannot stand in for image 'public.ecr.aws/docker/library/golang"):
+        load_tasks(d)  # the local mode: unchanged
+    (task,) = load_tasks(d, container=True)
+    env = task.environment
+    assert env.base_image == "public.ecr.aws/docker/library/golang:1.26.2-bookworm" and task.workdir == "/app"
+    kinds = [(s.kind, s.dest) for s in env.steps if s.kind in ("copy", "write")]
+    assert kinds == [("copy", "/build/Validator.kt"), ("write", "/etc/motd"), ("copy", "a.txt")]
+    run = next(s for s in env.steps if s.kind == "run")
+    assert run.cwd == "/src"  # a RUN outside the work dir: allowed in an image
+    assert any("USER agent ignored" in n for n in env.notes)
+
+
+def test_copy_outside_the_work_dir_is_laid_out_for_the_image_and_refused_without_one(tmp_path):
+    d = make_task(tmp_path, PUBLIC_SHAPES, {"tool/Validator.kt": "kotlin", "a.txt": "a"})
+    (task,) = load_tasks(d, container=True)
+    task.environment.steps = [s for s in task.environment.steps if s.kind != "run"]
+    seen: list[dict[str, str]] = []
+
+    def copy_in(root: Path) -> None:
+        seen.append({str(p.relative_to(root)): p.read_text() for p in root.rglob("*") if p.is_file()})
+
+    apply_steps(task, tmp_path / "work", None, tmp_path / "logs", run_step=lambda *a: None, copy_in=copy_in)
+    assert seen == [{"build/Validator.kt": "kotlin"}, {"etc/motd": "hi\n"}]
+    assert (tmp_path / "work" / "a.txt").read_text() == "a"
+    with pytest.raises(BuildError, match="outside the work dir"):
+        apply_steps(task, tmp_path / "work2", None, tmp_path / "logs")
+
+
+def test_astral_uv_installer_in_a_build_step_is_served_on_a_container_backend_only(tmp_path):
+    uv = "FROM eclipse-temurin:17-jdk\nRUN curl -LsSf https://astral.sh/uv/0.5.11/install.sh | sh\n"
+    (task,) = load_tasks(make_task(tmp_path, uv), container=True)
+    assert local_mode_refusal(task, builds_image=True) is None
+    assert "astral.sh" in (local_mode_refusal(task, builds_image=False) or "")
+    gh = uv + "RUN curl -fsSL https://github.com/JetBrains/kotlin/releases/download/v1/k.zip -o /tmp/k.zip\n"
+    (task,) = load_tasks(make_task(tmp_path / "2", gh), container=True)
+    assert "github.com" in (local_mode_refusal(task, builds_image=True) or "")
+
+
+@pytest.mark.parametrize("image,flavour,says", [
+    ("public.ecr.aws/docker/library/golang:1.26.2-bookworm", "trixie-golang", "Go 1.24"),
+    ("golang:1.22", "trixie-golang", "NOT the tag's Go"),
+    ("eclipse-temurin:17.0.12_7-jdk-jammy", "bookworm-jdk17", "OpenJDK 17"),
+    ("openjdk:21", "trixie-jdk21", "OpenJDK 21"),
+    ("node:20.18.1-bookworm", "trixie-node20", "Node.js 20"),
+    ("gcc:13", "trixie-gcc", "GCC 14"),
+    ("rust:1.80", "trixie-rust", "Rust 1.85"),
+    ("public.ecr.aws/docker/library/python:3.11-slim", "bookworm-python", "Python 3.11"),
+    ("docker.io/library/ubuntu:24.04", "bookworm-base", "NOT Ubuntu"),
+])
+def test_stand_in_plans_for_toolchain_images_and_hub_mirrors(image, flavour, says):
+    p = plan_for(image)
+    assert p is not None and p.flavour == flavour and says in p.why and p.why.startswith(f"stand-in for {image}:")
+
+
+def test_no_stand_in_for_images_debian_has_no_toolchain_for():
+    assert plan_for("mcr.microsoft.com/dotnet/sdk:8.0.405") is None
+    assert plan_for("alpine:3.20") is None and plan_for("debian:buster") is None
+
+
+def test_stand_in_uvx_serves_a_python_it_cannot_download_with_the_images_own(tmp_path):
+    """``uvx --python 3.12`` on the python:3.12 stand-in (Debian's 3.13): uv would download 3.12
+    from GitHub; the wrapper hands the image's python3 instead and says so. A version uv finds, or
+    no --python at all, goes to the real uvx unchanged."""
+    import os
+    import subprocess
+
+    from polar_runtime.sandbox.uvstandin import UVX_WRAPPER
+
+    b = tmp_path / "bin"
+    b.mkdir()
+    for name, text in (("uvx", UVX_WRAPPER), ("uvx-real", '#!/bin/sh\nfor a in "$@"; do echo "[$a]"; done\n'),
+                       ("uv", '#!/bin/sh\n[ "$3" = 3.13 ] && exit 0; exit 2\n'),  # `uv python find X`
+                       ("python3", "#!/bin/sh\necho Python 3.13.5\n")):
+        (b / name).write_text(text)
+        os.chmod(b / name, 0o755)
+    env = {"PATH": f"{b}:/usr/bin:/bin"}
+
+    def uvx(*args):
+        r = subprocess.run([str(b / "uvx"), *args], capture_output=True, text=True, env=env, timeout=30)
+        return r.stdout.split("\n")[:-1], r.stderr
+
+    out, err = uvx("--python", "3.12", "--with", "pytest==8.4.1", "pytest", "a b")
+    assert out == ["[--python]", f"[{b}/python3]", "[--with]", "[pytest==8.4.1]", "[pytest]", "[a b]"]
+    assert "STAND-IN: uvx --python 3.12" in err and "Python 3.13.5" in err
+    assert uvx("--python=3.12", "x")[0] == [f"[--python={b}/python3]", "[x]"]
+    assert uvx("-p", "3.13", "x") == (["[-p]", "[3.13]", "[x]"], "")
+    assert uvx("pytest", "-p", "no:cacheprovider")[0] == ["[pytest]", "[-p]", "[no:cacheprovider]"]
+
+
+def test_work_dir_copied_out_of_the_image_keeps_hard_links(tmp_path, monkeypatch):
+    """``docker cp IMAGE:/app -`` names members ``app/...``, hard links' targets too: both lose the
+    prefix (a public node task's npm install left a hard-linked esbuild binary; the copy failed
+    with "linkname 'app/node_modules/...' not found")."""
+    import io
+    import tarfile
+    from types import SimpleNamespace
+
+    from polar_runtime.tasks import imagebuild
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, kind, data in (("app", tarfile.DIRTYPE, b""), ("app/bin", tarfile.DIRTYPE, b""),
+                                 ("app/bin/esbuild", tarfile.REGTYPE, b"ELF")):
+            ti = tarfile.TarInfo(name)
+            ti.type, ti.size, ti.mode = kind, len(data), 0o755
+            tf.addfile(ti, io.BytesIO(data) if data else None)
+        link = tarfile.TarInfo("app/esbuild-link")
+        link.type, link.linkname = tarfile.LNKTYPE, "app/bin/esbuild"
+        tf.addfile(link)
+    monkeypatch.setattr(imagebuild, "_docker", lambda rt, *a, **k: SimpleNamespace(
+        stdout=buf.getvalue() if a[0] == "cp" else "cid", returncode=0))
+    imagebuild.export_workdir("img", "/app", tmp_path / "w")
+    assert (tmp_path / "w" / "esbuild-link").read_bytes() == b"ELF"
+    assert (tmp_path / "w" / "esbuild-link").stat().st_ino == (tmp_path / "w" / "bin" / "esbuild").stat().st_ino
