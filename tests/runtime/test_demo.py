@@ -20,8 +20,8 @@ import polars as pl
 import pytest
 
 from polar_core import processes
-from polar_runtime import demo
 from polar_runtime import harnesses as h
+from polar_runtime.loop import phases
 from polar_runtime import rollout as r
 from polar_core.paths import REPO_ROOT
 
@@ -71,7 +71,7 @@ def test_ctrl_c_stops_the_running_harness_and_keeps_no_result(tmp_path: Path) ->
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         with processes.interruptible() as stop:
-            demo.run_rollouts(cfg, None, stop, "test")
+            phases.run_rollouts(cfg, None, stop, "test")
     assert time.monotonic() - t0 < 30
     assert not list((tmp_path / "cap").rglob("late.txt"))
     assert r.ResultStore(tmp_path / "cap").rows() == []
@@ -178,8 +178,22 @@ def test_reduced_demo_end_to_end(tmp_path: Path, tiny_qwen_dir: Path) -> None:
         nb = nbformat.read(p, as_version=4)
         assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"], p
     assert {ph["name"] for ph in report["phases"]} >= {"setup", "serve", "proxy", "rollout 0", "trajectories 0",
-                                                       "train 0", "push 0", "rollout 1", "rollout 2", "notebooks"}
+                                                       "train 0", "push v1", "rollout 1", "trajectories 1", "rollout 2",
+                                                       "trajectories 2", "notebooks"}
     assert "train 1" not in {ph["name"] for ph in report["phases"]}
+
+    # the demo is the loop: its state says finished, its metrics went through the one writer, and
+    # `--print-config` printed the configuration that ran
+    state = json.loads((out / "loop-state.json").read_text())
+    assert state["next_step"] == 3 and state["policy_version"] == 1 and state["pending"] is None
+    loop_rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in loop_rows if "loop/policy_version" in row] == [0, 1, 2]
+    assert report["loop"]["staleness_tokens"] == {"0": report["steps"][0]["trajectories"]["sampled_tokens"]}
+    printed = subprocess.run([*cmd, "--print-config"], cwd=cwd, capture_output=True, text=True, check=True).stdout
+    from polar_runtime.loop.config import parse_config
+
+    assert parse_config(printed).to_dict() == report["config"]
+
 
 
 @pytest.mark.vllm
