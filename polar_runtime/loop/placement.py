@@ -359,6 +359,7 @@ class LocalPlacement:
         if self.server_stopped:
             self.log(f"vLLM stopped while training (needs ~{need / 2**30:.1f} GiB)")
             self.server.stop()
+        self.trained_step = step  # the push that follows is named after it (`push 0` follows `train 0`)
         with self.tl.phase(f"train {step}", "GRPO iteration, full checkpoint (resume needs it)") as ph:
             if self.trainer is None:
                 self.trainer = self._start_trainer()
@@ -390,7 +391,7 @@ class LocalPlacement:
 
         stopped = getattr(self, "server_stopped", False)
         target: Any = phases.Stopped(self.server) if stopped else self.server
-        with self.tl.phase(f"push v{policy_version}", "restart vLLM on the new weights (proxy holds calls)" if stopped
+        with self.tl.phase(f"push {getattr(self, 'trained_step', policy_version - 1)}", "restart vLLM on the new weights (proxy holds calls)" if stopped
                            else "new weights into the running vLLM in place (proxy holds calls)") as ph:
             res = push_weights(checkpoint, target, self.proxy.url, policy_version)
             ph.detail = f"policy v{res.policy_version} via {res.method} in {res.reload_s:.1f} s"

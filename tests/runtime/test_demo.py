@@ -178,7 +178,7 @@ def test_reduced_demo_end_to_end(tmp_path: Path, tiny_qwen_dir: Path) -> None:
         nb = nbformat.read(p, as_version=4)
         assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"], p
     assert {ph["name"] for ph in report["phases"]} >= {"setup", "serve", "proxy", "rollout 0", "trajectories 0",
-                                                       "train 0", "push v1", "rollout 1", "trajectories 1", "rollout 2",
+                                                       "train 0", "push 0", "rollout 1", "trajectories 1", "rollout 2",
                                                        "trajectories 2", "notebooks"}
     assert "train 1" not in {ph["name"] for ph in report["phases"]}
 
