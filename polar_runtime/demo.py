@@ -311,6 +311,8 @@ def print_report(report: dict[str, Any]) -> None:
     before, after = report["reward_before"], report["reward_after"]
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     console.print(f"[bold]reward before/after: {fmt(before)} -> {fmt(after)}[/bold]")
+    if (report.get("loop") or {}).get("resumes"):
+        console.print(f"resumed {report['loop']['resumes']} time(s) after an interruption (the loop's loop-state.json)")
 
     t = Table(title="phase times", title_justify="left")
     t.add_column("phase")
