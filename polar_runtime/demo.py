@@ -167,10 +167,13 @@ def _unfinished(state: LoopState | None, cfg: LoopConfig) -> bool:
 
 def prepare_out(cfg: LoopConfig, out: Path, keep: bool, fresh: bool) -> None:
     """An interrupted loop run is resumed; anything else in ``out`` is replaced unless ``keep``."""
+    from polar_runtime.loop.placement import ChildRecord
+
     state = LoopState.load(out) if (out / STATE_FILE).is_file() else None
     if out.exists() and any(out.iterdir()):
         if fresh:
             console.print(f"[yellow]--fresh: removing {out}[/yellow]")
+            ChildRecord(out).stop_leftovers(console.print)  # a killed run's vLLM and proxy: their record goes
             shutil.rmtree(out)
         elif _unfinished(state, cfg):
             pass  # the loop says "resuming ..."

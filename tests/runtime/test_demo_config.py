@@ -144,3 +144,23 @@ def test_an_interrupted_run_is_resumed_and_a_finished_one_replaced(tmp_path: Pat
     demo.prepare_out(cfg, out, keep=False, fresh=True)
     assert not (out / "captures").exists()  # --fresh: removed though interrupted
     assert json.loads(json.dumps(cfg.to_dict())) == cfg.to_dict()
+
+
+def test_fresh_stops_what_a_killed_run_left_running_before_removing_its_record(tmp_path: Path) -> None:
+    import subprocess
+
+    from polar_runtime.loop.placement import ChildRecord
+
+    out = tmp_path / "run"
+    _state_dir = out / "captures"
+    _state_dir.mkdir(parents=True)
+    LoopState(next_step=0).save(out)
+    left = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a vLLM a kill -9 left behind
+    try:
+        ChildRecord(out).add("vllm", left.pid, group=True)
+        demo.prepare_out(demo.builtin_config(), out, keep=False, fresh=True)
+        assert left.wait(10) == -9 and not _state_dir.exists()
+    finally:
+        if left.poll() is None:
+            left.kill()
+            left.wait()
