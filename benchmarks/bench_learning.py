@@ -246,6 +246,7 @@ def prepare_resume(run: Path, settings: dict[str, Any]) -> str:
         if (run / "report.json").exists():
             return "done"
         shutil.rmtree(run / "train", ignore_errors=True)  # recomputed from the reused samples
+        (run / "loop-state.json").unlink(missing_ok=True)  # the demo's loop starts at step 0 again, on them
         (run / "report.json").unlink(missing_ok=True)
         return "resume"
     run.mkdir(parents=True, exist_ok=True)

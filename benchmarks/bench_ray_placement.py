@@ -81,7 +81,7 @@ def _local(cfg: Any, out: Path, upstream: str) -> tuple[Any, float]:
     t = time.monotonic()
     p.preset, p.served = h.get_preset("generic", cfg.harness.command), "scripted-model"
     p.tasks = {t.id: t for t in r.load_tasks(cfg.tasks.source)}
-    p.proxy = ProxyProcess(upstream, p.dcfg.captures, mode="reverse", served_model="scripted-model",
+    p.proxy = ProxyProcess(upstream, out / "captures", mode="reverse", served_model="scripted-model",
                            options={"polar_require_session_key": True, "polar_exact_history": True,
                                     "polar_sampling": r.sampling_spec(1.0, None)},
                            log_file=out / "proxy.log", passthrough=False)

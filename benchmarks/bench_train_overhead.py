@@ -111,7 +111,7 @@ def main() -> None:
     import torch
 
     from polar_runtime import models
-    from polar_runtime.demo import servable_dir
+    from polar_runtime.loop.phases import servable_dir
     from polar_runtime.serve import VLLMServer
     from polar_training.config import LossConfig, TrainConfig
     from polar_training.heap import release_freed_memory

@@ -48,7 +48,7 @@ def main() -> int:
     import torch
 
     from polar_runtime import models
-    from polar_runtime.demo import servable_dir
+    from polar_runtime.loop.phases import servable_dir
     from polar_runtime.serve import VLLMServer
     from polar_training import checkpoint as ckpt
     from polar_training import weight_transfer as wt

@@ -35,7 +35,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from polar_runtime.loop.config import LoopConfig
 from polar_runtime.loop.groups import LoopError
-from polar_runtime.loop.placement import ChildRecord, TrainOutcome, demo_config_of
+from polar_runtime.loop import phases
+from polar_runtime.loop.placement import ChildRecord, TrainOutcome
 
 from .agent import AgentSpec, NodeAgent, node_root
 from .dispatch import Dispatcher, SampleStore
@@ -61,7 +62,6 @@ class RayPlacement:
     def __init__(self, cfg: LoopConfig, out: Path, log: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
         self.out = Path(out).resolve()
-        self.dcfg = demo_config_of(cfg, self.out)
         self.log = log or print
         self.pc = cfg.placement
         self.node_dir = self.pc.node_dir or str(self.out / "nodes")
@@ -87,26 +87,14 @@ class RayPlacement:
             self.started_ray = True
 
     def _tasks(self) -> dict[str, Any]:
-        from polar_runtime import rollout as r
-
-        d = self.dcfg
-        tasks = r.load_tasks(d.tasks)
-        if d.task_ids:
-            wanted = set(d.task_ids)
-            tasks = [t for t in tasks if t.id in wanted]
-            if wanted - {t.id for t in tasks}:
-                raise LoopError(f"no task(s) {sorted(wanted - {t.id for t in tasks})} in {d.tasks}")
-        elif d.n_tasks:
-            tasks = tasks[: d.n_tasks]
-        if not tasks:
-            raise LoopError(f"no tasks selected from {d.tasks}")
-        return {t.id: t for t in tasks}
+        return {t.id: t for t in phases.select_tasks(self.cfg)}
 
     def start(self, serve_from: Optional[str], policy_version: int) -> None:
         from polar_runtime import rollout as r
         from polar_runtime.serve import resolve_model
 
-        cfg, d, pc = self.cfg, self.dcfg, self.pc
+        cfg, pc = self.cfg, self.pc
+        gpu = cfg.on_gpu
         t0 = time.monotonic()
         self._connect()
         self.timing["connect_s"] = round(time.monotonic() - t0, 3)
@@ -126,10 +114,10 @@ class RayPlacement:
             served = resolve_model(cfg.model.name)[1] if not Path(cfg.model.name).is_dir() else Path(cfg.model.name).name
             actor = ray.remote(VLLMReplica)
             for n in self.nodes:
-                self.replicas[n] = actor.options(num_cpus=0, num_gpus=1 if d.gpu else 0, scheduling_strategy=pinned(n),
+                self.replicas[n] = actor.options(num_cpus=0, num_gpus=1 if gpu else 0, scheduling_strategy=pinned(n),
                                                  max_concurrency=4).remote(
-                    cfg.model.name, served, max_model_len=d.max_model_len, kv_cache_gib=d.kv_cache_gib,
-                    tool_parser=d.tool_parser, gpu=d.gpu, log_dir=str(node_root(self.node_dir, n) / "logs"),
+                    cfg.model.name, served, max_model_len=cfg.model.max_model_len, kv_cache_gib=cfg.model.kv_cache_gib,
+                    tool_parser=cfg.model.tool_parser, gpu=gpu, log_dir=str(node_root(self.node_dir, n) / "logs"),
                     record_dir=str(node_root(self.node_dir, n)))
             started = dict(zip(self.replicas, ray.get([h.start.remote(serve_from) for h in self.replicas.values()],
                                                       timeout=START_TIMEOUT_S)))
@@ -143,9 +131,11 @@ class RayPlacement:
         for n in self.nodes:
             spec = AgentSpec(node_id=n, node_dir=self.node_dir, tasks=self.tasks, harness=cfg.harness.name,
                              command=cfg.harness.command, served_model=served, model=cfg.model.name,
-                             samples=d.samples, concurrency=d.concurrency, timeout=d.timeout, sandbox=cfg.sandbox.backend,
-                             pids=cfg.sandbox.pids, max_tokens=d.max_tokens, temperature=d.temperature, seed=d.seed,
-                             exact_history=d.exact_history)
+                             samples=cfg.rollout.samples_per_group, concurrency=cfg.harness.concurrency,
+                             timeout=cfg.resolved_timeout(), sandbox=cfg.sandbox.backend,
+                             pids=cfg.sandbox.pids, max_tokens=cfg.resolved_max_tokens(), temperature=cfg.sampling.temperature,
+                             seed=None if cfg.sampling.seed is None or cfg.sampling.seed < 0 else cfg.sampling.seed,
+                             exact_history=cfg.harness.exact_history)
             self.agents[n] = actor.options(num_cpus=0, max_concurrency=256, scheduling_strategy=pinned(n)).remote(spec)
         infos = ray.get([a.start.remote(upstreams[n], policy_version) for n, a in self.agents.items()],
                         timeout=START_TIMEOUT_S)
@@ -154,7 +144,6 @@ class RayPlacement:
         self.timing["agents_s"] = round(time.monotonic() - t, 3)
 
         t = time.monotonic()
-        from polar_runtime import demo
         from ray.util.placement_group import placement_group
 
         bundle = {"CPU": float(pc.trainer_cpus), **({"GPU": float(pc.trainer_gpus)} if pc.trainer_gpus else {})}
@@ -163,11 +152,11 @@ class RayPlacement:
         self.trainer = ray.remote(TrainerHost).options(
             num_cpus=pc.trainer_cpus, num_gpus=pc.trainer_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0)).remote(
-            cfg.model.name, str(self.out), demo.train_config(d).to_dict(), d.lora_rank)
+            cfg.model.name, str(self.out), phases.train_config(cfg).to_dict(), cfg.trainer.lora_rank)
         ray.get(self.trainer.start.remote(serve_from), timeout=600)
         self.timing["trainer_s"] = round(time.monotonic() - t, 3)
 
-        self.dispatcher = Dispatcher(self.agents, self.store, d.samples, pc.max_retries, self.log)
+        self.dispatcher = Dispatcher(self.agents, self.store, cfg.rollout.samples_per_group, pc.max_retries, self.log)
         self.timing["start_s"] = round(time.monotonic() - t0, 3)
         self.log(f"ray placement started in {self.timing['start_s']:.1f} s")
 
@@ -281,7 +270,7 @@ class RayPlacement:
                 "paused_s": round(time.monotonic() - t, 3), "reload_s": max((r["reload_s"] for r in results.values()), default=0.0)}
 
     def evaluate(self, step: int, policy_version: int) -> Optional[dict[str, Any]]:
-        if self.dcfg.eval_every and not self._eval_noted:
+        if self.cfg.eval.every and not self._eval_noted:
             self._eval_noted = True
             self.log("eval.every is not run by the ray placement yet (docs/cluster.md); use `polar eval`")
         return None

@@ -52,7 +52,7 @@ class VLLMReplica:
     def start(self, serve_from: Optional[str] = None) -> dict[str, Any]:
         """Serve ``serve_from`` (a checkpoint) or the model; returns the URL and the start-up time."""
         from polar_runtime import models
-        from polar_runtime.demo import servable_dir
+        from polar_runtime.loop.phases import servable_dir
         from polar_runtime.serve import VLLMServer, resolve_model
 
         if self.model in models.SPECS:

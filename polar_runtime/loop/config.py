@@ -359,9 +359,15 @@ def load_config(path: str | Path) -> LoopConfig:
 
 def example_toml() -> str:
     """Every key with its default, commented: what ``polar loop --example`` prints."""
-    import inspect
+    return to_toml(LoopConfig())
 
-    cfg = LoopConfig()
+
+def to_toml(cfg: LoopConfig) -> str:
+    """Every key of ``cfg``, commented, as a file :func:`parse_config` reads back to an equal
+    configuration (``polar demo --print-config`` prints its built-in one this way)."""
+    import inspect
+    import json
+
     src = inspect.getsource(__import__(__name__, fromlist=["x"]))
     comments: dict[tuple[str, str], str] = {}
     cls_name = None
@@ -377,7 +383,7 @@ def example_toml() -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
         if isinstance(v, str):
-            return '"' + v + '"'
+            return json.dumps(v)  # a TOML basic string: quotes and backslashes escaped
         if isinstance(v, list):
             return "[" + ", ".join(fmt(x) for x in v) + "]"
         return repr(v)

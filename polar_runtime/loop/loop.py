@@ -103,7 +103,7 @@ class Run:
         v = state.policy_version
         rec["groups_with_variance"] = groups_with_variance(rows)
         if not rec["groups_with_variance"]:
-            rec["note"] = "every group's samples scored alike: update skipped, no push"
+            rec["note"] = "every GRPO group has zero reward variance (its samples scored alike): update skipped, no push"
             self.log(f"step {step}: {rec['note']}; the policy stays v{v}")
             return self.finish(rec, step, t_step)
         traj, stats = placement.trajectories(step, rows)
@@ -120,7 +120,8 @@ class Run:
         # wall-clock window of the step (Unix seconds, as the captures' t_request_in): which calls
         # vLLM served while the trainer stepped can be read back from the captures
         rec["train"] = {"updated": res.updated, "policy_version": res.policy_version, "checkpoint": res.checkpoint,
-                        "metrics": res.metrics, "note": res.note, "t_start": round(t_train, 3),
+                        "metrics": res.metrics, "note": res.note, "peak_rss_gib": getattr(res, "peak_rss_gib", None),
+                        "timings": getattr(res, "timings", None) or {}, "t_start": round(t_train, 3),
                         "t_end": round(time.time(), 3)}
         if not res.updated or not res.checkpoint:
             rec["note"] = res.note or "the trainer made no update"

@@ -6,7 +6,7 @@ time: resume needs weights, AdamW moments and RNG on disk), push the new weights
 loop owns the schedule and the progress file; a placement owns processes and machines.
 
 :class:`LocalPlacement` (the default, ``placement.kind = "local"``) runs everything on this machine
-with the demo's building blocks: a real vLLM, the Polar proxy in front of it, the harness through
+with the building blocks of ``phases.py``: a real vLLM, the Polar proxy in front of it, the harness through
 the rollout runner, the persistent trainer (``polar_training.session``) as a child process.
 ``placement.kind = "module:attribute"`` names another factory (``factory(cfg, out) -> Placement``):
 the seam where a multi-machine placement goes, and where the tests put their fakes.
@@ -44,6 +44,8 @@ class TrainOutcome:
     checkpoint: Optional[str] = None  # full checkpoint of the new weights (servable, resumable)
     metrics: dict[str, Any] = field(default_factory=dict)
     note: Optional[str] = None
+    peak_rss_gib: Optional[float] = None  # the step's peak resident memory (VmHWM reset per step)
+    timings: dict[str, float] = field(default_factory=dict)  # the trainer's own phase times
 
 
 class Placement(Protocol):
@@ -160,49 +162,17 @@ class ChildRecord:
 # this machine
 
 
-def demo_config_of(cfg: LoopConfig, out: Path) -> Any:
-    """The demo's settings that the building blocks in polar_runtime.demo read."""
-    from polar_runtime.demo import DemoConfig
-
-    return DemoConfig(
-        out=out, harness=cfg.harness.name, model=cfg.model.name, tasks=cfg.tasks.source, task_ids=list(cfg.tasks.ids),
-        n_tasks=cfg.tasks.limit, samples=cfg.rollout.samples_per_group, iterations=cfg.rollout.iterations,
-        max_tokens=cfg.resolved_max_tokens(), temperature=cfg.sampling.temperature,
-        seed=None if cfg.sampling.seed is None or cfg.sampling.seed < 0 else cfg.sampling.seed,
-        timeout=cfg.resolved_timeout(), concurrency=cfg.harness.concurrency, lr=cfg.trainer.lr,
-        kl_coef=cfg.resolved_kl_coef(), max_model_len=cfg.model.max_model_len, kv_cache_gib=cfg.model.kv_cache_gib,
-        server_during_train=cfg.trainer.server_during_train, tool_parser=cfg.model.tool_parser,
-        exact_history=cfg.harness.exact_history, gpu=cfg.on_gpu, notebooks=cfg.notebooks, keep=True,
-        checkpoint_every=0, lora_rank=cfg.trainer.lora_rank, eval_every=cfg.eval.every, eval_samples=cfg.eval.samples)
-
-
-def select_tasks(tasks: list[Any], source: str, ids: list[str], limit: int) -> list[Any]:
-    """``ids`` of ``tasks`` (all must exist), else the first ``limit`` (0: all); never empty."""
-    from polar_runtime.demo import DemoError
-
-    if ids:
-        wanted = set(ids)
-        tasks = [t for t in tasks if t.id in wanted]
-        if wanted - {t.id for t in tasks}:
-            raise DemoError(f"no task(s) {sorted(wanted - {t.id for t in tasks})} in {source}")
-    elif limit:
-        tasks = tasks[:limit]
-    if not tasks:
-        raise DemoError(f"no tasks selected from {source}")
-    return tasks
-
-
 class LocalPlacement:
     """vLLM, the proxy, the harness runs and the trainer, all on this machine."""
 
     def __init__(self, cfg: LoopConfig, out: Path, log: Callable[[str], None] | None = None) -> None:
-        from polar_runtime import demo
+        from . import phases
 
         self.cfg = cfg
         self.out = Path(out)
-        self.dcfg = demo_config_of(cfg, self.out)
-        self.log = log or demo.console.print
-        self.tl = demo.Timeline(demo.console)
+        self.captures = self.out / "captures"
+        self.log = log or phases.console.print
+        self.tl = phases.Timeline(phases.console)
         self.children = ChildRecord(self.out)
         self.stack = contextlib.ExitStack()
         self.trainer: Any = None
@@ -215,40 +185,42 @@ class LocalPlacement:
     # ---- start ----------------------------------------------------------------------------------
     def start(self, serve_from: Optional[str], policy_version: int) -> None:
         from polar_proxy.process import ProxyProcess
-        from polar_runtime import demo
         from polar_runtime import harnesses as h
         from polar_runtime import rollout as r
         from polar_runtime.serve import VLLMServer
 
-        cfg, d = self.cfg, self.dcfg
+        from . import phases
+
+        cfg = self.cfg
+        gpu = cfg.on_gpu
         self.children.stop_leftovers(self.log)
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         self.checkpoint = serve_from
         with self.tl.phase("setup", "venvs, model, harness (built only when missing)") as ph:
-            self.model_dir, self.served = demo.ensure_setup(d, self.log)
-            self.serve_dir = demo.servable_dir(self.model_dir, self.log)
-            self.preset = h.get_preset(d.harness, cfg.harness.command)
-            tasks = select_tasks(r.load_tasks(d.tasks), d.tasks, d.task_ids, d.n_tasks)
+            self.model_dir, self.served = phases.ensure_setup(cfg.model.name, cfg.harness.name, self.log)
+            self.serve_dir = phases.servable_dir(self.model_dir, self.log)
+            self.preset = h.get_preset(cfg.harness.name, cfg.harness.command)
+            tasks = phases.select_tasks(cfg)
             self.tasks = {t.id: t for t in tasks}
             # the evaluation's tasks: the training ones, or another set (transfer: tasks never trained on)
-            self.eval_tasks = (select_tasks(r.load_tasks(cfg.eval.tasks), cfg.eval.tasks, cfg.eval.ids, 0)
-                               if cfg.eval.tasks else list(tasks))
+            self.eval_tasks = phases.select_eval_tasks(cfg) or list(tasks)
             ph.detail = f"{self.served}, {self.preset.name}, {len(tasks)} tasks" + (
                 f", {len(self.eval_tasks)} other tasks evaluated" if cfg.eval.tasks else "")
         with self.tl.phase("serve", f"vLLM serving {self.served} v{policy_version}") as ph:
-            extra = ("--gpu-memory-utilization", "0.35") if d.gpu else ()
+            extra = ("--gpu-memory-utilization", "0.35") if gpu else ()  # room on the GPU for the trainer
             self.server = VLLMServer(Path(serve_from) if serve_from else self.serve_dir, served_model_name=self.served,
-                                     max_model_len=d.max_model_len, kv_cache_gib=d.kv_cache_gib, extra_args=extra,
-                                     gpu=d.gpu, tool_parser=d.tool_parser, log_path=self.out / "logs" / "vllm.log")
+                                     max_model_len=cfg.model.max_model_len, kv_cache_gib=cfg.model.kv_cache_gib,
+                                     extra_args=extra, gpu=gpu, tool_parser=cfg.model.tool_parser, log_path=self.out / "logs" / "vllm.log")
             self.stack.enter_context(self.server)
             self.children.add("vllm", getattr(self.server.proc, "pid", None), group=True)
             ph.detail = f"ready in {self.server.start_seconds} s at {self.server.base_url}"
         with self.tl.phase("proxy", "Polar proxy (mitmproxy addon), reverse mode"):
-            self.proxy = ProxyProcess(self.server.base_url, d.captures, mode="reverse", served_model=self.served,
-                                      options={"polar_max_tokens_cap": d.max_tokens,
-                                               "save_stream_file": str(d.captures / "flows.mitm"),
-                                               "polar_sampling": r.sampling_spec(d.temperature, d.seed),
-                                               "polar_exact_history": d.exact_history,
+            seed = cfg.sampling.seed if cfg.sampling.seed is not None and cfg.sampling.seed >= 0 else None
+            self.proxy = ProxyProcess(self.server.base_url, self.captures, mode="reverse", served_model=self.served,
+                                      options={"polar_max_tokens_cap": cfg.resolved_max_tokens(),
+                                               "save_stream_file": str(self.captures / "flows.mitm"),
+                                               "polar_sampling": r.sampling_spec(cfg.sampling.temperature, seed),
+                                               "polar_exact_history": cfg.harness.exact_history,
                                                "polar_require_session_key": True},
                                       log_file=self.out / "logs" / "proxy.log", startup_timeout=180.0, passthrough=False)
             self.stack.enter_context(self.proxy)
@@ -263,18 +235,24 @@ class LocalPlacement:
 
     # ---- phases ---------------------------------------------------------------------------------
     def rollout(self, step: int, task_ids: list[str], policy_version: int) -> list[dict[str, Any]]:
-        from polar_runtime import demo
         from polar_runtime import rollout as r
 
+        from . import phases
+        from .groups import LoopError
+
         rcfg = r.RolloutConfig(tasks=[self.tasks[t] for t in task_ids], preset=self.preset, endpoint=self.endpoint,
-                               capture_dir=self.dcfg.captures, model=self.served, samples=self.dcfg.samples,
-                               concurrency=self.dcfg.concurrency, timeout=self.dcfg.timeout, step=step,
+                               capture_dir=self.captures, model=self.served, samples=self.cfg.rollout.samples_per_group,
+                               concurrency=self.cfg.harness.concurrency, timeout=self.cfg.resolved_timeout(), step=step,
                                sandbox=self.cfg.sandbox.backend, pids=self.cfg.sandbox.pids)
-        with self.tl.phase(f"rollout {step}", f"{len(task_ids)} groups x {self.dcfg.samples}, policy v{policy_version}"):
-            rows = demo.run_rollouts(rcfg, self.proxy.control, self.stop_event, f"rollout {step}").to_dicts()
+        with self.tl.phase(f"rollout {step}", f"{self.preset.name} x {len(task_ids)} groups x {rcfg.samples} samples, "
+                           f"policy v{policy_version}") as ph:
+            rows = phases.run_rollouts(rcfg, self.proxy.control, self.stop_event, f"rollout {step}").to_dicts()
+            rewards = [row["reward"] for row in rows if row["reward"] is not None]
+            mean = round(sum(rewards) / len(rewards), 3) if rewards else None
+            ph.detail = f"mean reward {mean}, {sum(int(row['calls'] or 0) for row in rows)} calls"
         problem = r.failure_summary(rows, self.preset.name)
         if problem:
-            raise demo.DemoError(f"rollout step {step} produced nothing to learn from: {problem}")
+            raise LoopError(f"rollout step {step} produced nothing to learn from: {problem}")
         return rows
 
     def rollout_group(self, step: int, task_id: str, policy_version: int) -> list[dict[str, Any]]:
@@ -285,8 +263,8 @@ class LocalPlacement:
         from polar_runtime import rollout as r
 
         rcfg = r.RolloutConfig(tasks=[self.tasks[task_id]], preset=self.preset, endpoint=self.endpoint,
-                               capture_dir=self.dcfg.captures, model=self.served, samples=self.dcfg.samples,
-                               concurrency=self.dcfg.concurrency, timeout=self.dcfg.timeout, step=step,
+                               capture_dir=self.captures, model=self.served, samples=self.cfg.rollout.samples_per_group,
+                               concurrency=self.cfg.harness.concurrency, timeout=self.cfg.resolved_timeout(), step=step,
                                sandbox=self.cfg.sandbox.backend, pids=self.cfg.sandbox.pids)
         rcfg.capture_dir.mkdir(parents=True, exist_ok=True)
         store = r.ResultStore(rcfg.capture_dir)
@@ -339,7 +317,7 @@ class LocalPlacement:
         from polar_analysis import frames
 
         sids = [r["session_id"] for r in rows]
-        df = (frames.calls(self.dcfg.captures, rewards=None).filter(pl.col("session_id").is_in(sids))
+        df = (frames.calls(self.captures, rewards=None).filter(pl.col("session_id").is_in(sids))
               .group_by("session_id", "policy_version").agg(tokens=pl.col("n_sampled_ids").sum()).collect())
         out: dict[str, dict[int, int]] = {sid: {} for sid in sids}
         for rec in df.iter_rows(named=True):
@@ -350,75 +328,94 @@ class LocalPlacement:
     def trajectories(self, step: int, rows: list[dict[str, Any]]) -> tuple[Optional[str], dict[str, Any]]:
         import polars as pl
 
-        from polar_runtime import demo
+        from . import phases
 
-        data = demo.StepData(step, pl.DataFrame(rows))
-        with self.tl.phase(f"trajectories {step}", "prefix merge, drift causes, rewards"):
-            demo.build_trajectories(self.dcfg, data, self.model_dir)
-        stats = {**data.stats, "drift": data.drift}
+        data = phases.StepData(step, pl.DataFrame(rows))
+        with self.tl.phase(f"trajectories {step}", "prefix merge, drift causes, rewards") as ph:
+            phases.build_trajectories(self.out, data, self.model_dir)
+            ph.detail = (f"{data.stats['sequences']} sequences from {data.stats['usable_calls']} calls, "
+                         f"coverage {data.stats['coverage']:.2%}, merge rate {data.stats['merge_rate']:.0%}")
+        stats = {**data.stats, "drift": data.drift, "drift_origin": data.drift_origin,
+                 "file": str(data.trajectories) if data.trajectories else None}
         return (str(data.trajectories) if data.stats.get("sampled_tokens") else None), stats
 
     def _start_trainer(self) -> Any:
-        from polar_runtime import demo
         from polar_training.session import TrainerProcess
 
+        from . import phases
+
         lora = None
-        if self.dcfg.lora_rank:
+        rank = self.cfg.trainer.lora_rank
+        if rank:
             from polar_training.lora import LoraSettings
 
-            lora = LoraSettings(rank=self.dcfg.lora_rank, alpha=2.0 * self.dcfg.lora_rank)
-        t = TrainerProcess(self.model_dir, self.out / "train", demo.train_config(self.dcfg), resume=self.checkpoint,
+            lora = LoraSettings(rank=rank, alpha=2.0 * rank)
+        t = TrainerProcess(self.model_dir, self.out / "train", phases.train_config(self.cfg), resume=self.checkpoint,
                            lora=lora)
         t.start()
         self.children.add("trainer", t.pid, group=False)
         return t
 
     def train(self, step: int, trajectories: str) -> TrainOutcome:
-        from polar_runtime import demo
+        from . import phases
 
-        d = self.dcfg
+        cfg = self.cfg
+        gpu, when = cfg.on_gpu, cfg.trainer.server_during_train
         held = int(self.trainer.rss_gib * 2**30) if self.trainer is not None else 0
-        need = 0 if d.gpu else max(demo.train_memory_estimate(self.model_dir, lora=d.lora_rank > 0) - held, 0)
-        self.server_stopped = self.cfg.schedule.max_off_policy_steps == 0 and (d.server_during_train == "stop" or (
-            d.server_during_train == "auto" and not d.gpu and demo.mem_available() < need))  # async: rollouts go on
+        need = 0 if gpu else max(phases.train_memory_estimate(self.model_dir, lora=cfg.trainer.lora_rank > 0) - held, 0)
+        self.server_stopped = cfg.schedule.max_off_policy_steps == 0 and (when == "stop" or (
+            when == "auto" and not gpu and phases.mem_available() < need))  # async: rollouts go on
         if self.server_stopped:
             self.log(f"vLLM stopped while training (needs ~{need / 2**30:.1f} GiB)")
             self.server.stop()
+        self.trained_step = step  # the push that follows is named after it (`push 0` follows `train 0`)
         with self.tl.phase(f"train {step}", "GRPO iteration, full checkpoint (resume needs it)") as ph:
             if self.trainer is None:
                 self.trainer = self._start_trainer()
             res = self.trainer.call({"cmd": "step", "trajectories": [trajectories], "checkpoint": True, "handoff": False})
             ph.detail = f"step {res['step']}, peak RSS {float(res.get('peak_rss_gib') or 0):.1f} GiB"
-        if self.server_stopped:  # memory back before vLLM starts again
+        last = step >= cfg.rollout.iterations - 1 and cfg.schedule.max_off_policy_steps == 0
+        if self.server_stopped or last:
+            # memory back before vLLM starts again; after the last update (the final rollout trains
+            # nothing) the ~7 GiB the 0.5B's weights and AdamW moments hold go back too: its full
+            # checkpoint is on disk already
             self.trainer.stop(60.0)
             self.trainer = None
+        peak, timings = float(res.get("peak_rss_gib") or 0.0), res.get("timings") or {}
         if not res.get("updated"):
             if self.server_stopped:
                 self.server.restart(model_dir=self.checkpoint or self.serve_dir)
-            return TrainOutcome(False, int(res["step"]), note="the trainer made no update")
+            return TrainOutcome(False, int(res["step"]), note="the trainer made no update", peak_rss_gib=peak,
+                                timings=timings)
         self.checkpoint = res.get("checkpoint")
-        return TrainOutcome(True, int(res["step"]), checkpoint=self.checkpoint, metrics=res.get("metrics") or {})
+        return TrainOutcome(True, int(res["step"]), checkpoint=self.checkpoint, metrics=res.get("metrics") or {},
+                            peak_rss_gib=peak, timings=timings)
 
     def push(self, checkpoint: str, policy_version: int) -> dict[str, Any]:
         from dataclasses import asdict
 
-        from polar_runtime import demo
         from polar_training.weights_push import push_weights
 
-        target: Any = demo._Stopped(self.server) if getattr(self, "server_stopped", False) else self.server
-        with self.tl.phase(f"push v{policy_version}", "new weights into vLLM (proxy holds calls)") as ph:
+        from . import phases
+
+        stopped = getattr(self, "server_stopped", False)
+        target: Any = phases.Stopped(self.server) if stopped else self.server
+        with self.tl.phase(f"push {getattr(self, 'trained_step', policy_version - 1)}", "restart vLLM on the new weights (proxy holds calls)" if stopped
+                           else "new weights into the running vLLM in place (proxy holds calls)") as ph:
             # push_weights takes every replica and every proxy in front of them; here, one of each
             res = push_weights(checkpoint, [target], [self.proxy.url], policy_version)
-            ph.detail = f"via {res.method} in {res.reload_s:.1f} s"
+            ph.detail = f"policy v{res.policy_version} via {res.method} in {res.reload_s:.1f} s"
+        if stopped:  # the in-place attempt on a stopped server is expected to fail: not news
+            res.notes = [n for n in res.notes if not n.startswith("in-place reload failed")]
         self.children.add("vllm", getattr(self.server.proc, "pid", None), group=True)  # a restart is a new pid
         return asdict(res)
 
     def evaluate(self, step: int, policy_version: int) -> Optional[dict[str, Any]]:
-        from polar_runtime import demo
+        from . import phases
 
-        if not self.dcfg.eval_every:
+        if not self.cfg.eval.every:
             return None
-        return demo.run_eval(self.dcfg, self.tl, self.eval_tasks, self.endpoint, self.proxy.control,
+        return phases.run_eval(self.cfg, self.out, self.tl, self.eval_tasks, self.endpoint, self.proxy.control,
                              self.stop_event, self.served, step, policy_version)
 
     def close(self) -> None:

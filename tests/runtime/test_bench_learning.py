@@ -96,10 +96,11 @@ def test_resume_keeps_samples_drops_trainer_state_and_refuses_other_settings(bl,
     (run / "captures" / "rollouts").mkdir(parents=True)
     (run / "captures" / "rollouts" / "a.st0.s0.json").write_text("{}")
     (run / "train" / "checkpoint-000004").mkdir(parents=True)
+    (run / "loop-state.json").write_text("{}")  # the demo's loop: its progress points at that checkpoint
     # cut: the finished samples stay, a checkpoint the demo would resume from and train on again goes
     assert bl.prepare_resume(run, settings) == "resume"
     assert (run / "captures" / "rollouts" / "a.st0.s0.json").exists()
-    assert not (run / "train").exists()
+    assert not (run / "train").exists() and not (run / "loop-state.json").exists()
     (run / "report.json").write_text("{}")
     assert bl.prepare_resume(run, settings) == "done"
     with pytest.raises(SystemExit, match="other settings"):

@@ -20,8 +20,8 @@ import polars as pl
 import pytest
 
 from polar_core import processes
-from polar_runtime import demo
 from polar_runtime import harnesses as h
+from polar_runtime.loop import phases
 from polar_runtime import rollout as r
 from polar_core.paths import REPO_ROOT
 
@@ -71,7 +71,7 @@ def test_ctrl_c_stops_the_running_harness_and_keeps_no_result(tmp_path: Path) ->
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         with processes.interruptible() as stop:
-            demo.run_rollouts(cfg, None, stop, "test")
+            phases.run_rollouts(cfg, None, stop, "test")
     assert time.monotonic() - t0 < 30
     assert not list((tmp_path / "cap").rglob("late.txt"))
     assert r.ResultStore(tmp_path / "cap").rows() == []
@@ -178,8 +178,22 @@ def test_reduced_demo_end_to_end(tmp_path: Path, tiny_qwen_dir: Path) -> None:
         nb = nbformat.read(p, as_version=4)
         assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"], p
     assert {ph["name"] for ph in report["phases"]} >= {"setup", "serve", "proxy", "rollout 0", "trajectories 0",
-                                                       "train 0", "push 0", "rollout 1", "rollout 2", "notebooks"}
+                                                       "train 0", "push 0", "rollout 1", "trajectories 1", "rollout 2",
+                                                       "trajectories 2", "notebooks"}
     assert "train 1" not in {ph["name"] for ph in report["phases"]}
+
+    # the demo is the loop: its state says finished, its metrics went through the one writer, and
+    # `--print-config` printed the configuration that ran
+    state = json.loads((out / "loop-state.json").read_text())
+    assert state["next_step"] == 3 and state["policy_version"] == 1 and state["pending"] is None
+    loop_rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in loop_rows if "loop/policy_version" in row] == [0, 1, 2]
+    assert report["loop"]["staleness_tokens"] == {"0": report["steps"][0]["trajectories"]["sampled_tokens"]}
+    printed = subprocess.run([*cmd, "--print-config"], cwd=cwd, capture_output=True, text=True, check=True).stdout
+    from polar_runtime.loop.config import parse_config
+
+    assert parse_config(printed).to_dict() == report["config"]
+
 
 
 @pytest.mark.vllm
@@ -199,3 +213,52 @@ def test_demo_stops_at_the_first_step_that_captured_nothing(tmp_path: Path, tiny
     assert "killed after 1 s" in text
     assert str(tmp_path / "run" / "captures" / "work" / "echo.st0.s0" / "logs" / "pi-chat.stderr") in proc.stdout.replace("\n", "")
     assert "train 0" not in text and "rollout 1" not in text and "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.harness
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_demo_killed_after_its_push_resumes_with_the_same_command(tmp_path: Path, tiny_qwen_dir: Path) -> None:
+    """`kill -9` of `polar demo` once its update is pushed (the final rollout running), then the same
+    command: it resumes (the loop's state), serves the pushed checkpoint under its version, keeps the
+    finished step, and what it produced passes scripts/check_demo.py as a fresh demo does."""
+    from polar_runtime.loop.placement import ChildRecord
+
+    (tmp_path / "tasks.jsonl").write_text(json.dumps(VARIANCE_ONCE) + "\n")
+    out = tmp_path / "run"
+    polar = Path(sys.executable).with_name("polar")
+    cmd = [str(polar), "demo", "--model", "tiny-qwen", "--tasks", "tasks.jsonl", "--samples", "2", "--max-tokens", "16",
+           "--timeout", "300", "--max-model-len", "4096", "--server-during-train", "keep", "--out", "run"]
+    first = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 1200
+        state: dict = {}
+        while time.monotonic() < deadline and first.poll() is None:
+            path = out / "loop-state.json"
+            state = json.loads(path.read_text()) if path.is_file() else {}
+            if state.get("next_step", 0) >= 1:
+                break
+            time.sleep(0.5)
+        assert first.poll() is None and state.get("policy_version") == 1, f"not killed after the push: {state}"
+        first.kill()  # kill -9: nothing of the demo's clean-up runs
+        first.wait()
+        assert not (out / "report.json").exists()
+
+        proc = run_demo(cmd, tmp_path, timeout=1200)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        assert "resuming" in proc.stdout and "replacing" not in proc.stdout
+        report = json.loads((out / "report.json").read_text())
+        assert report["loop"]["resumes"] == 1 and report["loop"]["policy_version"] == 1
+        assert [(s["step"], s["policy_version"]) for s in report["steps"]] == [(0, 0), (1, 1)]
+        assert report["training"][0]["push"]["policy_version"] == 1
+        assert "train 0" not in {ph["name"] for ph in report["phases"]}  # not trained again
+        sys.path.insert(0, str(REPO_ROOT / "scripts"))
+        import check_demo
+
+        assert check_demo.check(out) == []
+    finally:
+        if first.poll() is None:
+            first.kill()
+        ChildRecord(out).stop_leftovers(print)  # what a failed resume left running

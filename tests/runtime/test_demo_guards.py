@@ -12,6 +12,7 @@ import pytest
 from polar_runtime import demo
 from polar_runtime import harnesses as h
 from polar_runtime import rollout as r
+from polar_runtime.loop.groups import groups_with_variance
 
 
 def _row(sid: str, status: str, reward: float | None, calls: int, error: str | None = None,
@@ -49,14 +50,13 @@ def test_groups_with_variance_counts_only_samples_that_take_part() -> None:
         _row("d0", "ok", 0.0, 2, task="d"), _row("d1", "ok", 1.0, 0, task="d", sample=1),  # no calls captured
         _row("e0", "ok", None, 2, task="e"), _row("e1", "ok", 1.0, 2, task="e", sample=1),  # no verdict
     ])
-    assert demo.groups_with_variance(df) == ["a.st0"]
-    assert demo.groups_with_variance(df.filter(pl.col("task_id") != "a")) == []
+    assert groups_with_variance(df.to_dicts()) == ["a.st0"]
+    assert groups_with_variance(df.filter(pl.col("task_id") != "a").to_dicts()) == []
 
 
 def test_relative_paths_become_absolute_at_every_boundary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert demo.DemoConfig(out=Path("runs/demo")).out == tmp_path / "runs" / "demo"
-    assert demo.DemoConfig().captures == tmp_path / "runs" / "demo" / "captures"
+    assert demo.demo_config(out=Path("runs/demo")).out == str(tmp_path / "runs" / "demo")
     ep = h.Endpoint(mode="proxy", proxy_url="http://127.0.0.1:9", ca_cert=Path("ca.pem"))
     assert ep.ca_cert == tmp_path / "ca.pem"
     cfg = r.RolloutConfig(tasks=[], preset=h.get_preset("generic", "true"), endpoint=ep,
@@ -98,7 +98,7 @@ def test_memory_estimate_covers_the_measured_peaks_without_asking_for_what_is_fr
     resumed step with KL since the reference is freed before the first backward and large buffers
     are mapped directly (18.4 GiB before). The estimate decides whether vLLM is stopped during a
     step, so it must not undershoot, nor ask for the 18.9 GiB it did while both were kept."""
-    from polar_runtime.demo import train_memory_estimate
+    from polar_runtime.loop.phases import train_memory_estimate
 
     need = train_memory_estimate(qwen05_dir) / 2**30
     assert 11.7 <= need < 13

@@ -151,11 +151,13 @@ def test_a_rerun_under_other_settings_is_refused(tmp_path):
 def test_demo_eval_step_goes_under_eval_ids_and_into_the_report(tmp_path, monkeypatch):
     """The demo's --eval-every glue, without servers: the rollout it asks for and what it reports."""
     import io
+    from pathlib import Path
 
     from rich.console import Console
 
     from polar_runtime import demo
     from polar_runtime import harnesses as h
+    from polar_runtime.loop import phases
 
     seen = {}
 
@@ -166,15 +168,16 @@ def test_demo_eval_step_goes_under_eval_ids_and_into_the_report(tmp_path, monkey
                 for i in range(rcfg.samples)]
         return pl.DataFrame([{k: v for k, v in x.items() if k in r.ROLLOUT_SCHEMA} for x in rows], schema=r.ROLLOUT_SCHEMA)
 
-    monkeypatch.setattr(demo, "run_rollouts", fake_rollouts)
-    cfg = demo.DemoConfig(out=tmp_path / "demo", eval_every=1, eval_samples=3)
+    monkeypatch.setattr(phases, "run_rollouts", fake_rollouts)
+    cfg = demo.demo_config(out=tmp_path / "demo", eval_every=1, eval_samples=3)
+    out = Path(cfg.out)
     tasks = [r.Task("hello-file", "x"), r.Task("make-dir", "y")]
     endpoint = h.Endpoint(mode="base_url", base_url="http://127.0.0.1:9", proxy_url="http://127.0.0.1:9", ca_cert=None)
-    tl = demo.Timeline(Console(file=io.StringIO()))
-    entry = demo.run_eval(cfg, tl, tasks, endpoint, None, None, "m", step=1, policy=1)
-    assert seen == {"ids": ["eval-hello-file", "eval-make-dir"], "dir": cfg.out / "eval", "samples": 3, "step": 1,
+    tl = phases.Timeline(Console(file=io.StringIO()))
+    entry = phases.run_eval(cfg, out, tl, tasks, endpoint, None, None, "m", step=1, policy=1)
+    assert seen == {"ids": ["eval-hello-file", "eval-make-dir"], "dir": out / "eval", "samples": 3, "step": 1,
                     "label": "eval 1"}
-    assert (cfg.out / "eval" / "sessions").resolve() == (cfg.captures / "sessions").resolve()
+    assert (out / "eval" / "sessions").resolve() == (out / "captures" / "sessions").resolve()
     assert [t.id for t in tasks] == ["hello-file", "make-dir"]  # the training tasks keep their ids
     assert entry["step"] == 1 and entry["policy_version"] == 1 and entry["ks"] == [1, 2, 3]
     assert [t["task_id"] for t in entry["tasks"]] == ["hello-file", "make-dir"]

@@ -118,7 +118,7 @@ def test_a_dropped_group_is_stopped_and_nothing_else_is_disturbed(tmp_path: Path
     assert sorted(f.name for f in pids.glob("*.done")) == ["fast.st3.s0.done", "fast.st3.s1.done"]
     assert p.cancelled_groups == [res]
     # the store never records the dropped group's samples (a resume would not reuse them)
-    assert not any(r.ResultStore(p.dcfg.captures).done(r.sample_key("slow", 3, i)) for i in range(2))
+    assert not any(r.ResultStore(p.captures).done(r.sample_key("slow", 3, i)) for i in range(2))
 
 
 def test_a_cancel_before_the_group_starts_refuses_its_samples(tmp_path: Path) -> None:

@@ -17,12 +17,18 @@ def _err(text: str) -> str:
 
 def test_example_parses_to_the_defaults_and_the_demo_configuration() -> None:
     assert c.parse_config(c.example_toml()) == c.LoopConfig()
-    from polar_runtime.demo import DemoConfig
+    from polar_runtime.demo import builtin_config
 
-    d, lc = DemoConfig(), c.LoopConfig()
-    assert (lc.model.name, lc.harness.name, lc.tasks.source, lc.tasks.limit, lc.rollout.samples_per_group,
-            lc.rollout.iterations, lc.sampling.temperature, lc.sampling.seed, lc.trainer.lr, lc.model.max_model_len) == (
-        d.model, d.harness, d.tasks, d.n_tasks, d.samples, d.iterations, d.temperature, d.seed, d.lr, d.max_model_len)
+    # the loop's defaults are the demo's, but where a run goes and whether notebooks run
+    demo = builtin_config()
+    demo.out, demo.notebooks = c.LoopConfig().out, c.LoopConfig().notebooks
+    assert demo == c.LoopConfig()
+
+
+def test_to_toml_round_trips_any_configuration() -> None:
+    cfg = c.LoopConfig(out='runs/a "quoted" \\ dir')
+    cfg.tasks.ids, cfg.sampling.max_tokens, cfg.model.gpu, cfg.trainer.kl_coef = ["x", "y"], 64, False, 0.5
+    assert c.parse_config(c.to_toml(cfg)) == cfg
 
 
 def test_a_wrong_type_names_the_key_its_line_and_the_value() -> None:
