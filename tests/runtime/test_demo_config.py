@@ -23,14 +23,15 @@ DOCUMENTED = {
     "out": "runs/demo", "notebooks": True,
     "model": {"name": "qwen2.5-coder-0.5b-instruct", "max_model_len": 16384, "kv_cache_gib": 1.0,
               "tool_parser": "lenient", "gpu": None},
-    "harness": {"name": "pi-chat", "timeout_s": None, "concurrency": 2, "exact_history": True},
+    "harness": {"name": "pi-chat", "timeout_s": None, "concurrency": 2, "exact_history": True, "command": ""},
     "tasks": {"source": "coding", "ids": [], "limit": 2},
     "rollout": {"samples_per_group": 4, "groups_per_step": 0, "iterations": 1},
     "sampling": {"temperature": 1.0, "seed": 0, "max_tokens": None},
     "trainer": {"lr": 1e-6, "kl_coef": None, "lora_rank": 0, "server_during_train": "auto", "keep_checkpoints": 2},
-    "eval": {"every": 0, "samples": 4},
+    "eval": {"every": 0, "samples": 4, "tasks": "", "ids": []},
     "sandbox": {"backend": "auto", "pids": 4096},
-    "placement": {"kind": "local"},
+    "placement": {"kind": "local", "address": "", "node_dir": "", "node_resource": "", "replicas": [],
+                  "trainer_cpus": 1, "trainer_gpus": 0, "max_retries": 2},
     "schedule": {"max_off_policy_steps": 0, "groups_in_flight": 0},
 }
 

@@ -84,14 +84,14 @@ def test_eval_tasks_of_another_set_parse_and_ids_need_them() -> None:
 def test_select_tasks_by_id_or_limit_and_refuses_a_missing_one() -> None:
     from types import SimpleNamespace
 
-    from polar_runtime.demo import DemoError
-    from polar_runtime.loop.placement import select_tasks
+    from polar_runtime.loop.groups import LoopError
+    from polar_runtime.loop.phases import pick_tasks as select_tasks
 
     ts = [SimpleNamespace(id=i) for i in ("a", "b", "c")]
     assert [t.id for t in select_tasks(ts, "src", ["c", "a"], 0)] == ["a", "c"]
     assert [t.id for t in select_tasks(ts, "src", [], 2)] == ["a", "b"]
     assert [t.id for t in select_tasks(ts, "src", [], 0)] == ["a", "b", "c"]
-    with pytest.raises(DemoError, match=r"no task\(s\) \['z'\] in src"):
+    with pytest.raises(LoopError, match=r"no task\(s\) \['z'\] in src"):
         select_tasks(ts, "src", ["a", "z"], 0)
 
 
