@@ -258,7 +258,9 @@ class RayPlacement:
     def push(self, checkpoint: str, policy_version: int) -> dict[str, Any]:
         """Every live node's gate closed (in-flight calls drain), every replica reloaded and verified,
         the gates reopened under ``policy_version``. A replica that fails leaves the gates closed and
-        stops the push: no call may be recorded under a version some replica does not serve."""
+        stops the push: no call may be recorded under a version some replica does not serve. Unlike
+        ``push_weights`` the other replicas are not probed to reopen on the previous version, and a
+        node lost mid-push is dropped, not a failure (docs/cluster.md, "When a push fails")."""
         assert self.dispatcher is not None
         t = time.monotonic()
         agents = dict(self.dispatcher.agents)
