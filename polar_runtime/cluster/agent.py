@@ -17,6 +17,10 @@ logprobs, the tokenizer fingerprint) as Arrow IPC bytes, and its sampled tokens 
 (the staleness bound's ages, read from the captures). A node lost mid-group has handed over every
 sample it finished; the driver re-runs only the others, elsewhere.
 
+The loop's evaluation (``eval.every``) runs here too: ``eval-<id>`` groups of ``eval.samples``,
+their results under ``<node_dir>/<node id>/eval`` (apart from the training rollouts), no training
+sequences built.
+
 A group re-run after a node loss carries ``attempt`` > 0: its sessions are ``<task>.st<s>.s<i>.r<n>``,
 so a session id names one run on one node and the captures of the lost run stay told apart.
 """
