@@ -17,6 +17,10 @@ logprobs, the tokenizer fingerprint) as Arrow IPC bytes, and its sampled tokens 
 (the staleness bound's ages, read from the captures). A node lost mid-group has handed over every
 sample it finished; the driver re-runs only the others, elsewhere.
 
+The loop's evaluation (``eval.every``) runs here too: ``eval-<id>`` groups of ``eval.samples``,
+their results under ``<node_dir>/<node id>/eval`` (apart from the training rollouts), no training
+sequences built.
+
 A group re-run after a node loss carries ``attempt`` > 0: its sessions are ``<task>.st<s>.s<i>.r<n>``,
 so a session id names one run on one node and the captures of the lost run stay told apart.
 """
@@ -57,6 +61,8 @@ class AgentSpec:
     seed: Optional[int] = None
     exact_history: bool = True
     proxy_options: dict[str, Any] = field(default_factory=dict)
+    eval_tasks: dict[str, Any] = field(default_factory=dict)  # ``eval-<id>`` -> Task (``eval.every``; empty: off)
+    eval_samples: int = 1
 
 
 def node_root(node_dir: str | Path, node_id: str) -> Path:
@@ -134,18 +140,24 @@ class NodeAgent:
         self.proxy.control.resume(policy_version)
 
     # ---- samples ---------------------------------------------------------------------------------
-    def run_group(self, step: int, task_id: str, samples: list[int], attempt: int = 0) -> Iterator[dict[str, Any]]:
+    def run_group(self, step: int, task_id: str, samples: list[int], attempt: int = 0,
+                  evaluation: bool = False) -> Iterator[dict[str, Any]]:
         """Run ``samples`` of ``task_id``'s group of rollout step ``step`` (``harness.concurrency`` at
         once); yield each finished sample (:meth:`finished`) as it finishes. A cancelled group yields
-        nothing more."""
+        nothing more. ``evaluation``: an ``eval-<id>`` task of the evaluation (``eval.every``), its
+        results under ``<node>/eval`` as the local loop's under ``<out>/eval``, no training sequences."""
+        from polar_runtime import evaluation as ev
         from polar_runtime import rollout as r
 
         s = self.spec
-        rcfg = r.RolloutConfig(tasks=[s.tasks[task_id]], preset=self.preset, endpoint=self.endpoint,
-                               capture_dir=self.captures, model=s.served_model, samples=s.samples,
+        task = (s.eval_tasks if evaluation else s.tasks)[task_id]
+        results = ev.demo_capture_dir(self.root, self.captures) if evaluation else self.captures
+        rcfg = r.RolloutConfig(tasks=[task], preset=self.preset, endpoint=self.endpoint,
+                               capture_dir=results, model=s.served_model,
+                               samples=s.eval_samples if evaluation else s.samples,
                                concurrency=s.concurrency, timeout=s.timeout, step=step, sandbox=s.sandbox,
                                pids=s.pids, first_attempt=attempt)
-        store = r.ResultStore(self.captures)
+        store = r.ResultStore(results)
         registry = r.SessionRegistry(self.proxy.control)
         scope = self._scope(step, task_id)
 
@@ -157,7 +169,7 @@ class NodeAgent:
             with cancel.bound(scope):
                 if scope.cancelled.is_set():
                     return None
-                row = r.run_sample(rcfg, r.Job(s.tasks[task_id], i), registry)
+                row = r.run_sample(rcfg, r.Job(task, i), registry)
                 if scope.cancelled.is_set():
                     return None
                 store.put(key, row)
@@ -168,7 +180,7 @@ class NodeAgent:
             for fut in cf.as_completed(futures):
                 row = fut.result()
                 if row is not None and not scope.cancelled.is_set():
-                    yield self.finished(row)
+                    yield self.finished(row, sequences=not evaluation)
         with self._scopes_lock:
             self._scopes.pop(scope.name, None)
 
@@ -183,9 +195,10 @@ class NodeAgent:
         """Stop a dropped group now: its harnesses and sandboxes killed, its sessions closed."""
         return self._scope(step, task_id).cancel(self.proxy.control)
 
-    def finished(self, row: dict[str, Any]) -> dict[str, Any]:
+    def finished(self, row: dict[str, Any], sequences: bool = True) -> dict[str, Any]:
         """A finished sample as it leaves the node: its row, its sampled tokens by policy version, its
-        training sequences (Arrow IPC bytes; None when it sampled nothing) and their build counts."""
+        training sequences (Arrow IPC bytes; None when it sampled nothing or ``sequences`` is off:
+        an evaluation sample, never trained on) and their build counts."""
         import polars as pl
 
         from polar_analysis import alignment, frames
@@ -201,7 +214,7 @@ class NodeAgent:
         for rec in by.iter_rows(named=True):
             if rec["policy_version"] is not None:
                 versions[int(rec["policy_version"])] = int(rec["tokens"] or 0)
-        if row.get("calls"):
+        if row.get("calls") and sequences:
             renderer = self.renderer()
             df, st = prefix_merge.build(lf, template=alignment.template_info_for(renderer, lf))
             df = common.stamp_tokenizer(df, alignment.tokenizer_fingerprint(renderer))

@@ -146,19 +146,22 @@ class Dispatcher:
             self.mark_lost(node, type(exc).__name__)  # type: ignore[arg-type]
             return {"group": label, "processes_killed": 0, "sessions_closed": 0}
 
-    def run_group(self, step: int, task_id: str) -> list[dict[str, Any]]:
+    def run_group(self, step: int, task_id: str, samples: Optional[int] = None,
+                  evaluation: bool = False) -> list[dict[str, Any]]:
         """Every sample of the group, finished (from the store, or run now, anywhere alive); [] when
-        the group was cancelled or dropped."""
+        the group was cancelled or dropped. ``samples``/``evaluation``: a group of the evaluation
+        (``eval.samples`` of an ``eval-<id>`` task), node loss handled as for a training group."""
         label = f"{task_id}.st{step}"
+        n = samples or self.samples
         got: dict[int, dict[str, Any]] = {}
-        for i in range(self.samples):
+        for i in range(n):
             p = self.store.get(self.store.key(step, task_id, i))
             if p is not None:
                 got[i] = p
         attempt = max((int(p["row"].get("attempt") or 0) for p in got.values()), default=0)
         tries = 0
-        while len(got) < self.samples:
-            need = [i for i in range(self.samples) if i not in got]
+        while len(got) < n:
+            need = [i for i in range(n) if i not in got]
             if label in self.cancelled:
                 return []
             if tries > self.max_retries:
@@ -169,7 +172,7 @@ class Dispatcher:
             node, agent = self._pick(label, len(need))
             running = set(need)
             try:
-                gen = agent.run_group.options(num_returns="streaming").remote(step, task_id, need, attempt)
+                gen = agent.run_group.options(num_returns="streaming").remote(step, task_id, need, attempt, evaluation)
                 for ref in gen:
                     p = ray.get(ref)
                     i = int(p["row"]["sample_index"])
@@ -198,4 +201,4 @@ class Dispatcher:
                 raise RuntimeError(f"group {label}: node {node[:12]} ended without samples {sorted(running)}")
         with self.lock:
             self.where.pop(label, None)
-        return [got[i] for i in range(self.samples)]
+        return [got[i] for i in range(n)]

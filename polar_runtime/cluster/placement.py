@@ -74,7 +74,7 @@ class RayPlacement:
         self.nodes: dict[str, dict[str, Any]] = {}
         self.dispatcher: Optional[Dispatcher] = None
         self.store = SampleStore(self.out / "cluster" / "samples")
-        self._eval_noted = False
+        self.eval_tasks: dict[str, Any] = {}
 
     # ---- start ----------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -88,6 +88,15 @@ class RayPlacement:
 
     def _tasks(self) -> dict[str, Any]:
         return {t.id: t for t in phases.select_tasks(self.cfg)}
+
+    def _eval_tasks(self) -> dict[str, Any]:
+        """``eval-<id>`` -> task of the evaluation (``eval.tasks``/``eval.ids``, else the training
+        tasks), as the local placement runs them; empty when ``eval.every`` is off."""
+        from polar_runtime import evaluation as ev
+
+        if not self.cfg.eval.every:
+            return {}
+        return {t.id: t for t in ev.demo_tasks(phases.select_eval_tasks(self.cfg) or list(self.tasks.values()))}
 
     def start(self, serve_from: Optional[str], policy_version: int) -> None:
         from polar_runtime import rollout as r
@@ -103,6 +112,7 @@ class RayPlacement:
             raise LoopError(f"no live Ray node{' with resource ' + pc.node_resource if pc.node_resource else ''}")
         self.nodes = {n["NodeID"]: {"address": n.get("NodeManagerAddress"), "resources": n.get("Resources")} for n in nodes}
         self.tasks = self._tasks()
+        self.eval_tasks = self._eval_tasks()
         self.log(f"ray: {len(nodes)} node(s) for rollouts: {', '.join(n[:12] for n in self.nodes)}")
 
         t = time.monotonic()
@@ -135,7 +145,8 @@ class RayPlacement:
                              timeout=cfg.resolved_timeout(), sandbox=cfg.sandbox.backend,
                              pids=cfg.sandbox.pids, max_tokens=cfg.resolved_max_tokens(), temperature=cfg.sampling.temperature,
                              seed=None if cfg.sampling.seed is None or cfg.sampling.seed < 0 else cfg.sampling.seed,
-                             exact_history=cfg.harness.exact_history)
+                             exact_history=cfg.harness.exact_history, eval_tasks=self.eval_tasks,
+                             eval_samples=cfg.eval.samples)
             self.agents[n] = actor.options(num_cpus=0, max_concurrency=256, scheduling_strategy=pinned(n)).remote(spec)
         infos = ray.get([a.start.remote(upstreams[n], policy_version) for n, a in self.agents.items()],
                         timeout=START_TIMEOUT_S)
@@ -247,7 +258,9 @@ class RayPlacement:
     def push(self, checkpoint: str, policy_version: int) -> dict[str, Any]:
         """Every live node's gate closed (in-flight calls drain), every replica reloaded and verified,
         the gates reopened under ``policy_version``. A replica that fails leaves the gates closed and
-        stops the push: no call may be recorded under a version some replica does not serve."""
+        stops the push: no call may be recorded under a version some replica does not serve. Unlike
+        ``push_weights`` the other replicas are not probed to reopen on the previous version, and a
+        node lost mid-push is dropped, not a failure (docs/cluster.md, "When a push fails")."""
         assert self.dispatcher is not None
         t = time.monotonic()
         agents = dict(self.dispatcher.agents)
@@ -270,10 +283,33 @@ class RayPlacement:
                 "paused_s": round(time.monotonic() - t, 3), "reload_s": max((r["reload_s"] for r in results.values()), default=0.0)}
 
     def evaluate(self, step: int, policy_version: int) -> Optional[dict[str, Any]]:
-        if self.cfg.eval.every and not self._eval_noted:
-            self._eval_noted = True
-            self.log("eval.every is not run by the ray placement yet (docs/cluster.md); use `polar eval`")
-        return None
+        """The evaluation (``eval.every``) as the local placement's (``phases.run_eval``): every
+        evaluation task, ``eval.samples`` each, its groups spread over the nodes like a rollout's (a
+        lost node's unfinished samples re-run elsewhere), scored on the driver."""
+        from polar_runtime import evaluation as ev
+
+        if not self.cfg.eval.every:
+            return None
+        assert self.dispatcher is not None
+        t = time.monotonic()
+        n = self.cfg.eval.samples
+
+        def group(task_id: str) -> list[dict[str, Any]]:
+            try:
+                return [dict(p["row"]) for p in self.dispatcher.run_group(step, task_id, n, evaluation=True)]
+            except RuntimeError as exc:
+                raise LoopError(f"eval {step}: {exc}") from exc
+
+        ids = list(self.eval_tasks)
+        with cf.ThreadPoolExecutor(max_workers=max(1, len(ids)), thread_name_prefix="ray-eval") as pool:
+            rows = [row for part in pool.map(group, ids) for row in part]
+        if not rows:  # every group dropped (its nodes lost): nothing to score, the loop goes on
+            self.log(f"eval {step}: no sample finished, no evaluation")
+            return None
+        result = ev.score_rows(rows, strip_prefix=ev.DEMO_PREFIX)
+        self.log(f"eval {step}: {len(ids)} tasks x {n} samples on {len(self.dispatcher.agents)} node(s), "
+                 f"policy v{policy_version}, {time.monotonic() - t:.1f} s: {ev.headline(result)}")
+        return {"step": step, "policy_version": policy_version, **result}
 
     # ---- what it tells ---------------------------------------------------------------------------
     def counters(self) -> dict[str, Any]:

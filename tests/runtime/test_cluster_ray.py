@@ -9,8 +9,12 @@ Stand-ins: the scripted vLLM-format upstream (``polar_testing``) as the replica 
 (``placement.replicas``), and a trainer that makes no update (the real trainer and vLLM replicas
 run in ``test_cluster_ray_vllm.py``).
 
+The asynchronous loop also evaluates (``eval.every`` on another task set, ``eval.tasks``/``eval.ids``)
+on the nodes: the evaluation's one 2-sample group took 2.4 s.
+
 Times on the shared 2-core dev box (cluster start included): ~57 s each for the two-node loop
-(synchronous and asynchronous k = 1), ~110 s for the node removal.
+(synchronous and asynchronous k = 1; with the evaluation 66-119 s at load ~10 from other jobs),
+~110 s for the node removal.
 """
 
 from __future__ import annotations
@@ -69,16 +73,22 @@ def cluster():
         cl.shutdown()
 
 
-def _setup(tmp_path: Path, address: str, upstream: str, *, samples: int, sleep: float, k: int = 0) -> c.LoopConfig:
+def _tasks(path: Path, ids: tuple[str, ...], sleep: float) -> None:
     tasks = [{"id": t, "instruction": "Say hi.", "files": {"body.json": BODY, "pause": str(sleep)},
-              "evaluator": EVALUATOR} for t in ("alpha", "beta")]
-    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+              "evaluator": EVALUATOR} for t in ids]
+    path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+
+
+def _setup(tmp_path: Path, address: str, upstream: str, *, samples: int, sleep: float, k: int = 0,
+           evaluation: str = "") -> c.LoopConfig:
+    _tasks(tmp_path / "tasks.jsonl", ("alpha", "beta"), sleep)
     text = (f'out = "{tmp_path / "run"}"\n[model]\nname = "tiny-qwen"\n'
             f'[harness]\nname = "generic"\ncommand = "{CURL.replace(chr(34), chr(92) + chr(34))}"\nconcurrency = 1\ntimeout_s = 120\n'
             f'[tasks]\nsource = "{tmp_path / "tasks.jsonl"}"\nlimit = 0\n'
             f"[rollout]\nsamples_per_group = {samples}\niterations = 2\n"
             f"[schedule]\nmax_off_policy_steps = {k}\n"
-            f'[placement]\nkind = "ray"\naddress = "{address}"\nnode_resource = "polar_rollout"\nreplicas = ["{upstream}"]\n')
+            f'[placement]\nkind = "ray"\naddress = "{address}"\nnode_resource = "polar_rollout"\nreplicas = ["{upstream}"]\n'
+            + evaluation)
     return c.parse_config(text)
 
 
@@ -92,8 +102,12 @@ def _node_sessions(root: Path) -> dict[str, set[str]]:
 @pytest.mark.parametrize("k", [1], ids=["async-k1"])
 def test_two_nodes_run_the_loop_and_keep_their_captures_apart(tmp_path: Path, cluster: Any, k: int) -> None:
     cl, nodes = cluster
+    # the evaluation (eval.every) on the Ray placement, of another task set: 2 samples of eval.ids' one
+    # task, at the final step (the asynchronous schedule evaluates at the synchronous final rollout)
+    _tasks(tmp_path / "eval.jsonl", ("gamma", "delta"), 0)
+    evaluation = f'[eval]\nevery = 1\nsamples = 2\ntasks = "{tmp_path / "eval.jsonl"}"\nids = ["gamma"]\n'
     with ServerThread(served_model="scripted-model", script=Script(["text"])) as up:
-        cfg = _setup(tmp_path, cl.address, up.url, samples=2, sleep=0, k=k)
+        cfg = _setup(tmp_path, cl.address, up.url, samples=2, sleep=0, k=k, evaluation=evaluation)
         out = tmp_path / "run"
         placement = NoUpdate(cfg, out, log=print)
         report = run_loop(cfg, placement, out, log=print)
@@ -102,11 +116,20 @@ def test_two_nodes_run_the_loop_and_keep_their_captures_apart(tmp_path: Path, cl
     assert pl_rep["kind"] == "ray" and set(pl_rep["nodes"]) == {n.node_id[:12] for n in nodes}
     # each step's two groups went to the two nodes (least-loaded): every node ran samples
     assert all(info["samples"] > 0 for info in pl_rep["nodes"].values()), pl_rep
-    assert pl_rep["counters"]["samples_finished"] == 12 and pl_rep["counters"]["groups_retried"] == 0
+    assert pl_rep["counters"]["samples_finished"] == 12 + 2 and pl_rep["counters"]["groups_retried"] == 0
     assert pl_rep["timing"]["start_s"] > 0
+    # the evaluation ran on the nodes: gamma only (eval.ids), 2 samples, sample 0 passes
+    evals = [s["evaluation"] for s in report["steps"] if s.get("evaluation")]
+    assert [(e["step"], e["samples"]) for e in evals] == [(2, 2)], evals
+    assert [t["task_id"] for t in evals[0]["tasks"]] == ["gamma"] and evals[0]["overall"]["1"]["value"] == 0.5, evals
     # what left each node (the driver's store) is exactly what that node captured, nothing shared
     stored = [json.loads(p.read_text()) for p in (out / "cluster" / "samples").glob("*.json")]
-    assert len(stored) == 12  # 3 rollouts (steps 0, 1 and the final 2) x 2 groups x 2
+    ev_rows = [s for s in stored if s["row"]["task_id"].startswith("eval-")]
+    assert sorted(s["row"]["session_id"] for s in ev_rows) == ["eval-gamma.st2.s0", "eval-gamma.st2.s1"]
+    assert not list((out / "cluster" / "samples").glob("eval-*.arrow"))  # never trained on: no sequences
+    assert all((Path(pl_rep["node_dir"]) / s["node_id"] / "eval" / "rollouts" / f"{s['row']['session_id']}.json").is_file()
+               for s in ev_rows)  # the node's evaluation results apart from its training rollouts
+    assert len(stored) == 12 + 2  # 3 rollouts (steps 0, 1 and the final 2) x 2 groups x 2, and the evaluation's
     by_node: dict[str, set[str]] = {}
     for s in stored:
         by_node.setdefault(s["node_id"], set()).add(s["row"]["session_id"])
