@@ -155,33 +155,89 @@ def run_logged(argv: list[str], cwd: Path, log: Path) -> tuple[int, float]:
 
 
 def run_side(a: argparse.Namespace, k: int, meta: dict[str, Any]) -> dict[str, Any]:
+    """Run (or resume) one side's loop to its end, unless ``--score-only``; what it holds so far."""
     d = a.run_dir / f"k{k}"
     d.mkdir(parents=True, exist_ok=True)
-    write_tasks(a, d)
-    (d / "loop.toml").write_text(loop_toml(a, k))
     report = d / "run" / "loop-report.json"
-    if not (report.exists() and json.loads(report.read_text()).get("finished")):
+    finished = report.exists() and json.loads(report.read_text()).get("finished")
+    if not finished and not a.score_only:
+        write_tasks(a, d)
+        (d / "loop.toml").write_text(loop_toml(a, k))
         with LoadMeter() as lm:
             rc, wall = run_logged([POLAR, "loop", "loop.toml"], d, d / "loop.log")
         meta.setdefault("loop_runs", {}).setdefault(f"k{k}", []).append(
             {"rc": rc, "process_wall_s": wall, "load": load_summary(lm.samples), "ended": time.strftime("%H:%M")})
         if rc != 0:
             raise SystemExit(f"polar loop (k={k}) exited {rc}: see {d / 'loop.log'}")
-    rep = json.loads(report.read_text())
-    state = json.loads((d / "run" / "loop-state.json").read_text())
+        finished = True
+    sp = d / "run" / "loop-state.json"
+    state = json.loads(sp.read_text()) if sp.exists() else {"steps": []}
+    steps = sorted(state["steps"], key=lambda s: s["step"])
     ckpts = [(s["step"], (s.get("train") or {}).get("checkpoint"), (s.get("train") or {}).get("policy_version"))
-             for s in sorted(state["steps"], key=lambda s: s["step"]) if (s.get("train") or {}).get("updated")]
-    t = rep["timing"]
-    return {"k": k, "checkpoints": ckpts, "loop_wall_s": t.get("wall_s"),
-            "trainer_idle_frac": t.get("trainer_idle_frac"), "vllm_idle_frac": t.get("vllm_idle_frac"),
-            "token_ages": rep["staleness_tokens"], "dropped_groups": len(rep["dropped_groups"]),
-            "group_ages": [s.get("group_ages") for s in rep["steps"] if s.get("train")],
-            "train_reward": [{"step": s["step"], "mean": s["rewards"]["mean_reward"], "samples": s["rewards"]["samples"]}
-                             for s in rep["steps"]],
-            "resumes": rep.get("resumes")}
+             for s in steps if (s.get("train") or {}).get("updated")]
+    out: dict[str, Any] = {"k": k, "finished": bool(finished), "checkpoints": ckpts,
+                           "steps_done": [s["step"] for s in steps],
+                           "train_reward": [{"step": s["step"], "mean": s["rewards"]["mean_reward"],
+                                             "samples": s["rewards"]["samples"]} for s in steps],
+                           "phases": bl.phase_times([d / "loop.log"]) if (d / "loop.log").exists() else {}}
+    if report.exists():
+        rep = json.loads(report.read_text())
+        t = rep["timing"]
+        out |= {"loop_wall_s": t.get("wall_s"), "trainer_idle_frac": t.get("trainer_idle_frac"),
+                "vllm_idle_frac": t.get("vllm_idle_frac"), "token_ages": rep["staleness_tokens"],
+                "dropped_groups": len(rep["dropped_groups"]),
+                "group_ages": [s.get("group_ages") for s in rep["steps"] if s.get("train")], "resumes": rep.get("resumes")}
+    return out
 
 
-def run_eval(a: argparse.Namespace, name: str, model: str, meta: dict[str, Any]) -> list[dict[str, Any]]:
+def sampled_load(path: Path) -> dict[str, Any]:
+    """``load-samples.txt`` (``HH:MM:SS load1 load5 load15`` lines, an outside sampler's): the 1-minute
+    loads over the whole run, summarised."""
+    if not path.exists():
+        return load_summary([])
+    vals = [float(line.split()[1]) for line in path.read_text().splitlines() if len(line.split()) >= 2]
+    return load_summary(vals) | {"file": path.name}
+
+
+class EvalServer:
+    """One vLLM for every evaluation: the base model served as the loop serves it (its untied copy),
+    each checkpoint pushed into it in place (``push_weights``, as the loop's push), ``polar eval
+    --upstream`` on it. One start instead of five (a start took 232 s on the loaded box)."""
+
+    def __init__(self, a: argparse.Namespace, log: Path):
+        self.a, self.log, self.server, self.serving = a, log, None, None
+
+    def ensure(self) -> Any:
+        if self.server is None:
+            from polar_runtime.loop import phases
+            from polar_runtime.serve import VLLMServer
+
+            say = lambda m: print(m, flush=True)  # noqa: E731
+            model_dir, self.served = phases.ensure_setup(self.a.model, self.a.harness, say)
+            self.base_dir = phases.servable_dir(model_dir, say)
+            self.server = VLLMServer(self.base_dir, served_model_name=self.served, max_model_len=self.a.max_model_len,
+                                     log_path=self.log)
+            self.server.__enter__()
+            self.serving, self.version = None, 0
+        return self.server
+
+    def serve(self, ckpt: str | None) -> None:
+        """Serve ``ckpt`` (None: the base model)."""
+        self.ensure()
+        if ckpt == self.serving:
+            return
+        from polar_training.weights_push import push_weights
+
+        self.version += 1
+        push_weights(ckpt or str(self.base_dir), [self.server], None, self.version)
+        self.serving = ckpt
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.__exit__(None, None, None)
+
+
+def run_eval(a: argparse.Namespace, name: str, ckpt: str | None, srv: EvalServer, meta: dict[str, Any]) -> list[dict[str, Any]]:
     import polars as pl
 
     d = a.run_dir / "evals"
@@ -192,12 +248,17 @@ def run_eval(a: argparse.Namespace, name: str, model: str, meta: dict[str, Any])
     if a.score_only:
         return pl.read_parquet(pq).to_dicts() if pq.exists() else []
     if not (out / "eval.json").exists():
-        argv = [POLAR, "eval", "--tasks", "tasks.jsonl", "--harness", a.harness, "--samples", str(a.eval_samples),
-                "--seed", str(a.eval_seed), "--concurrency", str(a.concurrency), "--timeout", str(a.timeout),
-                "--max-tokens", str(a.max_tokens), "--model", model, "--out", str(out)]
         with LoadMeter() as lm:
+            t0 = time.monotonic()
+            srv.serve(ckpt)
+            push_s = round(time.monotonic() - t0, 1)
+            argv = [POLAR, "eval", "--tasks", "tasks.jsonl", "--harness", a.harness, "--samples", str(a.eval_samples),
+                    "--seed", str(a.eval_seed), "--concurrency", str(a.concurrency), "--timeout", str(a.timeout),
+                    "--max-tokens", str(a.max_tokens), "--upstream", srv.server.base_url, "--model-name", srv.served,
+                    "--out", str(out)]
             rc, wall = run_logged(argv, d, d / f"{name}.log")
-        meta.setdefault("eval_runs", {})[name] = {"rc": rc, "process_wall_s": wall, "load": load_summary(lm.samples)}
+        meta.setdefault("eval_runs", {})[name] = {"rc": rc, "process_wall_s": wall, "push_s": push_s,
+                                                  "checkpoint": ckpt, "load": load_summary(lm.samples)}
         if rc != 0:
             raise SystemExit(f"polar eval {name} exited {rc}: see {d / f'{name}.log'}")
     return pl.read_parquet(pq).to_dicts()
@@ -233,24 +294,31 @@ def main() -> int:
     sides: dict[str, Any] = {}
     try:
         for k in ks:
-            if a.score_only and not (a.run_dir / f"k{k}" / "run" / "loop-report.json").exists():
+            if a.score_only and not (a.run_dir / f"k{k}" / "run" / "loop-state.json").exists():
                 continue
             sides[f"k{k}"] = run_side(a, k, meta)
-        evals: dict[str, list[dict[str, Any]]] = {"base": run_eval(a, "base", a.model, meta)}
-        names = {}
-        for side, res in sides.items():
-            names[side] = ["base"]
-            for step, ckpt, version in res["checkpoints"]:
-                name = f"{side}-v{version}"
-                evals[name] = run_eval(a, name, ckpt, meta)
-                names[side].append(name)
+        srv = EvalServer(a, a.run_dir / "evals" / "vllm.log")
+        try:
+            evals: dict[str, list[dict[str, Any]]] = {"base": run_eval(a, "base", None, srv, meta)}
+            names = {}
+            for side, res in sides.items():
+                names[side] = ["base"]
+                for step, ckpt, version in res["checkpoints"]:
+                    name = f"{side}-v{version}"
+                    evals[name] = run_eval(a, name, ckpt, srv, meta)
+                    names[side].append(name)
+        finally:
+            srv.close()
     finally:
         meta_path.write_text(json.dumps(meta, indent=2))
     table = side_table(evals, names)
     result = {
         "date": meta.get("started"), "command": " ".join(["benchmarks/bench_loop_learning.py", *sys.argv[1:]]),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k not in ("out", "score_only")},
-        "rewards": table, "sides": sides, "runs": meta, "load_now": os.getloadavg(),
+        "complete": bool(sides) and all(v["finished"] for v in sides.values())
+        and all(r["graded"] for side in names for r in table[side]) and all(len(names[s]) == a.iterations + 1 for s in names),
+        "rewards": table, "sides": sides, "runs": meta, "load_sampled": sampled_load(a.run_dir / "load-samples.txt"),
+        "load_now": os.getloadavg(),
     }
     a.out.write_text(json.dumps(result, indent=2) + "\n")
     f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
