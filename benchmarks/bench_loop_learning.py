@@ -215,8 +215,11 @@ class EvalServer:
             say = lambda m: print(m, flush=True)  # noqa: E731
             model_dir, self.served = phases.ensure_setup(self.a.model, self.a.harness, say)
             self.base_dir = phases.servable_dir(model_dir, say)
+            from polar_runtime.loop.config import ModelSection
+
+            m = ModelSection()  # the loop's serving defaults (kv cache, tool parser), as both sides ran
             self.server = VLLMServer(self.base_dir, served_model_name=self.served, max_model_len=self.a.max_model_len,
-                                     log_path=self.log)
+                                     kv_cache_gib=m.kv_cache_gib, tool_parser=m.tool_parser, log_path=self.log)
             self.server.__enter__()
             self.serving, self.version = None, 0
         return self.server
