@@ -250,7 +250,8 @@ def run_eval(a: argparse.Namespace, name: str, ckpt: str | None, srv: EvalServer
     pq = out / "eval.parquet"
     if a.score_only:
         return pl.read_parquet(pq).to_dicts() if pq.exists() else []
-    if not (out / "eval.json").exists():
+    want = a.eval_samples * len(a.task)
+    if not (pq.exists() and pl.read_parquet(pq).height >= want):  # polar eval resumes a cut one, adds to a smaller one
         with LoadMeter() as lm:
             t0 = time.monotonic()
             srv.serve(ckpt)
@@ -296,22 +297,24 @@ def main() -> int:
     ks = [int(x) for x in a.ks.split(",")]
     sides: dict[str, Any] = {}
     try:
-        for k in ks:
+        evals: dict[str, list[dict[str, Any]]] = {}
+        names: dict[str, list[str]] = {}
+        for k in ks:  # one side, then its evaluations (the base's first): a cut run has whole parts
             if a.score_only and not (a.run_dir / f"k{k}" / "run" / "loop-state.json").exists():
                 continue
-            sides[f"k{k}"] = run_side(a, k, meta)
-        srv = EvalServer(a, a.run_dir / "evals" / "vllm.log")
-        try:
-            evals: dict[str, list[dict[str, Any]]] = {"base": run_eval(a, "base", None, srv, meta)}
-            names = {}
-            for side, res in sides.items():
+            side = f"k{k}"
+            sides[side] = res = run_side(a, k, meta)
+            srv = EvalServer(a, a.run_dir / "evals" / "vllm.log")  # started only when an evaluation runs
+            try:
+                if "base" not in evals:
+                    evals["base"] = run_eval(a, "base", None, srv, meta)
                 names[side] = ["base"]
                 for step, ckpt, version in res["checkpoints"]:
                     name = f"{side}-v{version}"
                     evals[name] = run_eval(a, name, ckpt, srv, meta)
                     names[side].append(name)
-        finally:
-            srv.close()
+            finally:
+                srv.close()  # the next side's loop needs the memory
     finally:
         meta_path.write_text(json.dumps(meta, indent=2))
     table = side_table(evals, names)
