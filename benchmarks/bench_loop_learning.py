@@ -17,7 +17,7 @@ training rollouts never use). The base evaluation is shared by both sides (same 
 resumes from its last finished step when run again) and each evaluation's directory (``polar eval``
 keeps finished samples). Run the same command again after a kill.
 
-    .venv/bin/python benchmarks/bench_loop_learning.py              # ~35 min on the 2-core box
+    .venv/bin/python benchmarks/bench_loop_learning.py              # ~35 min on a quiet 2-core box (~3x at load 8)
     .venv/bin/python benchmarks/bench_loop_learning.py --score-only # read back what finished
 """
 
