@@ -10,8 +10,9 @@ color-sky 0.31, water-wet 0.62; this run's own base evaluation measures them aga
 Why each checkpoint is evaluated apart: the loop's ``[eval]`` schedule runs only on synchronous
 steps (in asynchronous mode the only synchronous step is the final rollout), so each side keeps its
 two checkpoints (``trainer.keep_checkpoints = 2``) and ``polar eval`` scores the base model and every
-checkpoint on the same tasks with the same held-out sampling seeds (``--seed``, eval session ids the
-training rollouts never use). The base evaluation is shared by both sides (same policy, same seeds).
+checkpoint on the same tasks with the same held-out sampling seeds (``--eval-seed`` 1000: the proxy
+derives each call's seed from that base, the session id and the call index; the loops sample from
+base ``--seed``, so no evaluation call repeats a training call's seed). The base evaluation is shared by both sides (same policy, same seeds).
 
 **Resumable.** Everything lives under ``--run-dir``: each side's loop directory (``polar loop``
 resumes from its last finished step when run again) and each evaluation's directory (``polar eval``
@@ -272,7 +273,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ks", default="0,1")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-seed", type=int, default=1000, help="base of the held-out evaluation's sampling seeds")
+    ap.add_argument("--eval-seed", type=int, default=1000, help="base of the held-out evaluation's sampling seeds (not the loops' --seed)")
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--samples", type=int, default=8, help="samples per group")
     ap.add_argument("--eval-samples", type=int, default=32, help="samples per task of each evaluation")
