@@ -248,7 +248,7 @@ def run_eval(a: argparse.Namespace, name: str, ckpt: str | None, srv: EvalServer
     d.mkdir(parents=True, exist_ok=True)
     write_tasks(a, d)
     out = d / name
-    pq = out / "eval.parquet"
+    pq = out / "rollouts.parquet"  # one row per sample (eval.parquet is polar eval's per-task summary)
     if a.score_only:
         return pl.read_parquet(pq).to_dicts() if pq.exists() else []
     want = a.eval_samples * len(a.task)
