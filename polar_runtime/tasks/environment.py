@@ -25,6 +25,7 @@ from typing import Any
 from polar_core.processes import file_lock
 from polar_runtime.sandbox.egress import registries
 from polar_runtime.sandbox.hostfs import UnsafePath, copy_tree, write_bytes
+from polar_runtime.sandbox.releasestandin import strip_known
 from polar_runtime.tasks.model import DEFAULT_BUILD_TIMEOUT, DEFAULT_PATH, BuildError, Task  # noqa: F401
 
 
@@ -320,7 +321,8 @@ def local_mode_refusal(task: Task, *, builds_image: bool = False) -> str | None:
                 return (f"{where}: installs apt packages this host lacks ({' '.join(missing)}); the local mode "
                         "cannot install into the read-only host system")
             continue
-        text = _ASTRAL_UV.sub("", step.text) if builds_image else step.text  # stood in for (uvstandin.py)
+        # stood in for by a container backend's build (uvstandin.py, releasestandin.py)
+        text = strip_known(_ASTRAL_UV.sub("", step.text)) if builds_image else step.text
         why = network_refusal(text, registries_reachable=True)
         if why:
             return (f"{where}: {why}; build steps reach only the package registries "

@@ -166,3 +166,53 @@ def test_work_dir_copied_out_of_the_image_keeps_hard_links(tmp_path, monkeypatch
     imagebuild.export_workdir("img", "/app", tmp_path / "w")
     assert (tmp_path / "w" / "esbuild-link").read_bytes() == b"ELF"
     assert (tmp_path / "w" / "esbuild-link").stat().st_ino == (tmp_path / "w" / "bin" / "esbuild").stat().st_ino
+
+
+KOTLIN = "https://github.com/JetBrains/kotlin/releases/download/v1.9.22/kotlin-compiler-1.9.22.zip"
+
+
+def test_kotlin_release_zip_in_a_build_step_is_served_from_its_npm_package(tmp_path):
+    """The planner lets a container build download the Kotlin compiler's release zip (a stand-in
+    answers it; any other GitHub download is still refused), and the stand-in's curl answers that
+    URL with npm's tarball re-packed as the release's ``kotlinc/`` layout, executables kept, and
+    passes every other call to the real curl."""
+    import io
+    import subprocess
+    import tarfile
+    import zipfile
+
+    from polar_runtime.sandbox import releasestandin as rs
+
+    kt = f"FROM eclipse-temurin:17-jdk\nRUN curl -fsSL {KOTLIN} -o /tmp/kotlinc.zip && unzip -q /tmp/kotlinc.zip -d /opt\n"
+    (task,) = load_tasks(make_task(tmp_path, kt), container=True)
+    assert local_mode_refusal(task, builds_image=True) is None
+    assert "github.com" in (local_mode_refusal(task, builds_image=False) or "")
+
+    tgz = tmp_path / "kotlin-compiler-1.9.22.tgz"  # npm's layout, as `npm pack` gives it
+    with tarfile.open(tgz, "w:gz") as tf:
+        for name, mode, data in (("package/bin/kotlinc", 0o755, b"#!/bin/sh\n"), ("package/lib/kotlin-compiler.jar", 0o644, b"jar"),
+                                 ("package/build.txt", 0o644, b"1.9.22"), ("package/package.json", 0o644, b"{}")):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), mode
+            tf.addfile(info, io.BytesIO(data))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    rs.repack(tgz, cache / rs.RELEASES[0].file_name("1.9.22"), "kotlinc")
+    with zipfile.ZipFile(cache / "kotlin-compiler-1.9.22.zip") as z:
+        assert sorted(z.namelist()) == ["kotlinc/bin/kotlinc", "kotlinc/build.txt", "kotlinc/lib/kotlin-compiler.jar"]
+        assert (z.getinfo("kotlinc/bin/kotlinc").external_attr >> 16) & 0o777 == 0o755
+    binds, notes = rs.build_binds(kt, cache)
+    assert binds == [(cache, rs.MOUNT)] and "STAND-IN RELEASE ARCHIVE" in notes[0] and "npm" in notes[0]
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "curl").write_text("#!/bin/sh\necho REAL \"$@\"\n")
+    (real / "curl").chmod(0o755)
+    env = {"PATH": f"{cache}/bin:{real}:/usr/bin:/bin"}
+    out = tmp_path / "got.zip"
+    r = subprocess.run(["curl", "-fsSL", KOTLIN, "-o", str(out)], env=env, capture_output=True, text=True, timeout=10)
+    assert r.returncode == 0 and "STAND-IN" in r.stderr, r
+    assert out.read_bytes() == (cache / "kotlin-compiler-1.9.22.zip").read_bytes()
+    r = subprocess.run(["curl", "-fsSL", KOTLIN.replace("1.9.22", "2.0.0"), "https://example.org/x"],
+                       env=env, capture_output=True, text=True, timeout=10)
+    assert r.stdout.startswith("REAL ") and "STAND-IN" not in r.stderr, r
