@@ -90,13 +90,23 @@ class ReleaseStandInError(RuntimeError):
     """The package could not be fetched or re-packed."""
 
 
-def wanted(text: str) -> list[tuple[Release, str, str]]:
+def expand(text: str, env: dict[str, str] | None) -> str:
+    """``$NAME`` and ``${NAME}`` of ``env`` expanded (a Dockerfile's ``ENV KOTLIN_VERSION=1.9.22``
+    then ``.../v${KOTLIN_VERSION}/...``: the shell expands it in the step; others are left as written."""
+    if not env:
+        return text
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env.get(m[1] or m[2], m[0]), text)
+
+
+def wanted(text: str, env: dict[str, str] | None = None) -> list[tuple[Release, str, str]]:
     """(release, version, url) for each known release archive ``text`` downloads."""
+    text = expand(text, env)
     return [(r, m["version"], m.group(0)) for r in RELEASES for m in r.url.finditer(text)]
 
 
-def strip_known(text: str) -> str:
+def strip_known(text: str, env: dict[str, str] | None = None) -> str:
     """``text`` without the URLs a stand-in answers (for the build's network check)."""
+    text = expand(text, env)
     for r in RELEASES:
         text = r.url.sub("", text)
     return text
@@ -146,10 +156,11 @@ def ensure(release: Release, version: str, cache: Path | None = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def build_binds(command: str, cache: Path | None = None) -> tuple[list[tuple[Path, str]], list[str]]:
+def build_binds(command: str, cache: Path | None = None,
+                env: dict[str, str] | None = None) -> tuple[list[tuple[Path, str]], list[str]]:
     """For a RUN step that downloads a known release archive: the read-only bind of the cache at
     /run/polar-releases and the notes saying so; ([], []) otherwise. Raises ReleaseStandInError."""
-    found = wanted(command)
+    found = wanted(command, env)
     if not found:
         return [], []
     base = cache or root()

@@ -308,7 +308,10 @@ def local_mode_refusal(task: Task, *, builds_image: bool = False) -> str | None:
     assert env_plan is not None
     dockerfile = f"{task.root / 'environment' / 'Dockerfile'}" if task.root else "setup"
     has_dpkg = shutil.which("dpkg-query") is not None
+    variables: dict[str, str] = {}
     for step in env_plan.steps:
+        if step.kind in ("env", "arg"):
+            variables[step.dest] = step.text
         if step.kind != "run":
             continue
         where = f"{dockerfile}:{step.line}" if step.line else dockerfile
@@ -322,7 +325,7 @@ def local_mode_refusal(task: Task, *, builds_image: bool = False) -> str | None:
                         "cannot install into the read-only host system")
             continue
         # stood in for by a container backend's build (uvstandin.py, releasestandin.py)
-        text = strip_known(_ASTRAL_UV.sub("", step.text)) if builds_image else step.text
+        text = strip_known(_ASTRAL_UV.sub("", step.text), variables) if builds_image else step.text
         why = network_refusal(text, registries_reachable=True)
         if why:
             return (f"{where}: {why}; build steps reach only the package registries "

@@ -181,7 +181,7 @@ def release_stand_in(spec: Any, command: str, notes: list[str]) -> None:
     from polar_runtime.sandbox.releasestandin import MOUNT, ReleaseStandInError, build_binds
 
     try:
-        binds, said = build_binds(command)
+        binds, said = build_binds(command, env=spec.env)
     except ReleaseStandInError as exc:
         notes.append(f"no local release archive: {exc}")
         return

@@ -183,7 +183,8 @@ def test_kotlin_release_zip_in_a_build_step_is_served_from_its_npm_package(tmp_p
 
     from polar_runtime.sandbox import releasestandin as rs
 
-    kt = f"FROM eclipse-temurin:17-jdk\nRUN curl -fsSL {KOTLIN} -o /tmp/kotlinc.zip && unzip -q /tmp/kotlinc.zip -d /opt\n"
+    kt = ("FROM eclipse-temurin:17-jdk\nENV KOTLIN_VERSION=1.9.22\nRUN curl -fsSL "
+          + KOTLIN.replace("1.9.22", "${KOTLIN_VERSION}") + " -o /tmp/kotlinc.zip && unzip -q /tmp/kotlinc.zip -d /opt\n")
     (task,) = load_tasks(make_task(tmp_path, kt), container=True)
     assert local_mode_refusal(task, builds_image=True) is None
     assert "github.com" in (local_mode_refusal(task, builds_image=False) or "")
@@ -201,7 +202,7 @@ def test_kotlin_release_zip_in_a_build_step_is_served_from_its_npm_package(tmp_p
     with zipfile.ZipFile(cache / "kotlin-compiler-1.9.22.zip") as z:
         assert sorted(z.namelist()) == ["kotlinc/bin/kotlinc", "kotlinc/build.txt", "kotlinc/lib/kotlin-compiler.jar"]
         assert (z.getinfo("kotlinc/bin/kotlinc").external_attr >> 16) & 0o777 == 0o755
-    binds, notes = rs.build_binds(kt, cache)
+    binds, notes = rs.build_binds(kt, cache, env={"KOTLIN_VERSION": "1.9.22"})
     assert binds == [(cache, rs.MOUNT)] and "STAND-IN RELEASE ARCHIVE" in notes[0] and "npm" in notes[0]
 
     real = tmp_path / "real"
