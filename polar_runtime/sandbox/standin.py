@@ -193,13 +193,19 @@ def rootfs_tarball(plan: Plan, cache: Path | None = None) -> tuple[Path, float]:
             if plan.packages:
                 # apt in the new root, not debootstrap's --include: its resolver left trixie's npm
                 # (hundreds of node-* dependencies) unconfigured ("node-cli-table3 is not installed")
+                # /proc mounted in the root for it: OpenJDK's postinst runs java, which refuses to
+                # start without one ("the java command requires a mounted proc fs")
                 apt = ["chroot", str(root), "env", "DEBIAN_FRONTEND=noninteractive", "apt-get"]
-                for cmd in ([*apt, "update", "-qq"], [*apt, "install", "-y", "-qq", "--no-install-recommends",
-                                                      *plan.packages]):
-                    r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-                    if r.returncode != 0:
-                        raise StandInError(f"installing {' '.join(plan.packages)} into the {plan.suite} stand-in failed: "
-                                           f"{(r.stderr or r.stdout)[-1200:]}")
+                subprocess.run(["mount", "-t", "proc", "proc", str(root / "proc")], check=True, capture_output=True)
+                try:
+                    for cmd in ([*apt, "update", "-qq"], [*apt, "install", "-y", "-qq", "--no-install-recommends",
+                                                          *plan.packages]):
+                        r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+                        if r.returncode != 0:
+                            raise StandInError(f"installing {' '.join(plan.packages)} into the {plan.suite} stand-in "
+                                               f"failed: {(r.stderr or r.stdout)[-1200:]}")
+                finally:
+                    subprocess.run(["umount", "-l", str(root / "proc")], capture_output=True)
             _finish_rootfs(root, plan, ca)
             part = out.with_suffix(".tar.part")
             subprocess.run(["tar", "-C", str(root), "--numeric-owner", "-cf", str(part), "."], check=True,
