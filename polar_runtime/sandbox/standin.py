@@ -284,6 +284,17 @@ def image_exists(image: str, env: dict[str, str] | None = None, runtime: str = "
     return r.returncode == 0
 
 
+def pip_system_wide(image: str) -> bool:
+    """Whether the real image's distribution lets pip install system-wide (Ubuntu 22.04 "jammy" and
+    older carry no PEP 668 marker), while its Debian stand-in's apt-installed python3 refuses
+    (``error: externally-managed-environment``): public tasks ``FROM eclipse-temurin:17-jdk-jammy``
+    run ``pip3 install pytest`` after ``apt-get install python3-pip``."""
+    tag = image.rsplit("/", 1)[-1].partition(":")[2]
+    name = image.rsplit("/", 1)[-1].partition(":")[0]
+    return bool(re.search(r"(^|-)(jammy|focal|bionic)($|-)", tag)) or (
+        name == "ubuntu" and re.match(r"^(22|20|18)\.04", tag) is not None)
+
+
 def ensure_image(image: str, *, env: dict[str, str] | None = None, cache: Path | None = None,
                  runtime: str = "docker") -> dict:
     """Make ``image`` exist on the daemon: already there -> nothing; otherwise its stand-in is
@@ -299,7 +310,11 @@ def ensure_image(image: str, *, env: dict[str, str] | None = None, cache: Path |
     tar, build_s = rootfs_tarball(plan, cache)
     ca_env = [f"ENV {k}={CA_PATH}" for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT")] if host_ca_bundle() else []
     image_env = dict(e.split("=", 1) for e in (f"PATH={_PATH}", "LANG=C.UTF-8", *plan.env))
-    changes = [f'LABEL {STANDIN_LABEL}="{plan.why}"', *(f"ENV {k}={v}" for k, v in image_env.items()), 'CMD ["bash"]',
+    why = plan.why
+    if pip_system_wide(image):
+        image_env["PIP_BREAK_SYSTEM_PACKAGES"] = "1"
+        why += "; pip installs system-wide as on the tag's Ubuntu (Debian's PEP 668 marker overridden)"
+    changes = [f'LABEL {STANDIN_LABEL}="{why}"', *(f"ENV {k}={v}" for k, v in image_env.items()), 'CMD ["bash"]',
                *ca_env]
     t0 = time.monotonic()
     cmd = [runtime, "import"]
@@ -308,7 +323,7 @@ def ensure_image(image: str, *, env: dict[str, str] | None = None, cache: Path |
     r = subprocess.run([*cmd, str(tar), image], capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
     if r.returncode != 0:
         raise StandInError(f"docker import of the stand-in for {image} failed: {r.stderr.strip()[-600:]}")
-    return {"image": image, "stand_in": plan.why, "build_s": round(build_s, 2),
+    return {"image": image, "stand_in": why, "build_s": round(build_s, 2),
             "import_s": round(time.monotonic() - t0, 2)}
 
 

@@ -265,3 +265,12 @@ def test_a_solutions_fallback_download_is_not_refused_on_a_container_backend(tmp
     (task,) = load_tasks(d, container=True)
     assert local_mode_refusal(task, builds_image=True) is None
     assert "the oracle runs" in (local_mode_refusal(task, builds_image=False) or "")
+
+
+def test_pip_installs_system_wide_on_stand_ins_for_ubuntu_releases_without_pep_668():
+    from polar_runtime.sandbox.standin import pip_system_wide
+
+    assert pip_system_wide("eclipse-temurin:17.0.12_7-jdk-jammy") and pip_system_wide("ubuntu:22.04")
+    assert pip_system_wide("docker.io/library/ubuntu:focal")
+    assert not pip_system_wide("ubuntu:24.04") and not pip_system_wide("debian:bookworm")
+    assert not pip_system_wide("eclipse-temurin:21-jdk-noble") and not pip_system_wide("python:3.12-slim")
