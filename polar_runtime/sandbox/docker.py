@@ -49,6 +49,11 @@ from polar_runtime.sandbox.egress import EgressProxy, egress_env, egress_port
 from polar_runtime.sandbox.relay import UnixToTcpRelay
 
 PRIVATE = "/run/polar-sandbox"
+#: what Harbor uploads into the container rather than mounts: bound at /run/polar-copy/<name> and
+#: copied to its place by the init, so a test.sh may move it (public Kotlin tasks: `mv /tests
+#: /tmp/tests.hidden` while the program under test runs; on a bind: "Device or resource busy")
+COPIED_IN = ("/tests", "/solution")
+COPY_MOUNT = "/run/polar-copy"
 #: what a phase with ``userns_caps`` (verifier, build steps) gets back: changing uid (a test.sh
 #: running the tested program as nobody, apt dropping to _apt) and owning files
 USERNS_CAPS = ("SETUID", "SETGID", "CHOWN", "FOWNER", "DAC_OVERRIDE")
@@ -124,6 +129,8 @@ class DockerSandbox(Sandbox):
             if not host.exists():
                 raise SandboxError(f"sandbox bind source {host} does not exist")
             src = (staged or {}).get(host, host) if writable else host
+            if dest in COPIED_IN:
+                dest = COPY_MOUNT + dest
             a += ["-v", f"{src}:{dest}" + ("" if writable else ":ro")]
         for k, v in spec.env.items():
             a += ["-e", f"{k}={v}"]
@@ -176,6 +183,9 @@ class DockerSandbox(Sandbox):
                     image, staged, tmp_dir = None, {}, None
             if spec.disk_mb and image is None:
                 cfg["fsize"] = spec.disk_mb * 1024 * 1024
+            copies = [[COPY_MOUNT + d, d] for _, d, _ in spec.mounts() if d in COPIED_IN]
+            if copies:
+                cfg["copy_in"] = copies
             host_binds: list[tuple[str, str]] = []
             python = ["python3"]
             if self.host_init:

@@ -217,3 +217,19 @@ def test_the_storage_cap_allows_sparse_files_and_bites_on_real_data(dockerd, tmp
     assert "SPARSE-OK" in text and "REAL-OK" in text, text
     assert "TMP-FULL" in text and "WORK-FULL" in text and "No space left" in text, text
     assert any("disk image" in n for n in res.notes), res.notes
+
+
+def test_tests_and_solution_are_uploaded_not_mounted(dockerd, tmp_path):
+    """As in Harbor, /tests is a copy in the container: a test.sh that moves it away while the
+    program under test runs (public Kotlin tasks) can; a bind refused that with EBUSY. ~2 s."""
+    ensure_image("ubuntu:24.04")
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_x.py").write_text("ok\n")
+    spec = SandboxSpec(tmp_path / "w", env={"PATH": PATH}, image="ubuntu:24.04", timeout_s=60,
+                       rw_binds=[(tests, "/tests")])
+    script = "mv /tests /tmp/tests.hidden && test ! -e /tests && mv /tmp/tests.hidden /tests && cat /tests/test_x.py"
+    log = tmp_path / "log"
+    with open(log, "wb") as out:
+        res = DockerSandbox().run(spec, ["bash", "-c", script], stdout=out, stderr=out)
+    assert res.returncode == 0 and "ok" in log.read_text(), log.read_text()
