@@ -8,7 +8,8 @@ own Python). These run in CI (``docker`` marker, in the unit phase): scripts/set
 docker.io and debootstrap; the stand-ins' root file systems are cached under
 ``$POLAR_HOME/standins`` (cold: ~50 s for Debian, ~85 s with Python, once per machine; warm: an
 import of ~2-10 s per image per session). Measured on the 2-core CI machine kind, warm: the whole
-module 33-41 s (tasks check of the six built-in tasks ~15 s, daemon stop + data removal 5-16 s).
+module 33-41 s (tasks check of the six built-in tasks ~15 s, daemon stop + data removal 5-16 s);
+the storage-cap and /tests-upload tests add ~2 s and ~1 s.
 """
 
 from __future__ import annotations
