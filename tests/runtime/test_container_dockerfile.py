@@ -274,3 +274,19 @@ def test_pip_installs_system_wide_on_stand_ins_for_ubuntu_releases_without_pep_6
     assert pip_system_wide("docker.io/library/ubuntu:focal")
     assert not pip_system_wide("ubuntu:24.04") and not pip_system_wide("debian:bookworm")
     assert not pip_system_wide("eclipse-temurin:21-jdk-noble") and not pip_system_wide("python:3.12-slim")
+
+
+def test_the_stand_in_uvx_runs_without_its_sibling_uvx_real(tmp_path):
+    """A Dockerfile copying only ``uv`` and ``uvx`` out of ~/.local/bin: the wrapper runs
+    ``uv tool run`` (what uvx is) instead of failing on a missing uvx-real."""
+    import subprocess
+
+    from polar_runtime.sandbox.uvstandin import UVX_WRAPPER
+
+    (tmp_path / "uvx").write_text(UVX_WRAPPER)
+    (tmp_path / "uv").write_text("#!/bin/sh\necho uv \"$@\"\n")
+    for f in ("uvx", "uv"):
+        (tmp_path / f).chmod(0o755)
+    r = subprocess.run([str(tmp_path / "uvx"), "--with", "pytest==8.3.3", "pytest", "-q"], capture_output=True,
+                       text=True, timeout=10, env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and r.stdout.strip() == "uv tool run --with pytest==8.3.3 pytest -q", r
