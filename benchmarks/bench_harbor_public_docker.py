@@ -38,6 +38,7 @@ CAUSES = [
     (r"cannot stand in for image '[^']*(golang|node|dotnet|temurin|openjdk|gcc|rust)[^']*'",
      "FROM a toolchain image: refused by the local-mode Dockerfile planner"),
     (r"multi-step task", "multi-step task ([[steps]]): not supported"),
+    (r"not found in the build context", "Dockerfile COPYs a file outside its build context (Harbor's build fails too)"),
     (r"no stand-in for it", "FROM an image with no Debian stand-in (e.g. .NET SDK)"),
     (r"fetches from (go\.dev|github\.com|dl\.google\.com|[\w.-]+)", "build downloads from outside the package registries"),
     (r"go\.mod requires go >=", "module needs a newer Go than the stand-in's (GOTOOLCHAIN=local)"),
@@ -107,11 +108,13 @@ def summarize(args: argparse.Namespace) -> None:
     result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     result.update({"date": time.strftime("%Y-%m-%d"), "command": "polar tasks check TASK --sandbox docker",
                    "machine": "2 shared cores, 24 GiB, private dockerd (polar docker start), no image registry",
-                   "sets": {}})
+                   "sets": result.get("sets", {})})
     for name, src in sources.items():
-        entry = dict(src)
+        entry = {**result["sets"].get(name, {}), **src}  # earlier labels kept (their runs may be gone)
         for label in labels:
             rows = rows_of(Path(args.runs) / label, name)
+            if not rows:
+                continue
             by: dict[str, int] = {}
             for r in rows.values():
                 if r["status"] != "passed":
@@ -122,7 +125,7 @@ def summarize(args: argparse.Namespace) -> None:
                             "failed_by_cause": dict(sorted(by.items(), key=lambda kv: -kv[1])), "tasks": rows}
         result["sets"][name] = entry
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({n: {lb: {k: v for k, v in e[lb].items() if k != "tasks"} for lb in labels}
+    print(json.dumps({n: {lb: {k: v for k, v in e[lb].items() if k != "tasks"} for lb in labels if lb in e}
                       for n, e in result["sets"].items()}, indent=1))
 
 

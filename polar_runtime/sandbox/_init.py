@@ -295,6 +295,13 @@ def main() -> int:
 
         b = int(cfg["fsize"])
         resource.setrlimit(resource.RLIMIT_FSIZE, (b, b))
+    for src, dest in cfg.get("copy_in", []):  # uploaded, not mounted (docker.py: COPIED_IN)
+        import shutil
+
+        try:
+            shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True)
+        except OSError as e:
+            print(f"sandbox: copying {src} to {dest} failed: {e}", file=sys.stderr)
     rc = _spawn_and_wait(argv, cfg.get("drop"), bool(cfg.get("harden")))
     me = os.getpid()
     seen: set[int] = set()

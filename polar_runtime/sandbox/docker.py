@@ -3,7 +3,8 @@
 ``docker run --rm --network none`` (or the default bridge with ``network=True``) on ``spec.image``
 (the task's built environment: Harbor tasks ship a Dockerfile), with the work dir and HOME bound
 read-write, the spec's binds, ``--pids-limit``/``--memory``/``--cpus`` (the daemon's cgroups
-enforce them), a size-capped tmpfs /tmp, all capabilities dropped and no new privileges. The
+enforce them), /tmp and the writable binds on a disk image of ``disk_mb`` (below), all capabilities
+dropped and no new privileges. The
 model proxy reaches the container the same way as bubblewrap's: a job-private Unix socket bound
 in, relayed to 127.0.0.1:<port> inside by the same init script; build steps and the verifier
 (``spec.egress``) reach the package registries the same way too, through the filtering proxy of
@@ -17,6 +18,14 @@ A missing image is stood in for where Polar knows how (``standin.py``: debian, u
 built from Debian packages); every run on a stand-in says so in its notes, which the rollout
 records per sample.
 
+The storage cap (``disk_mb``), as root: /tmp, the work dir and HOME live on one loop-mounted ext4
+image of that size (``diskimage.py``, as bubblewrap's), so real data past the cap fails with ENOSPC
+while a sparse file of any apparent size is allowed, as on the disk of the authors' container. The
+earlier tmpfs /tmp plus RLIMIT_FSIZE failed two public tasks: a test that ``truncate``s a sparse
+file to the free space + 8 GiB got EFBIG (RLIMIT_FSIZE counts apparent size), and one that uploads
+a 5 GiB sparse file in 1 GiB chunks into /tmp was OOM-killed (tmpfs pages count against the
+container's memory cap, 4 GiB there). Without root or a loop device: tmpfs and RLIMIT_FSIZE, said.
+
 Podman (``podman.py``) and Apptainer (``apptainer.py``) reuse this class: the same run, relay
 and report, their own command line. Not tested on this machine (no daemon, no podman or apptainer
 installed); their tests skip and say why.
@@ -24,6 +33,7 @@ installed); their tests skip and say why.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -34,10 +44,16 @@ import uuid
 from pathlib import Path
 
 from polar_runtime.sandbox.base import Sandbox, SandboxError, SandboxResult, SandboxSpec, Stream, supervise
+from polar_runtime.sandbox.diskimage import DiskImage
 from polar_runtime.sandbox.egress import EgressProxy, egress_env, egress_port
 from polar_runtime.sandbox.relay import UnixToTcpRelay
 
 PRIVATE = "/run/polar-sandbox"
+#: what Harbor uploads into the container rather than mounts: bound at /run/polar-copy/<name> and
+#: copied to its place by the init, so a test.sh may move it (public Kotlin tasks: `mv /tests
+#: /tmp/tests.hidden` while the program under test runs; on a bind: "Device or resource busy")
+COPIED_IN = ("/tests", "/solution")
+COPY_MOUNT = "/run/polar-copy"
 #: what a phase with ``userns_caps`` (verifier, build steps) gets back: changing uid (a test.sh
 #: running the tested program as nobody, apt dropping to _apt) and owning files
 USERNS_CAPS = ("SETUID", "SETGID", "CHOWN", "FOWNER", "DAC_OVERRIDE")
@@ -78,7 +94,10 @@ class DockerSandbox(Sandbox):
         return None
 
     def argv(self, spec: SandboxSpec, private: Path, name: str, inner: list[str],
-             report_dir: Path | None = None, host_binds: list[tuple[str, str]] = ()) -> list[str]:
+             report_dir: Path | None = None, host_binds: list[tuple[str, str]] = (),
+             staged: dict[Path, Path] | None = None, tmp_dir: Path | None = None) -> list[str]:
+        """``staged``: writable binds moved onto the disk image (host -> its place there);
+        ``tmp_dir``: /tmp's directory on it (None: a size-capped tmpfs)."""
         if not spec.image:
             raise SandboxError(f"the {self.runtime} sandbox needs an image (the task's environment)")
         # no capability, no new privileges, the runtime's default seccomp profile (it refuses
@@ -100,7 +119,8 @@ class DockerSandbox(Sandbox):
         # and runs it (public Go tasks: `go build -o /tmp/bin`) failed with EACCES; in the real
         # image /tmp is on the image's file system, executable
         tmp = (f"size={spec.disk_mb}m" if spec.disk_mb else "size=1g") + ",exec,nosuid,nodev"
-        a += ["--tmpfs", f"/tmp:{tmp}", "-v", f"{private}:{PRIVATE}:ro"]
+        a += ["--tmpfs", f"/tmp:{tmp}"] if tmp_dir is None else ["-v", f"{tmp_dir}:/tmp"]
+        a += ["-v", f"{private}:{PRIVATE}:ro"]
         if report_dir is not None:
             a += ["-v", f"{report_dir}:/run/polar-report"]
         for host, dest in host_binds:  # the host's Python that runs the init
@@ -108,7 +128,10 @@ class DockerSandbox(Sandbox):
         for host, dest, writable in spec.mounts():
             if not host.exists():
                 raise SandboxError(f"sandbox bind source {host} does not exist")
-            a += ["-v", f"{host}:{dest}" + ("" if writable else ":ro")]
+            src = (staged or {}).get(host, host) if writable else host
+            if dest in COPIED_IN:
+                dest = COPY_MOUNT + dest
+            a += ["-v", f"{src}:{dest}" + ("" if writable else ":ro")]
         for k, v in spec.env.items():
             a += ["-e", f"{k}={v}"]
         return a + ["--entrypoint", inner[0], spec.image, *inner[1:]]
@@ -124,6 +147,9 @@ class DockerSandbox(Sandbox):
         report_dir = Path(tempfile.mkdtemp(prefix="polar-sandbox-report-"))
         name = f"polar-{uuid.uuid4().hex[:12]}"
         relay = egress = None
+        image: DiskImage | None = None
+        staged: dict[Path, Path] = {}
+        tmp_dir: Path | None = None
         notes: list[str] = []
         try:
             if spec.image:
@@ -143,8 +169,23 @@ class DockerSandbox(Sandbox):
                 port = egress_port(spec)
                 cfg["relays"] = [[port, f"{PRIVATE}/egress.sock"]]
                 env.update(egress_env(port))
-            if spec.disk_mb:
+            if spec.disk_mb and os.geteuid() == 0:
+                try:
+                    image = DiskImage(spec.disk_mb, os.getuid())
+                    staged = image.stage([h for h, _, w in spec.mounts() if w])
+                    tmp_dir = image.mnt / "tmp"
+                    tmp_dir.mkdir()
+                    os.chmod(tmp_dir, 0o1777)
+                except Exception as exc:  # noqa: BLE001 - any failure: tmpfs and RLIMIT_FSIZE, said
+                    notes.append(f"disk image unavailable ({exc}): /tmp a tmpfs, files capped by RLIMIT_FSIZE")
+                    if image is not None:
+                        image.close()
+                    image, staged, tmp_dir = None, {}, None
+            if spec.disk_mb and image is None:
                 cfg["fsize"] = spec.disk_mb * 1024 * 1024
+            copies = [[COPY_MOUNT + d, d] for _, d, _ in spec.mounts() if d in COPIED_IN]
+            if copies:
+                cfg["copy_in"] = copies
             host_binds: list[tuple[str, str]] = []
             python = ["python3"]
             if self.host_init:
@@ -157,7 +198,7 @@ class DockerSandbox(Sandbox):
                 host_binds, python = hp.binds(), hp.argv()
             inner = [*python, f"{PRIVATE}/init.py", json.dumps(cfg), "--", *argv]
             run_spec = spec if env == spec.env else _with_env(spec, env)
-            cmd = self.argv(run_spec, private, name, inner, report_dir, host_binds)
+            cmd = self.argv(run_spec, private, name, inner, report_dir, host_binds, staged, tmp_dir)
             if commit_to:  # kept until committed (the finally below removes it)
                 cmd.remove("--rm")
             rc, timed_out, _, wall = supervise(cmd, env=None, cwd=None, stdout=stdout, stderr=stderr,
@@ -178,6 +219,15 @@ class DockerSandbox(Sandbox):
                 notes.append(f"timed out after {spec.timeout_s:g} s: the container and every process in it removed")
             if report.get("leftovers"):
                 notes.append(f"killed {report['leftovers']} leftover process(es) when the command exited")
+            if image is not None:
+                self.remove(name)  # every process of the phase gone before its writes are copied back
+                used = image.used_mb()
+                try:
+                    image.unstage()
+                except Exception as exc:  # noqa: BLE001 - the phase's files are at stake
+                    raise SandboxError(f"the phase's writes could not be copied back from its disk image: {exc}") from exc
+                notes.append(f"disk: /tmp, work dir and HOME capped together at {spec.disk_mb} MiB "
+                             f"(a disk image; {used:.1f} MiB used; sparse files allowed)")
             if egress is not None:
                 notes.append(f"package registries reachable through the filtering proxy "
                              f"({len(egress.passed)} connection(s) let through, {len(egress.refused)} refused)")
@@ -187,6 +237,13 @@ class DockerSandbox(Sandbox):
             return SandboxResult(rc if not timed_out else -9, timed_out, notes, wall)
         finally:
             self.remove(name)
+            if image is not None:
+                try:
+                    if not image.unstaged:
+                        with contextlib.suppress(Exception):
+                            image.unstage()
+                finally:
+                    image.close()
             if relay is not None:
                 relay.close()
             if egress is not None:

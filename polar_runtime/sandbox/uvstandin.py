@@ -114,7 +114,10 @@ if [ -n "$want" ] && ! UV_PYTHON_DOWNLOADS=never "$here/uv" python find "$want" 
     done
   fi
 fi
-exec "$here/uvx-real" "$@"
+# uvx is `uv tool run`: a Dockerfile that copies only uv and uvx elsewhere (`cp ~/.local/bin/uv
+# ~/.local/bin/uvx /usr/local/bin/`, public Kotlin tasks) leaves uvx-real behind
+[ -x "$here/uvx-real" ] && exec "$here/uvx-real" "$@"
+exec "$here/uv" tool run "$@"
 """
 
 INSTALLER = r"""#!/bin/sh

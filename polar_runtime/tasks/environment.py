@@ -25,6 +25,7 @@ from typing import Any
 from polar_core.processes import file_lock
 from polar_runtime.sandbox.egress import registries
 from polar_runtime.sandbox.hostfs import UnsafePath, copy_tree, write_bytes
+from polar_runtime.sandbox.releasestandin import strip_known
 from polar_runtime.tasks.model import DEFAULT_BUILD_TIMEOUT, DEFAULT_PATH, BuildError, Task  # noqa: F401
 
 
@@ -307,7 +308,10 @@ def local_mode_refusal(task: Task, *, builds_image: bool = False) -> str | None:
     assert env_plan is not None
     dockerfile = f"{task.root / 'environment' / 'Dockerfile'}" if task.root else "setup"
     has_dpkg = shutil.which("dpkg-query") is not None
+    variables: dict[str, str] = {}
     for step in env_plan.steps:
+        if step.kind in ("env", "arg"):
+            variables[step.dest] = step.text
         if step.kind != "run":
             continue
         where = f"{dockerfile}:{step.line}" if step.line else dockerfile
@@ -320,7 +324,8 @@ def local_mode_refusal(task: Task, *, builds_image: bool = False) -> str | None:
                 return (f"{where}: installs apt packages this host lacks ({' '.join(missing)}); the local mode "
                         "cannot install into the read-only host system")
             continue
-        text = _ASTRAL_UV.sub("", step.text) if builds_image else step.text  # stood in for (uvstandin.py)
+        # stood in for by a container backend's build (uvstandin.py, releasestandin.py)
+        text = strip_known(_ASTRAL_UV.sub("", step.text), variables) if builds_image else step.text
         why = network_refusal(text, registries_reachable=True)
         if why:
             return (f"{where}: {why}; build steps reach only the package registries "
@@ -343,6 +348,11 @@ def local_mode_refusal(task: Task, *, builds_image: bool = False) -> str | None:
                 continue
             if builds_image and what == "the verifier" and _TB2_UV.search(line):
                 continue  # astral's uv installer is stood in for, `uvx -p` finds the image's Python
+            if builds_image and what == "the oracle":
+                # not refused by reading: in an image, a solution's download is often a fallback
+                # that never runs (public Kotlin tasks: `if ! command -v kotlinc; then wget ...`,
+                # kotlinc being in the image); one that does run fails there, with no network
+                continue
             why = network_refusal(line, registries_reachable=(what == "the verifier"))
             if why:
                 reach = ("reaches only the package registries" if what == "the verifier"

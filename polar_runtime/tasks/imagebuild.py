@@ -102,6 +102,7 @@ def build_task_image(task: Any, sandbox: Any, log_dir: Path, apply_steps: Callab
     def run_step(spec: Any, argv: list[str], out: Any) -> Any:
         spec.image = state["image"]
         uv_stand_in(spec, argv[-1], notes_extra)
+        release_stand_in(spec, argv[-1], notes_extra)
         nxt = next_tag()
         res = sandbox.run(spec, argv, stdout=out, stderr=out, commit_to=nxt)
         if res.returncode == 0 and not res.timed_out:
@@ -167,6 +168,22 @@ def uv_stand_in(spec: Any, command: str, notes: list[str]) -> None:
         binds, said = verifier_binds(command)
     except UvStandInError as exc:
         notes.append(f"no local uv installer: {exc}")
+        return
+    if binds:
+        spec.ro_binds = list(spec.ro_binds) + binds
+        spec.env = {**spec.env, "PATH": f"{MOUNT}/bin:{spec.env.get('PATH', '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin')}"}
+        notes += said
+
+
+def release_stand_in(spec: Any, command: str, notes: list[str]) -> None:
+    """A RUN step that downloads a GitHub release archive an npm package republishes (the Kotlin
+    compiler's zip) gets it from that package (``sandbox/releasestandin.py``), said in the notes."""
+    from polar_runtime.sandbox.releasestandin import MOUNT, ReleaseStandInError, build_binds
+
+    try:
+        binds, said = build_binds(command, env=spec.env)
+    except ReleaseStandInError as exc:
+        notes.append(f"no local release archive: {exc}")
         return
     if binds:
         spec.ro_binds = list(spec.ro_binds) + binds

