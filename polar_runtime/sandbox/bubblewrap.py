@@ -300,12 +300,7 @@ class BubblewrapSandbox(Sandbox):
                 cg.kill_all()
                 cg.remove()
             if image is not None:
-                try:
-                    if not image.unstaged:
-                        with contextlib.suppress(Exception):
-                            image.unstage()
-                finally:
-                    image.close()
+                image.release()
             shutil.rmtree(private, ignore_errors=True)
 
 

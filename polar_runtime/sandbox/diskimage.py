@@ -94,6 +94,16 @@ class DiskImage:
         st = os.statvfs(self.mnt)
         return (st.f_blocks - st.f_bfree) * st.f_frsize / 2**20
 
+    def release(self) -> None:
+        """After the phase, whatever happened: copy back what was not yet (best effort: a phase that
+        failed keeps what it left), then unmount and remove the image."""
+        try:
+            if not self.unstaged:
+                with contextlib.suppress(Exception):
+                    self.unstage()
+        finally:
+            self.close()
+
     def close(self) -> None:
         if self.mounted:
             with contextlib.suppress(OSError, subprocess.SubprocessError):

@@ -33,7 +33,6 @@ installed); their tests skip and say why.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -238,12 +237,7 @@ class DockerSandbox(Sandbox):
         finally:
             self.remove(name)
             if image is not None:
-                try:
-                    if not image.unstaged:
-                        with contextlib.suppress(Exception):
-                            image.unstage()
-                finally:
-                    image.close()
+                image.release()
             if relay is not None:
                 relay.close()
             if egress is not None:

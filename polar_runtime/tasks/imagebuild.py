@@ -169,10 +169,7 @@ def uv_stand_in(spec: Any, command: str, notes: list[str]) -> None:
     except UvStandInError as exc:
         notes.append(f"no local uv installer: {exc}")
         return
-    if binds:
-        spec.ro_binds = list(spec.ro_binds) + binds
-        spec.env = {**spec.env, "PATH": f"{MOUNT}/bin:{spec.env.get('PATH', '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin')}"}
-        notes += said
+    _bind_tools(spec, MOUNT, binds, said, notes)
 
 
 def release_stand_in(spec: Any, command: str, notes: list[str]) -> None:
@@ -185,9 +182,14 @@ def release_stand_in(spec: Any, command: str, notes: list[str]) -> None:
     except ReleaseStandInError as exc:
         notes.append(f"no local release archive: {exc}")
         return
+    _bind_tools(spec, MOUNT, binds, said, notes)
+
+
+def _bind_tools(spec: Any, mount: str, binds: list, said: list[str], notes: list[str]) -> None:
+    """A stand-in's binds added to the step, its ``bin`` first on PATH, what it says in the notes."""
     if binds:
         spec.ro_binds = list(spec.ro_binds) + binds
-        spec.env = {**spec.env, "PATH": f"{MOUNT}/bin:{spec.env.get('PATH', '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin')}"}
+        spec.env = {**spec.env, "PATH": f"{mount}/bin:{spec.env.get('PATH', '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin')}"}
         notes += said
 
 
