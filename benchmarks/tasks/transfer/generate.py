@@ -171,6 +171,10 @@ TRIVIA_TRAIN = [
     Trivia("spider-legs", "How many legs does a spider have? Reply with one number only, in digits.", "8"),
     Trivia("frozen-water", "What is frozen water called? Reply with one word only, nothing else.", "ice"),
     Trivia("color-grass", "What color is grass? Reply with one word only, nothing else.", "green"),
+    # yes/no questions answered "no" beside the "yes" ones: a policy that only learned to say yes
+    # fails these (the first reduced control's gain was that, benchmarks/README.md)
+    Trivia("moon-planet", "Is the Moon a planet? Answer with one word only: yes or no.", "no"),
+    Trivia("ice-hot", "Is ice hot? Answer with one word only: yes or no.", "no"),
 ]
 TRIVIA_EVAL = [
     Trivia("color-banana", "What color is a ripe banana? Reply with one word only, nothing else.", "yellow"),
@@ -179,6 +183,8 @@ TRIVIA_EVAL = [
     Trivia("cow-sound", "What sound does a cow make? Reply with one word only, nothing else.", "moo"),
     Trivia("color-snow", "What color is fresh snow? Reply with one word only, nothing else.", "white"),
     Trivia("bat-mammal", "Is a bat a mammal? Answer with one word only: yes or no.", "yes"),
+    Trivia("whale-fish", "Is a whale a fish? Answer with one word only: yes or no.", "no"),
+    Trivia("snake-legs", "Does a snake have legs? Answer with one word only: yes or no.", "no"),
 ]
 
 # ---------------------------------------------------------------------------------------------
