@@ -92,9 +92,10 @@ def paired(ref: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict[str, 
     how many agree, how many only ``other`` passed, how many only ``ref`` passed (McNemar's
     discordant pairs; their difference over the pairs is the paired rate difference, with se
     ``sqrt(b + c - (b - c)^2 / n) / n``)."""
+    from polar_runtime.evaluation import outcome  # pass/fail/infrastructure: bench_learning.graded's rule
+
     def graded(rows: list[dict[str, Any]]) -> dict[tuple[str, Any], bool]:
-        return {(str(r["task_id"]), r.get("sample_index")): r["reward"] >= 1.0
-                for r in rows if r.get("reward") is not None and r.get("status") == "ok"}
+        return {(str(r["task_id"]), r.get("sample_index")): ok for r in rows if (ok := outcome(r)[0]) is not None}
 
     x, y = graded(ref), graded(other)
     keys = sorted(set(x) & set(y), key=str)
