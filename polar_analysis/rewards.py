@@ -17,6 +17,7 @@ or could not start) becomes ``failed``: the run cannot be judged, so it must not
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import polars as pl
@@ -50,14 +51,19 @@ def load_rewards(path: str | Path) -> pl.LazyFrame:
     if not p.is_file():
         raise FileNotFoundError(f"rewards file {p} does not exist")
     suffix = p.suffix.lower()
-    if suffix == ".parquet":
-        lf = pl.scan_parquet(p)
-    elif suffix in (".jsonl", ".ndjson", ".json"):
-        lf = pl.scan_ndjson(p, infer_schema_length=None)
-    elif suffix in (".csv", ".tsv"):
-        lf = pl.scan_csv(p, separator="\t" if suffix == ".tsv" else ",", infer_schema_length=None)
-    else:
+    if suffix not in (".parquet", ".jsonl", ".ndjson", ".json", ".csv", ".tsv"):
         raise ValueError(f"rewards file {p}: expected .parquet, .jsonl or .csv")
+    # Read once, eagerly: a running rollout replaces rollouts.parquet atomically after every sample,
+    # and a lazy scan opens the file again at collect(), reading the new file's pages with the old
+    # footer ("page header reported the wrong page size": the asynchronous loop hit it in CI).
+    # One open gives a consistent snapshot; a rewards table is one row per sample, small.
+    data = io.BytesIO(p.read_bytes())
+    if suffix == ".parquet":
+        lf = pl.read_parquet(data).lazy()
+    elif suffix in (".jsonl", ".ndjson", ".json"):
+        lf = pl.read_ndjson(data, infer_schema_length=None).lazy()
+    else:
+        lf = pl.read_csv(data, separator="\t" if suffix == ".tsv" else ",", infer_schema_length=None).lazy()
     names = lf.collect_schema().names()
     for needed in ("session_id", "reward"):
         if needed not in names:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import polars as pl
@@ -56,6 +57,21 @@ def test_rewards_files_in_every_format(tmp_path):
     (tmp_path / "bad.csv").write_text("sid,score\na,1\n")
     with pytest.raises(ValueError, match="session_id"):
         rewards.load_rewards(tmp_path / "bad.csv")
+
+
+def test_rewards_table_is_a_snapshot_when_the_rollout_replaces_the_file(tmp_path):
+    """A running rollout replaces rollouts.parquet (os.replace) after every sample while the loop
+    reads it: the table read before the replace must be the old file's rows, not an error from the
+    old footer applied to the new file's pages (the asynchronous loop failed this way in CI)."""
+    path = tmp_path / rewards.ROLLOUTS_FILE
+    pl.DataFrame({"session_id": ["a", "b"], "reward": [1.0, 0.0], "status": ["ok", "ok"]}).write_parquet(path)
+    table = rewards.load_rewards(path)
+    n = 5000
+    pl.DataFrame({"session_id": [f"s{i}" for i in range(n)], "reward": [0.5] * n, "status": ["ok"] * n,
+                  "task_id": ["t"] * n}).write_parquet(tmp_path / "next.tmp")
+    os.replace(tmp_path / "next.tmp", path)
+    assert table.collect().select("session_id", "reward").rows() == [("a", 1.0), ("b", 0.0)]
+    assert rewards.load_rewards(path).collect().height == n
 
 
 def test_trajectories_command_with_rollouts_and_strict(cap, app, tmp_path):
