@@ -41,6 +41,7 @@ import polars as pl
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from polar_core.paths import model_dir_for  # noqa: E402
 from training.advantages import compute_advantages  # noqa: E402
 from training.config import AdvantageConfig  # noqa: E402
 
@@ -104,8 +105,12 @@ def moves(before: pl.DataFrame, after: pl.DataFrame, cfg: AdvantageConfig | None
 
 
 def model_dir(run: Path) -> Path:
+    """The loop's model directory (its tokenizer decodes the answer tokens), as the loop found it."""
     name = tomllib.loads((run / "loop.toml").read_text())["model"]["name"]
-    return Path.home() / ".cache" / "polar" / "models" / name
+    found = model_dir_for(name)
+    if found is None:
+        raise SystemExit(f"no built model directory for {name!r} (polar serve builds it)")
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
