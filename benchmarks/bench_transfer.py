@@ -57,7 +57,10 @@ KINDS = ("same-operation", "new-operation")
 BAND = (0.2, 0.6)
 #: what decides what a sample is: a run directory is resumed only under the same values
 SETTINGS = ("family", "mode", "model", "harness", "train_task", "eval_task", "samples", "groups_per_step", "iterations",
-            "eval_samples", "base_samples", "seed", "max_tokens", "timeout", "lr", "lora_rank", "kl_coef", "max_model_len")
+            "eval_samples", "base_samples", "seed", "max_tokens", "timeout", "lr", "lora_rank", "kl_coef", "max_model_len",
+            "final_rollout")
+#: settings added later: a run directory written before them holds these values
+LATER_SETTINGS = {"final_rollout": True}
 #: per family: (max answer tokens, seconds per harness run, vLLM context): shell tasks take several
 #: calls (hello-file: 5 calls, 241 sampled tokens per run, up to 53 calls in a looping run:
 #: docs/tasks.md, so the demo's 16k context); a trivia answer is 2-3 tokens in one call (issue 26: 4096)
@@ -139,6 +142,7 @@ def loop_toml(a: argparse.Namespace, fam: dict[str, Any], run: Path, train: list
              "[tasks]", f"source = {json.dumps(fam['train_source'])}", f"ids = {q(train)}", "limit = 0",
              "[rollout]", f"samples_per_group = {samples}", f"groups_per_step = {a.groups_per_step}",
              f"iterations = {iterations}",
+             *([] if base or a.final_rollout else ["final_rollout = false"]),
              "[sampling]", "temperature = 1.0", f"seed = {a.seed}", f"max_tokens = {a.max_tokens}",
              "[trainer]", f"lr = {a.lr}", f"lora_rank = {a.lora_rank}"]
     if a.kl_coef is not None:
@@ -279,11 +283,12 @@ def per_iteration(phases: dict[str, float], steps: list[dict[str, Any]], iterati
 
 
 def estimate(train_tasks: int, eval_tasks: int, samples: int, eval_samples: int, iterations: int, groups_per_step: int,
-             samples_per_hour: float, train_s: float, start_s: float = 75.0) -> dict[str, Any]:
-    """Hours of one seed: rollouts ((iterations + 1) steps of the step's groups), two evaluations,
-    ``iterations`` training steps of ``train_s`` and vLLM's start, at ``samples_per_hour``."""
+             samples_per_hour: float, train_s: float, start_s: float = 75.0, final_rollout: bool = True) -> dict[str, Any]:
+    """Hours of one seed: rollouts ((iterations + 1) steps of the step's groups, ``iterations`` without
+    the final rollout), two evaluations, ``iterations`` training steps of ``train_s`` and vLLM's start,
+    at ``samples_per_hour``."""
     groups = train_tasks if groups_per_step <= 0 or groups_per_step >= train_tasks else groups_per_step
-    roll = (iterations + 1) * groups * samples
+    roll = (iterations + int(final_rollout)) * groups * samples
     ev = 2 * eval_tasks * eval_samples
     hours = (roll + ev) / samples_per_hour + (iterations * train_s + start_s) / 3600
     return {"rollout_samples": roll, "eval_samples": ev, "samples_per_hour": samples_per_hour, "train_s_per_step": train_s,
@@ -298,7 +303,7 @@ def prepare(run: Path, settings: dict[str, Any]) -> str:
     """'done' (a finished run under these settings), 'resume' or 'new'; other settings are refused."""
     path = run / "bench-settings.json"
     if path.exists():
-        before = json.loads(path.read_text())
+        before = {**LATER_SETTINGS, **json.loads(path.read_text())}
         if before != settings:
             diff = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
             raise SystemExit(f"{run} holds a run with other settings {diff} (was, now): use another --run-dir")
@@ -447,6 +452,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--samples", type=int, default=8, help="samples per train task per step (one GRPO group)")
     ap.add_argument("--groups-per-step", type=int, default=0, help="train tasks per step, cycling (0: every train task)")
     ap.add_argument("--eval-samples", type=int, default=32, help="samples per eval task per side (base, trained)")
+    ap.add_argument("--no-final-rollout", dest="final_rollout", action="store_false",
+                    help="after the last update, evaluate only: no rollout of the train tasks (the loop's "
+                         "rollout.final_rollout; saves one step of train samples, loses the trained train reward)")
     ap.add_argument("--base-rates", action="store_true", help="evaluate the base model only, --base-samples per task "
                     "of both sets (train and eval): to pick tasks in the band")
     ap.add_argument("--base-samples", type=int, default=4)
@@ -500,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.dry_run:
         sph = a.samples_per_hour or {"shell": 104.0, "trivia": 1200.0}[a.family]
         est = estimate(len(train), len(evals), a.samples, a.eval_samples, a.iterations, a.groups_per_step, sph,
-                       train_s={"shell": 900.0, "trivia": 90.0}[a.family])
+                       train_s={"shell": 900.0, "trivia": 90.0}[a.family], final_rollout=a.final_rollout)
         print(f"# {run}/loop.toml\n{toml}\n# then: polar loop {run}/loop.toml\n# estimated per seed: {json.dumps(est)}")
         return 0
     rc = 0

@@ -78,6 +78,7 @@ class RolloutSection:
     samples_per_group: int = 4  # samples per task: one GRPO group
     groups_per_step: int = 0  # groups (tasks) per training step, cycling through the tasks (0: every task)
     iterations: int = 1  # rollout -> train -> push iterations, then a final rollout
+    final_rollout: bool = True  # false: the last step only evaluates (eval.every), no training-task rollout
 
 
 @dataclass
@@ -320,6 +321,9 @@ def _check_values(cfg: LoopConfig, err: Any) -> None:
     if cfg.schedule.max_off_policy_steps > 0 and cfg.trainer.server_during_train == "stop":
         err(("trainer", "server_during_train"), "trainer.server_during_train = \"stop\" stops rollouts while training: "
             "asynchronous rollouts (schedule.max_off_policy_steps > 0) need \"keep\" or \"auto\"")
+    if not cfg.rollout.final_rollout and not cfg.eval.every:
+        err(("rollout", "final_rollout"), "rollout.final_rollout = false leaves the last step only its evaluation: "
+            "set eval.every too, or the policy after the last update is never measured")
     if cfg.eval.ids and not cfg.eval.tasks:
         err(("eval", "ids"), "eval.ids selects tasks of eval.tasks: set eval.tasks too (the training tasks are tasks.ids)")
     if cfg.placement.kind not in ("local", "ray") and ":" not in cfg.placement.kind:

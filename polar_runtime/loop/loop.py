@@ -5,7 +5,8 @@ One step, synchronous (``schedule.max_off_policy_steps = 0``, the default):
 1. ``rollout``: the step's groups (``groups_per_step`` tasks, cycling through the task list;
    ``samples_per_group`` samples each) under the served policy version v;
 2. the last step (``step == iterations``) only rolls out (and evaluates): the policy after the last
-   update, measured;
+   update, measured; with ``rollout.final_rollout = false`` it only evaluates (a transfer run whose
+   measure is another task set: the training tasks' rollout was 1/7 of a shell seed's samples);
 3. a step with no group whose rewards differ is skipped: every advantage would be 0;
 4. ``trajectories``, ``train`` (one GRPO iteration, a full checkpoint of v+1), then ``pending`` is
    recorded: the step's training is durable;
@@ -149,11 +150,15 @@ class Run:
         groups = groups_for(step, ids, cfg.rollout.groups_per_step)
         v = state.policy_version
         t_step = time.monotonic()
-        self.meter.rollout_started()
-        try:
-            rows = placement.rollout(step, groups, v)
-        finally:
-            self.meter.rollout_ended()
+        last = step == cfg.rollout.iterations
+        if last and not cfg.rollout.final_rollout:
+            rows, groups = [], []  # the evaluation below is the whole measure of the last policy
+        else:
+            self.meter.rollout_started()
+            try:
+                rows = placement.rollout(step, groups, v)
+            finally:
+                self.meter.rollout_ended()
         versions = _versions(placement, rows)
         rec: dict[str, Any] = {"step": step, "policy_version": v, "groups": groups, "rewards": reward_summary(rows),
                                "sample_versions": sample_versions_of(rows, versions, v),
@@ -163,8 +168,8 @@ class Run:
             if ev is not None:
                 evaluations.append(ev)
                 rec["evaluation"] = ev
-        if step == cfg.rollout.iterations:  # the last rollout measures the policy after the last update
-            rec["note"] = "final rollout"
+        if last:  # the last rollout measures the policy after the last update
+            rec["note"] = "final rollout" if cfg.rollout.final_rollout else "final evaluation (no rollout)"
             return self.finish(rec, step, t_step)
         self.learn(step, rows, rec, t_step, versions)
 

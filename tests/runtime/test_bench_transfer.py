@@ -158,3 +158,26 @@ def test_loop_toml_parses_and_evaluates_the_other_set(bt) -> None:
     est = bt.estimate(9, 6, 8, 32, 4, 0, samples_per_hour=100.0, train_s=900.0, start_s=0.0)
     assert est["rollout_samples"] == 5 * 9 * 8 and est["eval_samples"] == 384
     assert est["hours"] == pytest.approx((360 + 384) / 100 + 4 * 900 / 3600, abs=0.01)
+    assert cfg.rollout.final_rollout  # base rates: step 0 is the last step and its rollout is the train side
+    assert bt.parse(["--base-rates", "--no-final-rollout"]) and parse_config(bt.loop_toml(
+        bt.parse(["--base-rates", "--no-final-rollout"]), fam, Path("/tmp/r"), [], [])).rollout.final_rollout
+
+
+def test_no_final_rollout_reaches_the_loop_the_estimate_and_old_run_directories(bt, tmp_path: Path) -> None:
+    from polar_runtime.loop.config import parse_config
+
+    fam = bt.manifest("shell")
+    a = bt.parse(["--family", "shell", "--iterations", "1", "--no-final-rollout"])
+    assert parse_config(bt.loop_toml(a, fam, Path("/tmp/r"), fam["train"], fam["eval"])).rollout.final_rollout is False
+    assert parse_config(bt.loop_toml(bt.parse(["--iterations", "1"]), fam, Path("/tmp/r"), fam["train"],
+                                     fam["eval"])).rollout.final_rollout is True
+    est = bt.estimate(9, 6, 8, 32, 1, 0, samples_per_hour=100.0, train_s=0.0, start_s=0.0, final_rollout=False)
+    assert est["rollout_samples"] == 72 and est["hours"] == pytest.approx((72 + 384) / 100, abs=0.01)
+    # a run directory from before the option holds no final_rollout: it reads as the default (True)
+    settings = {k: getattr(bt.parse(["--iterations", "1"]), k) for k in bt.SETTINGS}
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "bench-settings.json").write_text(json.dumps({k: v for k, v in settings.items() if k != "final_rollout"}))
+    assert bt.prepare(run, settings) == "resume"
+    with pytest.raises(SystemExit, match="final_rollout"):
+        bt.prepare(run, settings | {"final_rollout": False})

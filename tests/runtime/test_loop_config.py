@@ -45,7 +45,7 @@ def test_a_wrong_type_names_the_key_its_line_and_the_value() -> None:
 
 def test_an_unknown_key_names_itself_its_line_and_the_known_ones() -> None:
     msg = _err("[model]\nname = \"m\"\n\n[rollout]\nsample = 4\n")
-    assert msg.startswith("loop.toml:5: unknown key 'rollout.sample' (known in rollout: groups_per_step, iterations, samples_per_group)")
+    assert msg.startswith("loop.toml:5: unknown key 'rollout.sample' (known in rollout: final_rollout, groups_per_step, iterations, samples_per_group)")
     assert _err("[rollouts]\nx = 1\n").startswith("loop.toml:1: unknown key 'rollouts'")
     # the same key name in another table is not mistaken for it
     assert _err("[model]\nname = \"m\"\n[harness]\nname = 3\n").startswith("loop.toml:4: harness.name must be a string")
