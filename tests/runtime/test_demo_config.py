@@ -25,7 +25,7 @@ DOCUMENTED = {
               "tool_parser": "lenient", "gpu": None},
     "harness": {"name": "pi-chat", "timeout_s": None, "concurrency": 2, "exact_history": True, "command": ""},
     "tasks": {"source": "coding", "ids": [], "limit": 2},
-    "rollout": {"samples_per_group": 4, "groups_per_step": 0, "iterations": 1},
+    "rollout": {"samples_per_group": 4, "groups_per_step": 0, "iterations": 1, "final_rollout": True},
     "sampling": {"temperature": 1.0, "seed": 0, "max_tokens": None},
     "trainer": {"lr": 1e-6, "kl_coef": None, "lora_rank": 0, "server_during_train": "auto", "keep_checkpoints": 2},
     "eval": {"every": 0, "samples": 4, "tasks": "", "ids": []},
