@@ -69,6 +69,7 @@ from polar_core import paths
 from polar_core.processes import interruptible, stop_all_children
 from polar_runtime.loop import phases
 from polar_runtime.loop.config import ConfigError, LoopConfig, parse_config, to_toml
+from polar_runtime.loop.loop import FINAL_EVALUATION_NOTE, FINAL_ROLLOUT_NOTE
 from polar_runtime.loop.phases import Timeline, console
 from polar_runtime.loop.state import STATE_FILE, LoopState
 
@@ -352,6 +353,8 @@ def step_entries(out: Path, state: LoopState, model_dir: Path, tl: Timeline) -> 
     steps, training = [], []
     for rec in sorted(state.steps, key=lambda s: s["step"]):
         n = rec["step"]
+        if rec.get("note") == FINAL_EVALUATION_NOTE:
+            continue  # rollout.final_rollout = false: nothing was sampled on the training tasks
         rows = rollouts.filter(pl.col("step") == n)
         traj = dict(rec.get("trajectories") or {})
         if not traj:
@@ -364,7 +367,7 @@ def step_entries(out: Path, state: LoopState, model_dir: Path, tl: Timeline) -> 
         drift, origin, file = traj.pop("drift", {}), traj.pop("drift_origin", {}), traj.pop("file", None)
         steps.append({"step": n, "policy_version": rec["policy_version"], "rewards": reward_summary(rows),
                       "trajectories": traj, "drift": drift, "drift_origin": origin, "trajectories_file": file})
-        if rec.get("note") == "final rollout":
+        if rec.get("note") == FINAL_ROLLOUT_NOTE:
             continue
         tr, gv = rec.get("train") or {}, rec.get("groups_with_variance") or []
         training.append({"iteration": n, "step": tr.get("policy_version"), "checkpoint": tr.get("checkpoint"),

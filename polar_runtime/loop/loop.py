@@ -36,6 +36,9 @@ from .placement import Placement
 from .state import LoopState
 
 REPORT_FILE = "loop-report.json"
+#: the note of the last step's record: it measures the policy after the last update and trains nothing
+FINAL_ROLLOUT_NOTE = "final rollout"
+FINAL_EVALUATION_NOTE = "final evaluation (no rollout)"  # rollout.final_rollout = false
 
 #: keys whose change makes a run directory another run (resuming it would mix two experiments)
 IDENTITY_KEYS = (("model", "name"), ("harness", "name"), ("tasks", "source"), ("tasks", "ids"), ("tasks", "limit"),
@@ -169,7 +172,7 @@ class Run:
                 evaluations.append(ev)
                 rec["evaluation"] = ev
         if last:  # the last rollout measures the policy after the last update
-            rec["note"] = "final rollout" if cfg.rollout.final_rollout else "final evaluation (no rollout)"
+            rec["note"] = FINAL_ROLLOUT_NOTE if cfg.rollout.final_rollout else FINAL_EVALUATION_NOTE
             return self.finish(rec, step, t_step)
         self.learn(step, rows, rec, t_step, versions)
 

@@ -46,3 +46,26 @@ def test_no_final_rollout_needs_an_evaluation() -> None:
     with pytest.raises(c.ConfigError, match="rollout.final_rollout = false leaves the last step only its evaluation"):
         c.parse_config("[rollout]\nfinal_rollout = false\n")
     assert c.parse_config("[rollout]\nfinal_rollout = false\n[eval]\nevery = 1\n").rollout.final_rollout is False
+
+
+def test_the_demo_report_skips_a_last_step_that_sampled_nothing(tmp_path: Path) -> None:
+    """The demo builds trajectories for steps the loop did not (the final rollout); a final evaluation
+    sampled no training task, so there is nothing to build and no training entry to report."""
+    import polars as pl
+    from rich.console import Console
+
+    from polar_runtime.demo import step_entries
+    from polar_runtime.loop.loop import FINAL_EVALUATION_NOTE
+    from polar_runtime.loop.phases import Timeline
+    from polar_runtime.loop.state import LoopState
+
+    (tmp_path / "captures").mkdir()
+    pl.DataFrame({"step": [0, 0], "session_id": ["a.st0.s0", "a.st0.s1"], "task_id": ["a", "a"], "reward": [0.0, 1.0],
+                  "status": ["ok", "ok"], "calls": [1, 1]}).write_parquet(tmp_path / "captures" / "rollouts.parquet")
+    trained = {"step": 0, "policy_version": 0, "trajectories": {"sequences": 2, "drift": {}, "file": "t.parquet"},
+               "train": {"policy_version": 1}, "groups_with_variance": ["a.st0"], "push": {"method": "x"}}
+    last = {"step": 1, "policy_version": 1, "note": FINAL_EVALUATION_NOTE, "evaluation": {"step": 1}}
+    state = LoopState(config={}, steps=[trained, last])
+    steps, training = step_entries(tmp_path, state, tmp_path, Timeline(Console(quiet=True)))
+    assert [s["step"] for s in steps] == [0] and [t["iteration"] for t in training] == [0]
+    assert steps[0]["rewards"]["samples"] == 2
