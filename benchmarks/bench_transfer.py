@@ -417,6 +417,9 @@ def plot(res: dict[str, Any], png: Path) -> None:
         ax1.errorbar([c["step"] for c in curve], [c["mean"] for c in curve], yerr=[c["se"] or 0 for c in curve],
                      marker="o", capsize=4, label="training rollouts (mean ± se)")
     ax1.set(xlabel="rollout step (policy version)", ylabel="reward", ylim=(-0.05, 1.05), title="training reward")
+    last = max((c["step"] for c in curve), default=0)
+    ax1.set_xticks(range(last + 1))  # steps, not fractions of one (a one-update run has one point)
+    ax1.set_xlim(-0.5, last + 0.5)
     ax1.legend(fontsize=8)
     ev, nan = res.get("evaluation"), float("nan")
     if ev:
@@ -427,7 +430,7 @@ def plot(res: dict[str, Any], png: Path) -> None:
                          yerr=[c[side]["se"] or 0 for c in cs], fmt="o", capsize=4, color=color,
                          label={"pre": "base", "post": "trained"}[side] + " (rate ± se)")
         ax2.set_xticks(range(len(cs)), [n + ("" if c["diff_over_se"] is None else f"\n{c['diff_over_se']:+.1f} se")
-                                         for n, c in zip(names, cs)], fontsize=7)
+                                         for n, c in zip(names, cs)], fontsize=7, rotation=30, ha="right")
     elif res.get("base_rates"):
         items = [(f"{side}:{t}", c) for side in ("train", "eval") for t, c in res["base_rates"][side].items()]
         ax2.errorbar(range(len(items)), [nan if c["rate"] is None else c["rate"] for _, c in items],
