@@ -69,7 +69,7 @@ from polar_core import paths
 from polar_core.processes import interruptible, stop_all_children
 from polar_runtime.loop import phases
 from polar_runtime.loop.config import ConfigError, LoopConfig, parse_config, to_toml
-from polar_runtime.loop.loop import FINAL_EVALUATION_NOTE, FINAL_ROLLOUT_NOTE
+from polar_runtime.loop.loop import FINAL_EVALUATION_NOTE, FINAL_ROLLOUT_NOTE, build_report, run_loop
 from polar_runtime.loop.phases import Timeline, console
 from polar_runtime.loop.state import STATE_FILE, LoopState
 
@@ -382,7 +382,6 @@ def run_demo(cfg: LoopConfig, keep: bool = False, fresh: bool = False) -> dict[s
     """The whole job; returns the report (also written to ``<out>/report.json``)."""
     from polar_runtime import harnesses as h
     from polar_runtime import rollout as r
-    from polar_runtime.loop.loop import run_loop
     from polar_runtime.loop.placement import LocalPlacement
     from polar_runtime.serve import resolve_model
 
@@ -395,8 +394,6 @@ def run_demo(cfg: LoopConfig, keep: bool = False, fresh: bool = False) -> dict[s
         if _unfinished(LoopState.load(out), cfg) or not (out / STATE_FILE).is_file():
             loop_report = run_loop(cfg, placement, out, log=console.print)
         else:  # finished before the demo's own part was: only that is left
-            from polar_runtime.loop.loop import build_report
-
             loop_report = build_report(cfg, LoopState.load(out), out, 0.0)  # type: ignore[arg-type]
         state = LoopState.load(out)
         assert state is not None
