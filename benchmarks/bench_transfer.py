@@ -188,6 +188,35 @@ def transfer_table(eval_rows: list[dict[str, Any]], pre_step: int, post_step: in
     return table | {"by_kind": by_kind}
 
 
+#: How a run that hit the harness time limit counts. ``graded`` (every table's convention, by
+#: ``polar_runtime.evaluation.outcome``) leaves it out; the other two bound what that choice can do
+#: to the verdict. In the full shell seed 0, 41 of 192 base and 81 of 192 trained runs timed out, so
+#: the convention moves n by up to 40%.
+TIMEOUT_CONVENTIONS = ("graded", "timeout_fails", "verifier_as_is")
+
+
+def counted(rows: list[dict[str, Any]], convention: str) -> tuple[int, int]:
+    """(passed, n) of rollouts rows under one of TIMEOUT_CONVENTIONS. Crashes and runs without a
+    verdict stay out of n under all three: only the timeouts are counted differently."""
+    from polar_runtime.evaluation import outcome
+
+    passed = n = 0
+    for r in rows:
+        ok, cause = outcome(r)
+        if cause == "timeout" and convention != "graded":  # outcome's own threshold (a reward of 1)
+            ok = convention == "verifier_as_is" and (r.get("reward") or 0) >= 1.0
+        if ok is not None:
+            passed, n = passed + ok, n + 1
+    return passed, n
+
+
+def timeout_conventions(eval_rows: list[dict[str, Any]], pre_step: int, post_step: int) -> dict[str, Any]:
+    """The pooled comparison over all held-out tasks under each of TIMEOUT_CONVENTIONS."""
+    pre = [r for r in eval_rows if r["step"] == pre_step]
+    post = [r for r in eval_rows if r["step"] == post_step]
+    return {c: bl.compare(counted(pre, c), counted(post, c)) for c in TIMEOUT_CONVENTIONS}
+
+
 def base_rates(rows: list[dict[str, Any]], strip: str = "") -> dict[str, Any]:
     """Per task: the base policy's success rate ± se and whether it lies in the band GRPO needs."""
     out = {}
@@ -360,6 +389,7 @@ def analyse(run: Path, a: argparse.Namespace, settings: dict[str, Any], train: l
         # the versions the two sides were served under (equal: no update happened, nothing to compare)
         served = {s["step"]: (s.get("evaluation") or {}).get("policy_version") for s in steps}
         res["evaluation"]["policy_versions"] = {"base": served.get(0), "trained": served.get(iterations)}
+        res["evaluation"]["timeout_conventions"] = timeout_conventions(eval_rows, 0, iterations)
         res["behaviour"] = behaviour_table(eval_rows, per_session, {"base": 0, "trained": iterations}, kinds)
     return res
 
@@ -389,6 +419,10 @@ def print_tables(res: dict[str, Any]) -> None:
             print(f"| {kind} | {t} | {f(pre['rate'])} ± {f(pre['se'])} ({pre['passed']}/{pre['graded']}) | "
                   f"{f(post['rate'])} ± {f(post['se'])} ({post['passed']}/{post['graded']}) | {f(c['diff'])} ± {f(c['diff_se'])} | "
                   f"{f(c['diff_over_se'], 1)} | {f(c['z_pooled'], 1)} | {f(c.get('mde_2se'))} |")
+        for conv, c in (ev.get("timeout_conventions") or {}).items():
+            pre, post = c["pre"], c["post"]
+            print(f"all tasks, timeouts {conv.replace('_', ' ')}: {pre['passed']}/{pre['graded']} -> "
+                  f"{post['passed']}/{post['graded']}, {f(c['diff'])} ± {f(c['diff_se'])} ({f(c['diff_over_se'], 1)} se)")
     for side, b in (res.get("behaviour") or {}).items():
         a = b["all"]
         if a.get("samples"):

@@ -70,6 +70,25 @@ def test_pooled_difference_and_its_se_per_kind(bt) -> None:
     assert t["diff_se"] == pytest.approx(math.sqrt(_se(10, 32) ** 2 + _se(20, 32) ** 2))
 
 
+def test_timeout_conventions_count_only_the_timeouts_differently(bt) -> None:
+    def row(step: int, status: str, reward: float | None) -> dict:
+        return {"task_id": "eval-rename-notes", "step": step, "status": status, "reward": reward}
+
+    # base: 2 pass, 3 fail, 2 timeouts (one whose verifier passes), 1 crash
+    pre = [row(0, "ok", 1.0)] * 2 + [row(0, "ok", 0.0)] * 3 + [row(0, "timeout", 1.0), row(0, "timeout", 0.0),
+                                                                row(0, "error", 1.0)]
+    # trained: 4 pass, 1 fail, 3 timeouts (two whose verifier passes), 1 without a verdict
+    post = [row(1, "ok", 1.0)] * 4 + [row(1, "ok", 0.0)] + [row(1, "timeout", 1.0)] * 2 + [row(1, "timeout", 0.0),
+                                                                                          row(1, "ok", None)]
+    tc = bt.timeout_conventions(pre + post, 0, 1)
+    counts = {c: (v["pre"]["passed"], v["pre"]["graded"], v["post"]["passed"], v["post"]["graded"]) for c, v in tc.items()}
+    assert counts == {"graded": (2, 5, 4, 5), "timeout_fails": (2, 7, 4, 8), "verifier_as_is": (3, 7, 6, 8)}
+    assert tc["verifier_as_is"]["diff"] == pytest.approx(6 / 8 - 3 / 7)
+    # the graded convention is every table's: the same counts as transfer_table's pooled row
+    ev = bt.transfer_table(pre + post, 0, 1, KINDS)
+    assert (ev["pooled"]["pre"]["graded"], ev["pooled"]["post"]["passed"]) == (5, 4)
+
+
 def test_resolvable_difference(bt) -> None:
     assert bt.resolvable(0.4, 32) == pytest.approx(2 * math.sqrt(2 * 0.24 / 31))  # ~0.25, benchmarks/README.md
     assert bt.resolvable(None, 32) is None and bt.resolvable(0.5, 1) is None
@@ -132,6 +151,9 @@ def test_the_result_has_learning_json_keys_and_the_task_sets(bt, tmp_path: Path)
     assert len(res["train_tasks"]) == 9 and res["finished"]
     assert res["evaluation"]["by_kind"]["new-operation"]["pooled"]["post"]["passed"] == 27
     assert res["evaluation"]["policy_versions"] == {"base": 0, "trained": 4}
+    # the fake run's eval timeouts (reward 0) are failures under timeout_fails: n grows, passes do not
+    tc = res["evaluation"]["timeout_conventions"]
+    assert tc["timeout_fails"]["pre"]["graded"] == 132 and tc["timeout_fails"]["pre"]["passed"] == 36
     assert res["per_iteration"][0] == {"iteration": 0, "rollout": 300.0, "trajectories": None, "eval": 600.0,
                                        "train": 120.0, "push": 4.0}
     assert res["phases"]["push v1"] == 4.0 and res["training"][0]["train_s"] == 120.0 and len(res["training"]) == 4
