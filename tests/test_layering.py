@@ -1,4 +1,4 @@
-"""The layers of the README's "Layout" table, checked.
+"""The layers of the "Layout" table of docs/architecture.md, checked.
 
 Every package may import only the packages its row allows (``ALLOWED``): the shared contract
 (``polar_core``) nothing of ours; the proxy, the analysis, the trainer and the test tools only the
@@ -102,12 +102,13 @@ def graph() -> dict[str, dict[str, int]]:
     return {name: {t: line for t, line in imports_of(name, path, known)} for name, path in mods.items()}
 
 
-def test_every_package_has_a_rule_and_a_row_in_the_readme():
-    readme = (REPO / "README.md").read_text()
-    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+def test_every_package_has_a_rule_and_a_row_in_the_layout_table():
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    layout = doc.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     for pkg, folder in package_dirs().items():
-        assert pkg in ALLOWED, f"{pkg}: add its row to ALLOWED (and to the README's Layout table)"
-        assert f"| `{folder.name}/` | `{pkg}` |" in layout, f"README Layout table lacks the row of {folder.name}/ ({pkg})"
+        assert pkg in ALLOWED, f"{pkg}: add its row to ALLOWED (and to the Layout table of docs/architecture.md)"
+        assert f"| `{folder.name}/` | `{pkg}` |" in layout, \
+            f"docs/architecture.md's Layout table lacks the row of {folder.name}/ ({pkg})"
 
 
 def test_no_forbidden_import_in_the_source():
@@ -119,7 +120,7 @@ def test_no_forbidden_import_in_the_source():
             top = target.split(".")[0]
             if name in STANDALONE or (top != own and top not in ALLOWED[own]):
                 bad.append(f"{mods[name].relative_to(REPO)}:{line}: {name} imports {target}")
-    assert not bad, "imports the layers forbid (README, Layout):\n" + "\n".join(bad)
+    assert not bad, "imports the layers forbid (docs/architecture.md, Layout):\n" + "\n".join(bad)
 
 
 def test_no_import_cycles():
