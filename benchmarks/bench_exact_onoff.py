@@ -76,37 +76,10 @@ def build(captures: Path, model_dir: Path, strict: bool) -> tuple[Any, dict[str,
 
 def mismatch(frame: Any, model_dir: Path, token_budget: int) -> dict[str, float]:
     """vLLM's logprobs against the float32 trainer's on every sampled token of ``frame``, overall
-    and on later turns (the tokens of a sequence's second and later calls: the ones whose context
-    depends on how the history was re-sent)."""
-    import torch
+    and on later turns: ``polar_training.behaviour_gap`` (the one definition ``polar certify`` uses too)."""
+    from polar_training.behaviour_gap import behaviour_gap
 
-    from polar_training.trainer import GRPOTrainer, TrainConfig, load_model
-
-    cfg = TrainConfig(lr=1e-6, token_budget=token_budget)
-    cfg.loss.kl_coef = 0.0
-    cfg.adv.drop_zero_variance = False  # every sampled token is measured, whatever the group's rewards
-    torch.manual_seed(0)
-    trainer = GRPOTrainer(load_model(str(model_dir), "float32"), cfg)
-    prep = trainer.prepare(frame)
-    assert len(prep.minibatches) == 1  # num_minibatches 1: seq_index is the row of prep.frame
-    mbs = [mb for part in prep.minibatches for mb in part]
-    trainer.fill_old_logprobs(mbs)
-    seq = torch.cat([mb.seq_index for mb in mbs])
-    gap = torch.cat([mb.behaviour_logp.float() - mb.old_logp.float() for mb in mbs])
-    later = []
-    for i, row in enumerate(prep.frame.iter_rows(named=True)):
-        g, k = gap[seq == i], 0  # a row's tokens stay in order inside its bin
-        sampled = [e - s for s, e, kind in zip(row["span_start"], row["span_end"], row["span_kind"]) if kind == "sampled"]
-        for n, length in enumerate(sampled):
-            if n > 0:
-                later.append(g[k : k + length])
-            k += length
-    out = {"tokens": float(gap.numel()), "mismatch_kl": float(gap.mean()), "max_abs_gap": float(gap.abs().max())}
-    if later and sum(t.numel() for t in later):
-        lg = torch.cat(later)
-        out |= {"later_tokens": float(lg.numel()), "later_mismatch_kl": float(lg.mean()),
-                "later_max_abs_gap": float(lg.abs().max())}
-    return out
+    return behaviour_gap(frame, model_dir, token_budget=token_budget)
 
 
 def rewards_of(captures: Path) -> list[float]:

@@ -20,6 +20,7 @@ from polar_analysis import commands as analysis_commands
 from polar_proxy import commands as proxy_commands
 from polar_runtime import commands as runtime_commands
 from polar_runtime import demo, evaluation, rollout_commands
+from polar_runtime.certify import commands as certify_commands
 from polar_runtime.cluster import commands as cluster_commands
 from polar_runtime.loop import commands as loop_commands
 from polar_training import commands as training_commands
@@ -82,6 +83,7 @@ training_commands.register(app)  # train
 demo.register(app)  # demo
 loop_commands.register(app)  # loop
 cluster_commands.register(app)  # cluster gather (Ray imported when it runs)
+certify_commands.register(app)  # certify (a harness x model fit to train on?)
 
 
 @app.command()

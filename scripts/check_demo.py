@@ -23,9 +23,9 @@ from pathlib import Path
 
 def check(run: Path) -> list[str]:
     import nbformat
-    import polars as pl
 
     from polar_analysis import frames
+    from polar_analysis.steps import calls_per_step, versions_of_step
 
     problems: list[str] = []
     report_path = run / "report.json"
@@ -39,8 +39,7 @@ def check(run: Path) -> list[str]:
     print(f"{'total':<18}{report['total_s']:>9.1f}")
 
     calls = frames.calls(run / "captures", rewards=None).collect()
-    step_of = pl.col("session_id").str.extract(r"\.st(\d+)\.").cast(pl.Int64)
-    per_step = dict(calls.group_by(step_of.alias("step")).len().iter_rows())
+    per_step = calls_per_step(calls)
     for s in report["steps"]:
         n = per_step.get(s["step"], 0)
         print(f"step {s['step']}: policy v{s['policy_version']}, {n} calls, reward {s['rewards']['mean_reward']}, "
@@ -58,7 +57,7 @@ def check(run: Path) -> list[str]:
               f"pushed as v{version} via {t['push']['method']}")
         if version < 1:
             problems.append(f"iteration {t['iteration']}: pushed policy version {version}")
-        seen = set(calls.filter(step_of == nxt)["policy_version"].unique().to_list())
+        seen = set(versions_of_step(calls, nxt))
         if seen != {version}:
             problems.append(f"calls of step {nxt} carry policy versions {sorted(seen, key=str)}, not the pushed v{version}")
 

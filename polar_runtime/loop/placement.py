@@ -165,10 +165,13 @@ class ChildRecord:
 class LocalPlacement:
     """vLLM, the proxy, the harness runs and the trainer, all on this machine."""
 
-    def __init__(self, cfg: LoopConfig, out: Path, log: Callable[[str], None] | None = None) -> None:
+    def __init__(self, cfg: LoopConfig, out: Path, log: Callable[[str], None] | None = None,
+                 upstream: Optional[str] = None) -> None:
         from . import phases
 
         self.cfg = cfg
+        #: a vLLM someone else runs (``polar certify --upstream``): attached to, never started or stopped
+        self.upstream = upstream
         self.out = Path(out)
         self.captures = self.out / "captures"
         self.log = log or phases.console.print
@@ -207,13 +210,17 @@ class LocalPlacement:
             ph.detail = f"{self.served}, {self.preset.name}, {len(tasks)} tasks" + (
                 f", {len(self.eval_tasks)} other tasks evaluated" if cfg.eval.tasks else "")
         with self.tl.phase("serve", f"vLLM serving {self.served} v{policy_version}") as ph:
-            extra = ("--gpu-memory-utilization", "0.35") if gpu else ()  # room on the GPU for the trainer
-            self.server = VLLMServer(Path(serve_from) if serve_from else self.serve_dir, served_model_name=self.served,
-                                     max_model_len=cfg.model.max_model_len, kv_cache_gib=cfg.model.kv_cache_gib,
-                                     extra_args=extra, gpu=gpu, tool_parser=cfg.model.tool_parser, log_path=self.out / "logs" / "vllm.log")
-            self.stack.enter_context(self.server)
-            self.children.add("vllm", getattr(self.server.proc, "pid", None), group=True)
-            ph.detail = f"ready in {self.server.start_seconds} s at {self.server.base_url}"
+            if self.upstream:
+                self.server = VLLMServer.attach(self.upstream, self.model_dir, served_model_name=self.served)
+                ph.detail = f"attached to the running {self.server.base_url}"
+            else:
+                extra = ("--gpu-memory-utilization", "0.35") if gpu else ()  # room on the GPU for the trainer
+                self.server = VLLMServer(Path(serve_from) if serve_from else self.serve_dir, served_model_name=self.served,
+                                         max_model_len=cfg.model.max_model_len, kv_cache_gib=cfg.model.kv_cache_gib,
+                                         extra_args=extra, gpu=gpu, tool_parser=cfg.model.tool_parser, log_path=self.out / "logs" / "vllm.log")
+                self.stack.enter_context(self.server)
+                self.children.add("vllm", getattr(self.server.proc, "pid", None), group=True)
+                ph.detail = f"ready in {self.server.start_seconds} s at {self.server.base_url}"
         with self.tl.phase("proxy", "Polar proxy (mitmproxy addon), reverse mode"):
             seed = cfg.sampling.seed if cfg.sampling.seed is not None and cfg.sampling.seed >= 0 else None
             self.proxy = ProxyProcess(self.server.base_url, self.captures, mode="reverse", served_model=self.served,

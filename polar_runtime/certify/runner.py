@@ -1,0 +1,247 @@
+"""One certify cell (a harness on a model), live: rollout, trajectories, one GRPO step, push, rollout.
+
+The run is the loop's own machinery, driven step by step (``LocalPlacement``: vLLM, or the running
+server ``--upstream`` names; the proxy in front of it with every flow saved; the harness in its
+sandbox through the rollout runner; the persistent trainer; ``push_weights``), so what certify
+judges is what ``polar loop`` would train on:
+
+1. rollout 0: the built-in ``followups`` tasks (the harness writes files with its tools, then is
+   started again on two later user turns), ``samples`` each, exact history on;
+2. trajectories as the loop builds them (prefix merge, rewards attached);
+3. logprob agreement: the trainer's float32 pass over them at the served weights;
+4. one GRPO step on them, with rewards spread inside each group (a delivery test: the update must
+   be visible on the canary probe, not useful), and a push;
+5. the served canary probe, then rollout 1 (one sample of one task): every call after the push
+   must carry the new version;
+6. the offline checks over rollout 0's captures (``checks.py``).
+
+Against ``--upstream`` the server is attached to, never started, stopped or restarted (a push that
+cannot reload in place fails instead of restarting someone else's server), and its base weights are
+reloaded at the end. A cell's directory keeps the run (captures, flows, trajectories, checkpoint);
+its ``certify.json`` is written last, so a cell with one is done and a rerun skips it, and an
+interrupted cell reuses the samples that finished (the rollout runner's result store).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import platform
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from polar_runtime.loop.config import LoopConfig
+
+from . import checks as C
+from .delivery import check_logprob_agreement, check_policy_delivery, served_verdict
+
+CELL_FILE = "certify.json"
+#: built-in tasks: tools (write a file, make a directory), then later user turns on the same conversation
+TASKS = "followups"
+SAMPLES = 2  # per task: a GRPO group needs two samples to have a reward spread
+#: the delivery step's learning rate: the canary must move well above the serving noise (tiny-qwen in
+#: float32: separation 369 noise units at 1e-5 against 37 at 1e-6, benchmarks/README.md "Push check margins")
+DELIVERY_LR = 1e-5
+ORDER = ("capture", "exact history", "mask", "logprob agreement", "sampling", "tool calls", "reasoning",
+         "policy delivery")
+
+
+def cell_name(harness: str, model: str) -> str:
+    safe = lambda s: "".join(c if c.isalnum() or c in "._-" else "-" for c in s)  # noqa: E731
+    return f"{safe(harness)}__{safe(Path(model).name if '/' in model else model)}"
+
+
+def certify_config(base: LoopConfig, harness: str | None, model: str | None, out: Path) -> LoopConfig:
+    """``base``'s [model], [harness], [sandbox] and [sampling] keys with certify's own tasks, samples
+    and one delivery step."""
+    import copy
+
+    cfg = copy.deepcopy(base)
+    if harness:
+        cfg.harness.name = harness
+    if model:
+        cfg.model.name = model
+    cfg.out = str(out)
+    cfg.harness.exact_history = True
+    cfg.tasks.source, cfg.tasks.ids, cfg.tasks.limit = TASKS, [], 0
+    cfg.rollout.samples_per_group, cfg.rollout.groups_per_step, cfg.rollout.iterations = SAMPLES, 0, 1
+    cfg.trainer.lr, cfg.trainer.lora_rank, cfg.trainer.kl_coef = DELIVERY_LR, 0, 0.0
+    cfg.eval.every = 0
+    return cfg
+
+
+def spread_rewards(frame: Any) -> Any:
+    """The delivery step's rewards: 1 for every other sample of a group, 0 for the rest, every sample
+    counted as finished, so that every group has a reward spread and the step changes the weights."""
+    import polars as pl
+
+    order = (frame.select("group_id", "session_id").unique().sort("group_id", "session_id")
+             .with_columns(_r=(pl.int_range(pl.len()).over("group_id") % 2).cast(pl.Float64)))
+    return (frame.drop("reward").join(order, on=["group_id", "session_id"], how="left")
+            .rename({"_r": "reward"}).with_columns(status=pl.lit("ok")).select(frame.columns))
+
+
+class _NoRestart:
+    """A server someone else runs, as push_weights sees it: reload in place, never restart."""
+
+    def __init__(self, server: Any) -> None:
+        self._server, self.base_url = server, server.base_url
+
+    def reload_weights(self, model_dir: str) -> float:
+        return self._server.reload_weights(model_dir)
+
+
+def vllm_version(base_url: str) -> str | None:
+    from polar_core.net import http_json
+
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return str(http_json(f"{base_url}/version", timeout=10)["version"])
+    return None
+
+
+def harness_version(name: str) -> str | None:
+    from polar_runtime import harnesses as h
+
+    with contextlib.suppress(KeyError):
+        preset = h.get_preset(name)
+        if preset.package:
+            pkg = h.PACKAGES[preset.package]
+            return f"{pkg.npm}@{pkg.version}"
+    return None
+
+
+def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run one cell in ``out`` and write ``out/certify.json``; returns the report."""
+    import polars as pl
+
+    from polar_analysis import frames
+    from polar_analysis.steps import versions_of_step
+    from polar_runtime.loop.groups import LoopError
+    from polar_runtime.loop.placement import LocalPlacement
+    from polar_training.push_probe import PushError
+    from polar_training.weights_push import push_weights
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    if upstream:
+        cfg.trainer.server_during_train = "keep"  # someone else's server is never stopped
+    placement = LocalPlacement(cfg, out, upstream=upstream)
+    report: dict[str, Any] = {
+        "harness": cfg.harness.name, "model": cfg.model.name, "harness_version": harness_version(cfg.harness.name),
+        "vllm_version": None, "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {'GPU' if cfg.on_gpu else 'CPU'}", "upstream": upstream,
+        "tasks": TASKS, "samples_per_task": SAMPLES, "error": None, "phases": {}, "run": {},
+    }
+    results: dict[str, C.CheckResult] = {}
+    frame = None
+    sessions: list[str] = []
+    version, push_error, verdict, later, train_note = None, None, None, [], None
+    gap, gap_error, dtype = None, None, "float32"
+
+    def phase(name: str, started: float) -> None:
+        report["phases"][name] = round(time.monotonic() - started, 1)
+
+    try:
+        t = time.monotonic()
+        placement.start(None, 0)
+        phase("start", t)
+        base = placement.server.base_url
+        report["vllm_version"] = vllm_version(base)
+        with contextlib.suppress(Exception):
+            from polar_training.push_probe import served_dtype
+
+            dtype = served_dtype(base) or "float32"
+        ids = placement.task_ids()
+        t = time.monotonic()
+        rows = placement.rollout(0, ids, 0)
+        phase("rollout", t)
+        sessions = [r["session_id"] for r in rows]
+        report["run"]["samples"] = {r["session_id"]: {"status": r["status"], "calls": r["calls"], "reward": r["reward"]}
+                                    for r in rows}
+        t = time.monotonic()
+        path, stats = placement.trajectories(0, rows)
+        phase("trajectories", t)
+        report["run"]["trajectories"] = {k: stats.get(k) for k in ("sequences", "sampled_tokens", "merge_kinds", "drift")}
+        if path:
+            frame = pl.read_parquet(path)
+            t = time.monotonic()
+            try:
+                from polar_training.behaviour_gap import behaviour_gap
+
+                gap = behaviour_gap(frame, placement.serve_dir if not upstream else placement.model_dir)
+            except Exception as exc:  # noqa: BLE001 - graded as the check's failure
+                gap_error = f"{type(exc).__name__}: {exc}"
+            phase("logprobs", t)
+            train_path = out / "trajectories" / "certify-delivery.parquet"
+            spread_rewards(frame).write_parquet(train_path)
+            t = time.monotonic()
+            res = placement.train(0, str(train_path))
+            phase("train", t)
+            train_note = res.note
+            if res.updated and res.checkpoint:
+                version = res.policy_version
+                t = time.monotonic()
+                target = _NoRestart(placement.server) if upstream else placement.server
+                try:
+                    pushed = push_weights(res.checkpoint, [target], [placement.proxy.url], version)
+                    report["run"]["push"] = {"method": pushed.method, "reload_s": round(pushed.reload_s, 1),
+                                             "notes": pushed.notes}
+                except (PushError, OSError, RuntimeError) as exc:
+                    push_error = f"{type(exc).__name__}: {exc}"
+                phase("push", t)
+                with contextlib.suppress(Exception):
+                    verdict = served_verdict(placement.server.base_url, res.checkpoint)
+                if push_error is None:  # a failed push may leave the gate closed: nothing more to serve
+                    t = time.monotonic()
+                    cfg.rollout.samples_per_group = 1
+                    rows1 = placement.rollout(1, ids[:1], version)
+                    phase("rollout after push", t)
+                    calls = frames.calls(placement.captures, rewards=None).collect()
+                    later = versions_of_step(calls, 1)
+                    report["run"]["after_push"] = {r["session_id"]: r["calls"] for r in rows1}
+    except (LoopError, RuntimeError, OSError, ValueError) as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        log(f"certify: {report['error']}")
+        report["traceback"] = traceback.format_exc(limit=6)
+    finally:
+        if upstream and version is not None:  # leave the server as it was found: its base weights
+            with contextlib.suppress(Exception):
+                placement.server.reload_weights(placement.model_dir)
+                report["run"]["restored"] = str(placement.model_dir)
+        placement.close()
+
+    t = time.monotonic()
+    if sessions:
+        ev = C.Evidence.load(placement.captures, placement.model_dir, sessions=sessions, trajectories=frame)
+        results["capture"] = C.check_capture(ev)
+        results["exact history"] = C.check_exact_history(ev)
+        results["mask"] = C.check_mask(ev)
+        results["sampling"] = C.check_sampling(ev, cfg.sampling.temperature)
+        results["tool calls"] = C.check_tool_calls(ev)
+        results["reasoning"] = C.check_reasoning(ev)
+    results["logprob agreement"] = check_logprob_agreement(gap, dtype, gap_error)
+    results["policy delivery"] = check_policy_delivery(version, push_error, verdict, later, train_note)
+    if verdict:
+        report["run"]["canary"] = verdict
+    phase("checks", t)
+    for name in ORDER:
+        results.setdefault(name, C.judge(name, 0, [], "the run did not get this far"))
+    report["checks"] = [results[n].to_dict() for n in ORDER]
+    report["verdict"] = verdict_of(report)
+    report["wall_s"] = round(time.monotonic() - t0, 1)
+    tmp = out / f".{CELL_FILE}.tmp"
+    tmp.write_text(json.dumps(report, indent=2, default=str))
+    tmp.replace(out / CELL_FILE)
+    return report
+
+
+def verdict_of(report: dict[str, Any]) -> str:
+    """FAIL when the run broke or any check failed; PASS otherwise (NOT EXERCISED checks are named
+    in the table, never counted as passes)."""
+    if report.get("error") or any(c["state"] == C.FAIL for c in report.get("checks") or []):
+        return C.FAIL
+    return C.PASS

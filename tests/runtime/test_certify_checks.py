@@ -1,0 +1,218 @@
+"""polar certify's offline checks on a real recorded run, and the breaks they must catch.
+
+The run: step 0 of a real ``polar demo`` with exact history (tests/fixtures/demo-run-exact: Pi on
+Qwen2.5-Coder-0.5B, 8 sessions, 82 calls, 74 sampled tool calls), its trajectories rebuilt as the
+loop builds them. Unbroken, every check the run exercises PASSes and the rest say NOT EXERCISED.
+Then each break is injected into a copy of the captures or into the trajectories, as a bug in the
+proxy, the builder or the trainer would leave them, and the check that owns the property must FAIL
+with a number or a name that points at it: a wrong splice (an id of a re-sent answer changed in the
+next prompt, which the proxy still calls ``history: exact``), an off-by-one loss mask, a temperature
+the trainer does not apply, a dropped tool call.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from polar_core.schema import read_capture_lines
+from polar_runtime.certify import checks as C
+from polar_runtime.certify.delivery import check_logprob_agreement, check_policy_delivery
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "demo-run-exact"
+
+
+def _records(captures: Path) -> dict[str, list[dict]]:
+    return {p.stem: list(read_capture_lines(p)) for p in sorted((captures / "sessions").glob("*.jsonl"))}
+
+
+def _write(captures: Path, sessions: dict[str, list[dict]]) -> None:
+    shutil.rmtree(captures / "sessions", ignore_errors=True)
+    (captures / "sessions").mkdir(parents=True)
+    for sid, recs in sessions.items():
+        (captures / "sessions" / f"{sid}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def _build(out: Path, model_dir: Path) -> pl.DataFrame:
+    """The loop's own trajectories of the captures under ``out/captures`` (phases.build_trajectories)."""
+    from polar_runtime.loop.phases import StepData, build_trajectories
+
+    rows = pl.read_parquet(out / "captures" / "rollouts.parquet")
+    data = StepData(0, rows)
+    build_trajectories(out, data, model_dir)
+    return pl.read_parquet(data.trajectories)
+
+
+def _copy_run(tmp: Path, edit=None) -> Path:
+    out = tmp / "run"
+    shutil.copytree(FIXTURE / "captures", out / "captures", ignore=shutil.ignore_patterns(".polar-cache"))
+    if edit is not None:
+        sessions = _records(out / "captures")
+        edit(sessions)
+        _write(out / "captures", sessions)
+    return out
+
+
+def _evidence(out: Path, model_dir: Path, traj: pl.DataFrame | None) -> C.Evidence:
+    return C.Evidence.load(out / "captures", model_dir, trajectories=traj, cache_dir=out / "cache")
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory, qwen05_dir):
+    out = _copy_run(tmp_path_factory.mktemp("clean"))
+    traj = _build(out, qwen05_dir)
+    return out, traj
+
+
+def _states(results: list[C.CheckResult]) -> dict[str, str]:
+    return {r.name: r.state for r in results}
+
+
+def test_the_recorded_run_passes_every_check_it_exercises(clean, qwen05_dir):
+    out, traj = clean
+    ev = _evidence(out, qwen05_dir, traj)
+    results = [C.check_capture(ev), C.check_exact_history(ev), C.check_mask(ev), C.check_sampling(ev, 1.0),
+               C.check_tool_calls(ev), C.check_reasoning(ev)]
+    for r in results:
+        print(f"{r.name:<14} {r.state:<14} {r.measured}")
+    assert _states(results) == {"capture": "NOT EXERCISED", "exact history": "PASS", "mask": "PASS", "sampling": "PASS",
+                                "tool calls": "PASS", "reasoning": "NOT EXERCISED"}
+    by = {r.name: r for r in results}
+    assert by["exact history"].value == 1.0 and by["exact history"].count >= 60  # 74 merges, all exact
+    assert by["mask"].count > 1000 and by["mask"].failures == 0
+    assert by["tool calls"].count >= 40 and by["tool calls"].value == 1.0
+    assert by["sampling"].count == 79  # 82 calls, 3 cut by the timeout (status error)
+    # no check may pass without its minimum: the capture check has no flows, the 0.5B does not reason
+    for r in results:
+        assert r.state != "PASS" or r.count >= r.minimum
+
+
+def test_a_wrong_splice_fails_exact_history(tmp_path, qwen05_dir):
+    """One id of a re-sent answer changed in the next prompt (the proxy spliced the wrong token) while
+    the record still says ``history: exact``."""
+    hit = {}
+
+    def edit(sessions):
+        recs = sessions["hello-file.st0.s0"]
+        prev, nxt = recs[1], recs[2]
+        at = len(prev["prompt_token_ids"]) + 2  # inside the answer the harness re-sent
+        assert nxt["prompt_token_ids"][:at + 1] == (prev["prompt_token_ids"] + prev["sampled_token_ids"])[:at + 1]
+        nxt["prompt_token_ids"][at] = (nxt["prompt_token_ids"][at] + 1) % 150000
+        assert nxt["history"] == "exact"
+        hit["call"] = f"{nxt['session_id']}#{nxt['call_index']}"
+
+    out = _copy_run(tmp_path, edit)
+    r = C.check_exact_history(_evidence(out, qwen05_dir, None))
+    print(r.measured, r.details)
+    assert r.state == "FAIL"
+    assert any(d.startswith(hit["call"]) and "history=exact" in d for d in r.details)
+    assert r.value is not None and r.value < 1.0
+
+
+def test_an_off_by_one_mask_fails_the_mask_check(clean, qwen05_dir):
+    out, traj = clean
+    row = 0
+    mask = list(traj["loss_mask"][row])
+    shifted = [0] + mask[:-1]  # every masked token one position late
+    broken = traj.with_columns(pl.Series("loss_mask", [shifted if i == row else list(m) for i, m in
+                                                       enumerate(traj["loss_mask"].to_list())], dtype=traj["loss_mask"].dtype))
+    r = C.check_mask(_evidence(out, qwen05_dir, broken))
+    print(r.measured, r.details)
+    assert r.state == "FAIL" and r.failures == 1
+    assert r.details[0].startswith(traj["trajectory_id"][row]) and "first difference at masked token 0" in r.details[0]
+
+
+def test_a_temperature_the_trainer_does_not_apply_fails_sampling(clean, qwen05_dir):
+    """The trajectory trains a sequence at another temperature than its calls were sampled at."""
+    out, traj = clean
+    broken = traj.with_columns(temperature=pl.when(pl.int_range(pl.len()) == 3).then(0.7).otherwise(pl.col("temperature")))
+    r = C.check_sampling(_evidence(out, qwen05_dir, broken), 1.0)
+    print(r.measured, r.details)
+    assert r.state == "FAIL" and r.failures == 1
+    assert traj["trajectory_id"][3] in r.details[0] and "temperature=0.7" in r.details[0]
+
+
+def test_a_call_sampled_at_another_temperature_fails_sampling(tmp_path, qwen05_dir):
+    """A harness-sent temperature the proxy did not enforce: the call was sampled at 0.7, the run's is 1."""
+
+    def edit(sessions):
+        rec = sessions["hello-file.st0.s1"][2]
+        rec["sampling"] = dict(rec["sampling"], temperature=0.7)
+
+    out = _copy_run(tmp_path, edit)
+    r = C.check_sampling(_evidence(out, qwen05_dir, None), 1.0)
+    print(r.measured, r.details)
+    assert r.state == "FAIL" and r.failures == 1 and "hello-file.st0.s1#2" in r.details[0]
+    assert "temperature=0.7" in r.details[0]
+
+
+def test_a_dropped_tool_call_fails_the_tool_call_check(tmp_path, qwen05_dir):
+    """The harness's next request lacks a tool call the model sampled (a translator that lost it)."""
+    hit = {}
+
+    def edit(sessions):
+        recs = sessions["hello-file.st0.s0"]
+        tc = recs[0]["output_tool_calls"][0]
+        nxt = recs[1]
+        for req in (nxt["normalized_request"], nxt["native_request"]):
+            for m in req["messages"]:
+                if m.get("tool_calls"):
+                    m["tool_calls"] = [c for c in m["tool_calls"] if c.get("id") != tc["id"]]
+        hit["call"] = f"{recs[0]['session_id']}#{recs[0]['call_index']}"
+
+    out = _copy_run(tmp_path, edit)
+    r = C.check_tool_calls(_evidence(out, qwen05_dir, None))
+    print(r.measured, r.details)
+    assert r.state == "FAIL" and r.failures == 1
+    assert r.details[0].startswith(hit["call"]) and "did not come back" in r.details[0]
+
+
+def test_not_exercised_is_never_pass_and_a_failure_always_fails():
+    assert C.judge("exact history", 9, [], "9 re-sent").state == "NOT EXERCISED"
+    assert C.judge("exact history", 10, [], "10 re-sent").state == "PASS"
+    assert C.judge("exact history", 1, ["x"], "1 re-sent").state == "FAIL"
+
+
+def test_logprob_agreement_grades_mismatch_kl_and_reports_the_worst_token():
+    good = {"tokens": 500.0, "mismatch_kl": 4e-6, "max_abs_gap": 3e-4}
+    assert check_logprob_agreement(good).state == "PASS"
+    bad = check_logprob_agreement({"tokens": 500.0, "mismatch_kl": 0.14, "max_abs_gap": 2.5})
+    assert bad.state == "FAIL" and "max per-token |diff| 2.50e+00" in bad.details[0]
+    assert check_logprob_agreement({"tokens": 20.0, "mismatch_kl": 0.0, "max_abs_gap": 0.0}).state == "NOT EXERCISED"
+    assert check_logprob_agreement(good, served_dtype="bfloat16").state == "MEASURED"
+
+
+def test_policy_delivery_needs_the_push_the_canary_and_the_later_versions():
+    new = {"state": "new", "alpha": 0.99, "separation": 300.0, "reason": ""}
+    assert check_policy_delivery(1, None, new, [1, 1, 1]).state == "PASS"
+    assert check_policy_delivery(1, None, new, [1, 0]).state == "FAIL"
+    stale = dict(new, state="previous", alpha=0.01)
+    r = check_policy_delivery(1, None, stale, [1, 1])  # a push that claimed success over the old weights
+    assert r.state == "FAIL" and "0.010 x the predicted" in r.details[0]
+    assert check_policy_delivery(None, None, None, [], "no update").state == "NOT EXERCISED"
+
+
+def test_spread_rewards_gives_every_group_a_spread():
+    from polar_runtime.certify.runner import spread_rewards
+
+    frame = pl.DataFrame({"group_id": ["a", "a", "a", "b", "b"], "session_id": ["s1", "s2", "s2", "t1", "t2"],
+                          "reward": [0.0] * 5, "status": ["timeout", "ok", "ok", "ok", "failed"]})
+    got = spread_rewards(frame)
+    assert got.columns == frame.columns and set(got["status"]) == {"ok"}
+    assert got.group_by("group_id").agg(pl.col("reward").n_unique())["reward"].to_list() == [2, 2]
+
+
+def test_cells_and_shards():
+    from polar_runtime.certify.commands import cells_of
+    from polar_runtime.certify.runner import cell_name
+
+    cells = cells_of(["pi-chat", "codex"], ["m1", "m2"], (0, 1))
+    assert cells == [("pi-chat", "m1"), ("pi-chat", "m2"), ("codex", "m1"), ("codex", "m2")]
+    halves = cells_of(["pi-chat", "codex"], ["m1", "m2"], (0, 2)) + cells_of(["pi-chat", "codex"], ["m1", "m2"], (1, 2))
+    assert sorted(halves) == sorted(cells)
+    assert cell_name("pi-chat", "/x/y/Qwen 0.5B") == "pi-chat__Qwen-0.5B"
