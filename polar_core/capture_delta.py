@@ -259,7 +259,7 @@ def prompt_json(ids: Any) -> PromptJSON | None:
     Why bytes: the writer only needs the shared prefix and the new tail. Parsing a 20k-id prompt
     into ints and then into an int32 array cost 2.2 ms on the benchmark machine (loads 1.3 ms +
     fromiter 0.95 ms, load ~2), where the byte comparison takes tens of microseconds; with the
-    request parse it was most of the CPU per call the proxy lost (issue 42, benchmarks/README.md)."""
+    request parse it was most of the CPU per call the proxy lost (issue 42, benchmarks/history/proxy-overhead.md)."""
     raw = getattr(ids, "json", None)
     if isinstance(raw, (bytes, bytearray)) and raw[:1] == b"[" and raw[-1:] == b"]":
         return PromptJSON(bytes(raw[1:-1]), len(ids))

@@ -4,7 +4,7 @@
 everything else, so :class:`~polar_training.trainer.GRPOTrainer` (which optimizes the parameters
 that require a gradient) gives AdamW only the adapters: on the 0.5B at rank 16 on every
 projection, 8.8M trainable parameters instead of 630M, i.e. AdamW moments and gradients of ~100 MB
-instead of 7.0 GiB (the figures are in ``benchmarks/README.md``, "LoRA against full fine-tuning").
+instead of 7.0 GiB (the figures are in ``benchmarks/history/lora.md``, "LoRA against full fine-tuning").
 
 How vLLM gets the policy: *merged before the push*. ``merged_state_dict`` adds each adapter's
 ``B A * alpha / r`` to its frozen base weight without touching the model (peft's ``merge_adapter``

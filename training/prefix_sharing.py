@@ -2,7 +2,7 @@
 
 A GRPO group is several samples of one prompt, and an agent harness's prompt is mostly its own
 system prompt and tool list: Pi's is ~1,500 tokens for answers of 2-3 sampled tokens
-(benchmarks/README.md, "Learning beyond the noise"). Packed one after another, a group of 8 runs the
+(benchmarks/history/learning.md, "Learning beyond the noise"). Packed one after another, a group of 8 runs the
 same 1,500 tokens forward and backward 8 times. Here the sequences of a *unit* share one copy of
 their longest common prefix, and each member's suffix follows it in the row::
 

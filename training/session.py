@@ -3,7 +3,7 @@
 ``polar train`` (``run.py``) is one step per process: it loads the model, reads the optimizer
 state back, trains, writes a full checkpoint (weights *and* AdamW moments) and exits; vLLM then
 re-reads the weights from that checkpoint. On the 0.5B in float32 that round trip is most of a
-step's fixed cost (``benchmarks/README.md``, "Per-step overhead"). A :class:`TrainSession` pays the
+step's fixed cost (``benchmarks/history/train-overhead.md``, "Per-step overhead"). A :class:`TrainSession` pays the
 loads once, and after each step writes only what vLLM needs to serve the new policy: a
 *weights-only* servable directory (``handoff``: config, safetensors, tokenizer files and the probe
 that :mod:`polar_training.weights_push` verifies), which vLLM reloads in place. Full checkpoints

@@ -317,7 +317,7 @@ def train_config(cfg: LoopConfig) -> TrainConfig:
     leaving them out (as DAPO's dynamic sampling does) saves their forward/backward, minutes per
     group of long agent sequences on a CPU. On a CPU the sequences' common prefix (the harness's
     system prompt, a group's task) runs once (``attention="shared_prefix"``): 8 Pi samples of
-    ~1,390 tokens ran 1,548 tokens instead of 11,117 (benchmarks/README.md); a GPU keeps the
+    ~1,390 tokens ran 1,548 tokens instead of 11,117 (benchmarks/history/scripts.md); a GPU keeps the
     position-id packing that flash-attention turns into varlen boundaries."""
     from polar_training.config import AdvantageConfig
 

@@ -90,7 +90,7 @@ def test_timeout_conventions_count_only_the_timeouts_differently(bt) -> None:
 
 
 def test_resolvable_difference(bt) -> None:
-    assert bt.resolvable(0.4, 32) == pytest.approx(2 * math.sqrt(2 * 0.24 / 31))  # ~0.25, benchmarks/README.md
+    assert bt.resolvable(0.4, 32) == pytest.approx(2 * math.sqrt(2 * 0.24 / 31))  # ~0.25, benchmarks/history/transfer.md
     assert bt.resolvable(None, 32) is None and bt.resolvable(0.5, 1) is None
     assert bt.resolvable(0.0, 32) is None and bt.resolvable(1.0, 32) is None  # se 0 at the edges: no figure
 

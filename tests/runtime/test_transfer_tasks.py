@@ -1,6 +1,6 @@
 """The transfer task family of issue 41 (``benchmarks/tasks/transfer/``): the files are generate.py's
 output, train and eval sets are disjoint, the eval kinds are what the manifest says (seconds; the
-oracle/nop check of every task is ``polar tasks check`` on the four sets, see benchmarks/README.md)."""
+oracle/nop check of every task is ``polar tasks check`` on the four sets, see benchmarks/history/transfer.md)."""
 
 from __future__ import annotations
 

@@ -172,7 +172,7 @@ TRIVIA_TRAIN = [
     Trivia("frozen-water", "What is frozen water called? Reply with one word only, nothing else.", "ice"),
     Trivia("color-grass", "What color is grass? Reply with one word only, nothing else.", "green"),
     # yes/no questions answered "no" beside the "yes" ones: a policy that only learned to say yes
-    # fails these (the first reduced control's gain was that, benchmarks/README.md)
+    # fails these (the first reduced control's gain was that, benchmarks/history/transfer.md)
     Trivia("moon-planet", "Is the Moon a planet? Answer with one word only: yes or no.", "no"),
     Trivia("ice-hot", "Is ice hot? Answer with one word only: yes or no.", "no"),
 ]
