@@ -143,13 +143,12 @@ def test_stand_in_uvx_serves_a_python_it_cannot_download_with_the_images_own(tmp
     assert uvx("pytest", "-p", "no:cacheprovider")[0] == ["[pytest]", "[-p]", "[no:cacheprovider]"]
 
 
-def test_work_dir_copied_out_of_the_image_keeps_hard_links(tmp_path, monkeypatch):
+def test_work_dir_copied_out_of_the_image_keeps_hard_links(tmp_path):
     """``docker cp IMAGE:/app -`` names members ``app/...``, hard links' targets too: both lose the
     prefix (a public node task's npm install left a hard-linked esbuild binary; the copy failed
     with "linkname 'app/node_modules/...' not found")."""
     import io
     import tarfile
-    from types import SimpleNamespace
 
     from polar_runtime.tasks import imagebuild
 
@@ -163,9 +162,13 @@ def test_work_dir_copied_out_of_the_image_keeps_hard_links(tmp_path, monkeypatch
         link = tarfile.TarInfo("app/esbuild-link")
         link.type, link.linkname = tarfile.LNKTYPE, "app/bin/esbuild"
         tf.addfile(link)
-    monkeypatch.setattr(imagebuild, "_docker", lambda rt, *a, **k: SimpleNamespace(
-        stdout=buf.getvalue() if a[0] == "cp" else "cid", returncode=0))
-    imagebuild.export_workdir("img", "/app", tmp_path / "w")
+    # a stand-in docker CLI: `create` prints an id, `cp` streams the archive (export_workdir reads
+    # it from a pipe, never whole)
+    (tmp_path / "app.tar").write_bytes(buf.getvalue())
+    fake = tmp_path / "docker"
+    fake.write_text(f'#!/bin/sh\ncase "$1" in create) echo cid;; cp) cat {tmp_path / "app.tar"};; esac\n')
+    fake.chmod(0o755)
+    imagebuild.export_workdir("img", "/app", tmp_path / "w", runtime=str(fake))
     assert (tmp_path / "w" / "esbuild-link").read_bytes() == b"ELF"
     assert (tmp_path / "w" / "esbuild-link").stat().st_ino == (tmp_path / "w" / "bin" / "esbuild").stat().st_ino
 
