@@ -34,9 +34,10 @@ def _parts(root: Path, path: Path) -> list[str]:
     return parts
 
 
-def _open_dir(root: Path, parts: list[str], create: bool = False) -> int:
-    """An fd of root/parts... walked without following any link (``create``: mkdir missing ones)."""
-    fd = os.open(root, _DIR_FLAGS)
+def _open_dir(root: Path | int, parts: list[str], create: bool = False) -> int:
+    """An fd of root/parts... walked without following any link (``create``: mkdir missing ones);
+    ``root`` may be an open directory fd (not closed)."""
+    fd = os.dup(root) if isinstance(root, int) else os.open(root, _DIR_FLAGS)
     try:
         for p in parts:
             try:
@@ -333,3 +334,76 @@ def clear_dir(path: Path) -> None:
     finally:
         os.close(fd)
 
+
+
+#: how many links a resolution follows before it calls the chain a loop (the kernel's own limit)
+MAX_LINK_HOPS = 40
+
+
+def _stays_inside(root_fd: int, where: list[str], target: str) -> bool:
+    """Whether a symlink in the directory ``where`` (components under the root) to ``target``
+    resolves inside the root, followed as the kernel would but from the root's fd and never through
+    anything outside it: an absolute target, a ``..`` above the root, or a loop of links is
+    outside. Past a component that does not exist (a dangling tail) the rest is read lexically."""
+    stack, pending, hops = list(where), target.split("/")[::-1], 0
+    if target.startswith("/") or not target:
+        return False
+    lexical = False
+    while pending:
+        c = pending.pop()
+        if c in ("", "."):
+            continue
+        if c == "..":
+            if not stack:
+                return False
+            stack.pop()
+            continue
+        if not lexical:
+            try:
+                dfd = _open_dir(root_fd, stack)
+            except (OSError, UnsafePath):
+                lexical = True  # the kernel would stop here; judge what is left by its text
+            else:
+                try:
+                    st = os.stat(c, dir_fd=dfd, follow_symlinks=False)
+                    link = os.readlink(c, dir_fd=dfd) if stat.S_ISLNK(st.st_mode) else None
+                except OSError:
+                    link, lexical = None, True
+                finally:
+                    os.close(dfd)
+                if link is not None:
+                    hops += 1
+                    if hops > MAX_LINK_HOPS or link.startswith("/") or not link:
+                        return False
+                    pending.extend(link.split("/")[::-1])  # relative to the link's own directory
+                    continue
+        stack.append(c)
+    return True
+
+
+def drop_outside_links(root: Path, keep_names: int = 5) -> tuple[int, list[str]]:
+    """Remove every symlink under ``root`` whose target resolves outside ``root`` (absolute
+    targets included: on the host they name the host's files); links that stay inside are kept.
+    A sample's planted ``work/key -> /root/.ssh/id_rsa`` is harmless to Polar, which never follows
+    it, but a user's ``cp -L``, ``tar -h`` or upload of the run dir would. Returns (how many were
+    removed, the first ``keep_names`` of them as ``path -> target``). Nothing may run in ``root``."""
+    dropped, names = 0, []
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for dfd, name, st, relp in _walk_dirs(fd):
+            if not stat.S_ISLNK(st.st_mode):
+                continue
+            try:
+                target = os.readlink(name, dir_fd=dfd)
+            except OSError:
+                continue
+            if _stays_inside(fd, relp.split("/")[:-1], target):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dfd)
+            dropped += 1
+            if len(names) < keep_names:
+                names.append(f"{relp} -> {target[:120]}")
+    finally:
+        os.close(fd)
+    return dropped, names
