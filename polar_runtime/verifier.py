@@ -6,9 +6,16 @@ hidden tests are copied fresh to ``/tests`` -- they are never visible while the 
 Outcomes (``Evaluation.status``):
 
 * ``pass`` / ``fail``: a reward was written (``fail`` when it is <= 0);
-* ``error``: test.sh wrote no reward, wrote something that is not a finite number, or could not
-  start (reward null);
-* ``timeout``: test.sh ran past the verifier timeout (reward null);
+* ``fail`` with reward 0 and a ``verdict tampered`` note: the verdict was tampered with -- the
+  reward file is a link, a FIFO or another special file, or bigger than any reward (64 KiB), or
+  test.sh was killed by a signal that was not our timeout (a program of the sample's killed the
+  test runner). The sample did it, so it is the sample's failure: reward 0, never "no signal"
+  (a failing sample must not turn its 0 into a zero advantage by breaking the verdict);
+* ``timeout``: test.sh ran past the verifier timeout: reward 0 (the tests run the sample's work,
+  and a hang there -- a program that never returns, a server that never answers -- is the
+  sample's failure; a task whose tests hang for the oracle too shows in ``polar tasks check``);
+* ``error``: test.sh wrote no reward with no sign of tampering, wrote something that is not a
+  finite number, or could not start (reward null: an infrastructure failure, zero advantage);
 * ``none``: the task has no tests.
 
 Verifier failures are recorded per sample, never fatal to the rollout. Everything the verifier
@@ -47,40 +54,51 @@ class Evaluation:
     notes: list[str] = field(default_factory=list)
 
 
-def read_reward(verifier_dir: Path) -> tuple[float | None, str]:
-    """(reward, problem): the float in reward.txt, else reward.json's ``reward`` (or its only
-    number); problem is "" when a finite reward was found.
+class TamperedVerdict(Exception):
+    """The reward file is not what a test.sh writes: a link, a special file, an oversize file."""
+
+
+def read_reward(verifier_dir: Path) -> tuple[float | None, str, bool]:
+    """(reward, problem, tampered): the float in reward.txt, else reward.json's ``reward`` (or its
+    only number); problem is "" when a finite reward was found.
 
     ``/logs/verifier`` is writable by the sample's own programs (the tests run them), so a reward
-    file that is a symlink (to a host-only 0600 file, say) or a FIFO is never followed or opened:
-    it is refused, and so is one over 64 KiB."""
+    file that is a symlink (to a host-only 0600 file, say), a FIFO or a device is never followed
+    or opened, and one over 64 KiB is not read: each is refused with ``tampered`` True."""
     from polar_runtime.sandbox.hostfs import UnsafePath, read_bytes
 
     def read(name: str) -> str | None:
         try:
-            return read_bytes(verifier_dir, verifier_dir / name, limit=REWARD_FILE_LIMIT).decode(errors="replace")
+            data = read_bytes(verifier_dir, verifier_dir / name, limit=REWARD_FILE_LIMIT + 1)
         except FileNotFoundError:
             return None
+        except UnsafePath as exc:
+            raise TamperedVerdict(f"{name} refused: {exc}") from None
+        if len(data) > REWARD_FILE_LIMIT:
+            raise TamperedVerdict(f"{name} is over {REWARD_FILE_LIMIT // 1024} KiB; not read")
+        return data.decode(errors="replace")
 
     value: Any = None
     try:
         raw_txt = read("reward.txt")
         raw_js = read("reward.json") if raw_txt is None else None
-    except UnsafePath as exc:
-        return None, f"refused to read the reward: {exc}"
+    except TamperedVerdict as exc:
+        return None, f"refused to read the reward: {exc}", True
+    except UnsafePath as exc:  # a link on the way to the verifier dir itself
+        return None, f"refused to read the reward: {exc}", True
     except OSError as exc:
-        return None, f"cannot read the reward: {exc}"
+        return None, f"cannot read the reward: {exc}", False
     if raw_txt is not None:
         raw = raw_txt.strip()
         try:
             value = float(raw)
         except ValueError:
-            return None, f"reward.txt holds {raw[:80]!r}, not a number"
+            return None, f"reward.txt holds {raw[:80]!r}, not a number", False
     elif raw_js is not None:
         try:
             data = json.loads(raw_js)
         except ValueError as exc:
-            return None, f"reward.json is not JSON: {exc}"
+            return None, f"reward.json is not JSON: {exc}", False
         if isinstance(data, (int, float)) and not isinstance(data, bool):
             value = data
         elif isinstance(data, dict):
@@ -90,15 +108,15 @@ def read_reward(verifier_dir: Path) -> tuple[float | None, str]:
             elif len(nums) == 1:
                 value = next(iter(nums.values()))
             else:
-                return None, f"reward.json has no 'reward' key and {len(nums)} numbers: {sorted(nums)[:5]}"
+                return None, f"reward.json has no 'reward' key and {len(nums)} numbers: {sorted(nums)[:5]}", False
         else:
-            return None, "reward.json holds neither a number nor an object"
+            return None, "reward.json holds neither a number nor an object", False
     else:
-        return None, "test.sh wrote no /logs/verifier/reward.txt or reward.json"
+        return None, "test.sh wrote no /logs/verifier/reward.txt or reward.json", False
     value = float(value)
     if not math.isfinite(value):
-        return None, f"reward is {value}"
-    return value, ""
+        return None, f"reward is {value}", False
+    return value, "", False
 
 
 def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, agent_logs: Path,
@@ -161,14 +179,32 @@ def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, ag
         output = fh.read().decode(errors="replace")
     with_notes = stand_in_notes + list(res.notes)
     if res.timed_out:
-        return Evaluation(None, "timeout", (output + f"\n[polar] verifier timed out after {limit:g} s")[-OUTPUT_TAIL:],
-                          secs, with_notes)
-    reward, problem = read_reward(vdir)
+        why = (f"the verifier timed out after {limit:g} s: scored 0 (a hang in the tests of the sample's "
+               f"work is the sample's failure)")
+        return Evaluation(0.0, "timeout", (output + f"\n[polar] {why}")[-OUTPUT_TAIL:], secs, with_notes + [why])
+    reward, problem, tampered = read_reward(vdir)
     _keep_output(out_path, vdir)
     if reward is None:
+        signal = _killed_by(res.returncode)
+        if tampered or signal:
+            why = f"verdict tampered: {problem}" if tampered else (
+                f"verdict tampered: test.sh was killed by signal {signal} (not by the verifier's timeout) "
+                f"and wrote no reward")
+            return Evaluation(0.0, "fail", (output + f"\n[polar] {why}; scored 0")[-OUTPUT_TAIL:], secs,
+                              with_notes + [why + "; scored 0"])
         msg = f"\n[polar] {problem} (test.sh exited {res.returncode})"
         return Evaluation(None, "error", (output + msg)[-OUTPUT_TAIL:], secs, with_notes)
     return Evaluation(reward, "pass" if reward > 0 else "fail", output[-OUTPUT_TAIL:], secs, with_notes)
+
+
+def _killed_by(returncode: int) -> int | None:
+    """The signal that ended test.sh: -N from the runtime, or 128+N as the sandbox's init and
+    shells report it (129-159; 126/127 are "cannot execute" / "not found", not a signal)."""
+    if returncode < 0:
+        return -returncode
+    if 128 < returncode < 160:
+        return returncode - 128
+    return None
 
 
 def _keep_output(out_path: Path, vdir: Path) -> None:

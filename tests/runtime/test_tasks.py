@@ -159,12 +159,23 @@ def test_failed_build_fails_every_sample_with_the_line(tmp_path):
     ('echo \'{"a": 1, "b": 2}\' > /logs/verifier/reward.json', (None, "error")),
     ("echo yes > /logs/verifier/reward.txt", (None, "error")),
     ("exit 0", (None, "error")),
-    ("sleep 30", (None, "timeout")),
+    ("exit 3", (None, "error")),
+    # a hung verifier is the sample's failure (its work is what the tests run): 0, not "no signal"
+    ("sleep 30", (0.0, "timeout")),
+    # a tampered verdict scores 0 (issue 50): a link, a FIFO, a directory, an oversize file where
+    # the reward should be, or the test runner killed by a signal that was not our timeout
+    ("ln -s /etc/hostname /logs/verifier/reward.txt", (0.0, "fail", "tampered")),
+    ("mkdir /logs/verifier/reward.txt", (0.0, "fail", "tampered")),
+    ("head -c 70000 /dev/zero | tr '\\0' 1 > /logs/verifier/reward.txt", (0.0, "fail", "tampered")),
+    ("ln -s /etc/hostname /logs/verifier/reward.json", (0.0, "fail", "tampered")),
+    ("kill -9 $$", (0.0, "fail", "tampered")),
 ])
 def test_reward_files(tmp_path, test_sh, want):
     d = make_task(tmp_path / "ds", toml="[verifier]\ntimeout_sec = 2\n", test_sh=test_sh + "\n")
     (row,) = rollout(tmp_path, load_tasks(d), "nop")
-    assert (row["reward"], row["evaluator_status"]) == want, row["evaluator_output"]
+    assert (row["reward"], row["evaluator_status"]) == want[:2], row["evaluator_output"]
+    if want[2:] == ("tampered",):
+        assert "verdict tampered" in row["evaluator_output"] and "verdict tampered" in row["sandbox_notes"]
 
 
 def test_allow_internet_never_opens_the_hosts_network(tmp_path):

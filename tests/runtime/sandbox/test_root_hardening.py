@@ -264,7 +264,7 @@ def test_the_host_follows_no_link_a_sample_plants(sandbox, tmp_path, host_secret
     work = tmp_path / "work"
     work.mkdir()
     ev = _verify(sandbox, task, tmp_path, work)
-    assert ev.reward is None and "refused" in ev.output, ev.output
+    assert ev.reward == 0.0 and "refused" in ev.output and "tampered" in ev.output, ev.output
     assert "0.75" not in ev.output
     assert victim.read_text() == "untouched\n", "the host wrote through a planted link"
 
