@@ -509,7 +509,34 @@ def _map_binds(inv: Any, spec: Any, sandbox: Any) -> None:
 
 def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[str, Any]:
     """One sample, end to end (build, agent, verifier); never raises for harness, build or
-    verifier failures."""
+    verifier failures. What stays in the run dir keeps no link out of the sample's dir."""
+    row = _run_sample_phases(cfg, job, registry)
+    note = seal_sample_dir(cfg.work / row["session_id"])
+    if note:
+        row["sandbox_notes"] = "\n".join(n for n in (row.get("sandbox_notes"), note) if n)
+    return row
+
+
+def seal_sample_dir(sample_dir: Path) -> str | None:
+    """After the sample's last phase: links its phases (or the task) left that resolve outside the
+    sample's dir are removed (``hostfs.drop_outside_links``), and said. Nothing of Polar follows
+    them, but a user's ``cp -L``, ``tar -h`` or upload of the run dir would read the host's files.
+    Links that stay inside (a task's relative ones) are kept. A venv's absolute ``bin/python`` link
+    goes too: the sample is done, and the phases needed it only while they ran."""
+    from polar_runtime.sandbox.hostfs import drop_outside_links
+
+    if not sample_dir.is_dir() or sample_dir.is_symlink():
+        return None
+    try:
+        n, names = drop_outside_links(sample_dir)
+    except OSError as exc:
+        return f"links out of the sample's dir could not all be checked: {exc}"
+    if not n:
+        return None
+    return f"{n} link(s) pointing outside the sample's dir removed from the run dir: {', '.join(names)}"
+
+
+def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[str, Any]:
     task, i = job.task, job.sample
     attempt = next_attempt(cfg, task.id, i)
     sid = session_id_for(task.id, cfg.step, i, attempt)

@@ -207,11 +207,9 @@ class DockerSandbox(Sandbox):
                                    timeout=600, stdin=subprocess.DEVNULL)
                 if c.returncode != 0:
                     raise SandboxError(f"`{self.runtime} commit` of the build step failed: {c.stderr.strip()[-400:]}")
-            report = {}
-            try:
-                report = json.loads((report_dir / "report.json").read_text())
-            except (OSError, ValueError):
-                pass
+            report, problem = read_report(report_dir)
+            if problem:
+                notes.append(problem)
             notes += [f"{k} limit enforced by {self.limits_by}" for k, v in
                       (("pids", spec.pids), ("memory", spec.memory_mb), ("cpu", spec.cpus)) if v]
             if timed_out:
@@ -262,6 +260,45 @@ class DockerSandbox(Sandbox):
         """After the phase (or its timeout): the container and every process in it go."""
         subprocess.run([self.runtime, "rm", "-f", name], capture_output=True, timeout=60,
                        stdin=subprocess.DEVNULL, check=False)
+
+
+#: the init's report is a few dozen bytes; anything past this is not ours
+REPORT_LIMIT = 64 * 1024
+
+
+def read_report(report_dir: Path) -> tuple[dict, str | None]:
+    """The init's report from the report dir the phase could write: (its checked fields, a note
+    when it was refused). The phase runs as the same uid as the init here, so ``report.json`` may be
+    anything the sample made it: a link to a host 0600 file (its text landed in the notes), to
+    ``/dev/ptmx`` (a blocking open hung the worker for good) or ``/dev/zero`` (read until the host's
+    memory ran out). So: no link followed, a regular file only, opened non-blocking, at most
+    :data:`REPORT_LIMIT` bytes, and only the fields the host uses, each of its type."""
+    from polar_runtime.sandbox.hostfs import UnsafePath, read_bytes
+
+    try:
+        raw = read_bytes(report_dir, report_dir / "report.json", limit=REPORT_LIMIT + 1)
+    except FileNotFoundError:
+        return {}, None
+    except UnsafePath as exc:
+        return {}, f"the sandbox's report refused (the phase tampered with it): {exc}"
+    except OSError as exc:
+        return {}, f"the sandbox's report could not be read: {exc}"
+    if len(raw) > REPORT_LIMIT:
+        return {}, f"the sandbox's report refused: over {REPORT_LIMIT} bytes"
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return {}, "the sandbox's report refused: not JSON"
+    if not isinstance(data, dict):
+        return {}, "the sandbox's report refused: not a JSON object"
+    out: dict = {}
+    for key, kinds in (("leftovers", int), ("returncode", int), ("swept", bool), ("relay", (bool, str))):
+        v = data.get(key)
+        if isinstance(v, kinds) and (key in ("swept", "relay") or not isinstance(v, bool)):
+            out[key] = v[:300] if isinstance(v, str) else v
+    if isinstance(out.get("leftovers"), int) and not 0 <= out["leftovers"] < 2**31:
+        del out["leftovers"]
+    return out, None
 
 
 def _with_env(spec: SandboxSpec, env: dict[str, str]) -> SandboxSpec:
