@@ -60,11 +60,27 @@ def fingerprint(tokenizer: Any) -> str:
     return f"{VERSION}:{n}:{h.hexdigest()[:24]}"
 
 
+def load_tokenizer(model_dir: Any, **kwargs: Any) -> Any:
+    """``AutoTokenizer.from_pretrained(model_dir)``, without a Mistral warning that does not apply.
+
+    transformers 4.57.6 (the main venv's, ``transformers<5``) takes *every* local model whose
+    ``config.json`` was written by a transformers newer than 4.57.2 and older than 5 for a Mistral
+    tokenizer with a wrong pre-tokenizer regex (its model_type check only runs for older
+    versions), and logs "The tokenizer you are loading from
+    ... with an incorrect regex pattern" unless ``fix_mistral_regex`` is given: every Qwen model
+    ``polar models build`` saves got it, on every load, the trainer's in ``polar demo`` among them.
+    ``fix_mistral_regex=False`` says "load it as published", which is what that version does
+    anyway when the flag is absent (only the warning differs), and what the server tokenizes with:
+    the ids Polar trains on are vLLM's, so a tokenizer here must never re-split text differently.
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), fix_mistral_regex=False, **kwargs)
+
+
 def fingerprint_of_dir(model_dir: Any) -> str | None:
     """The fingerprint of a model directory's tokenizer; None when it has none that loads."""
     try:
-        from transformers import AutoTokenizer
-
-        return fingerprint(AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True))
+        return fingerprint(load_tokenizer(model_dir, local_files_only=True))
     except Exception:  # noqa: BLE001 - no tokenizer files: nothing to compare
         return None

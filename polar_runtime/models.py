@@ -373,9 +373,11 @@ def tiny_qwen_config(vocab_size: int = 151936):
 def write_tiny_qwen(out_dir: Path, tokenizer_dir: Path, seed: int = TINY_QWEN_SEED) -> None:
     """Seeded random weights (same seed, same bytes) + the tokenizer files of `tokenizer_dir`."""
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2ForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    from polar_core.tokenizer_identity import load_tokenizer  # no Mistral-regex warning (its docstring)
+
+    tok = load_tokenizer(tokenizer_dir)
     base_vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
     config = tiny_qwen_config(vocab_size=base_vocab)
     with torch.random.fork_rng(devices=[]):
@@ -534,9 +536,11 @@ def verify_hf(model_dir: Path, *, tools: bool, real_weights: bool) -> dict[str, 
     import math
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    from polar_core.tokenizer_identity import load_tokenizer  # no Mistral-regex warning (its docstring)
+
+    tok = load_tokenizer(model_dir)
     msgs = verify_conversation(tools)
     kwargs = {"tools": VERIFY_TOOLS} if tools else {}
     text = tok.apply_chat_template(msgs, tokenize=False, **kwargs)
