@@ -11,6 +11,10 @@ loop device; elsewhere the backend falls back to the watchdog and says so in the
 
 The copies never follow a link or open a special file (``hostfs.copy_tree``); the image is
 mounted ``nosuid,nodev`` in a 0700 directory of its own, and removed with the phase.
+
+Loop devices are few (8 here): each image's dir records its owner process, the first image a
+process makes frees the images of dead owners, and an image waits for a free device rather than
+failing (``loopdev.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from polar_runtime.sandbox.hostfs import chown_tree, clear_dir, copy_tree
+from polar_runtime.sandbox import loopdev
+from polar_runtime.sandbox.hostfs import chown_tree, clear_dir, copy_tree, open_under
 
 MKFS = shutil.which("mkfs.ext4") or "/usr/sbin/mkfs.ext4"
 
@@ -30,28 +35,42 @@ MKFS = shutil.which("mkfs.ext4") or "/usr/sbin/mkfs.ext4"
 class DiskImage:
     """``with DiskImage(size_mb, uid) as img: binds = img.stage(paths) ... img.unstage()``."""
 
-    def __init__(self, size_mb: int, uid: int):
+    def __init__(self, size_mb: int, uid: int, *, probe=loopdev.free_devices):
+        """``probe``: how many loop devices are free (tests pass a fake one)."""
         self.size_mb, self.uid = size_mb, uid
-        self.dir = Path(tempfile.mkdtemp(prefix="polar-disk-"))  # 0700, root's
+        #: seconds this image waited for a loop device
+        self.waited_s = 0.0
+        loopdev.janitor_once()
+        self.dir = Path(tempfile.mkdtemp(prefix=loopdev.PREFIX))  # 0700, root's
         self.image, self.mnt = self.dir / "disk.img", self.dir / "mnt"
         self.staged: list[tuple[Path, Path]] = []
         self.mounted = False
         self.unstaged = False
         self.skipped = 0
         try:
+            loopdev.write_owner(self.dir)  # before anything is mounted: a kill from here on is reaped
             self.mnt.mkdir()
             with open(self.image, "wb") as fh:
                 # ext4's own metadata takes ~3% of the image: add it, so disk_mb is what files get
                 fh.truncate((size_mb + max(4, size_mb // 16)) * 1024 * 1024)
             self._run([MKFS, "-q", "-F", "-m", "0", "-O", "^has_journal", "-E",
                        f"lazy_itable_init=1,nodiscard,root_owner={uid}:{uid}", str(self.image)])
-            self._run(["mount", "-o", "loop,nosuid,nodev,noatime", str(self.image), str(self.mnt)])
-            self.mounted = True
+            self.waited_s = loopdev.wait_for_device(self._mount, probe=probe)
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(self.mnt / "lost+found")
         except BaseException:
             self.close()
             raise
+
+    def _mount(self) -> None:
+        proc = subprocess.run(["mount", "-o", "loop,nosuid,nodev,noatime", str(self.image), str(self.mnt)],
+                              capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            err = (proc.stderr or proc.stdout).strip()[:300]
+            if "loop device" in err:  # "failed to setup loop device": every device was taken
+                raise loopdev.NoFreeLoop(err)
+            raise OSError(f"mount failed: {err}")
+        self.mounted = True
 
     @staticmethod
     def _run(argv: list[str]) -> None:
@@ -66,10 +85,12 @@ class DiskImage:
             dest = self.mnt / f"b{i}"
             if host.is_dir() and not host.is_symlink():
                 copy_tree(host, dest)
-            else:
+            else:  # one file: read without following a link or opening a special file
                 dest.mkdir()
                 dest = dest / host.name
-                shutil.copyfile(host, dest, follow_symlinks=False)
+                fd = open_under(host.parent, host)
+                with os.fdopen(fd, "rb") as src, open(dest, "xb") as out:
+                    shutil.copyfileobj(src, out, 1 << 20)
             self.staged.append((host, dest))
             out[host] = dest
         chown_tree(self.mnt, self.uid)
