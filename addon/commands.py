@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
 from polar_core import paths
+from polar_core.console import make_console
 from polar_core.control import token_file
 
 from .process import ProxyProcess
@@ -39,7 +39,7 @@ def proxy_command(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Extra mitmproxy option name=value.")] = None,
 ) -> None:
     """Run the Polar capture proxy in front of an inference server."""
-    console = Console()
+    console = make_console()
     options: dict[str, list[str]] = {}
     for item in set_ or []:
         key, sep, value = item.partition("=")

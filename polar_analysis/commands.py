@@ -13,11 +13,12 @@ from typing import Annotated, Optional
 
 import polars as pl
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-console = Console()
+from polar_core.console import make_console
+
+console = make_console()
 
 SourceArg = Annotated[Path, typer.Argument(resolve_path=True, help="Capture directory, mitmproxy flow file, or calls Parquet.", show_default=False)]
 ModelOpt = Annotated[Optional[str], typer.Option(

@@ -8,14 +8,14 @@ import time
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from polar_core.console import make_console
 from polar_runtime import models, serve
 
-console = Console()
-err = Console(stderr=True)
+console = make_console()
+err = make_console(stderr=True)
 
 def _error(message: str) -> None:
     """Print an error whose text may contain brackets from vLLM's log (never read as markup)."""

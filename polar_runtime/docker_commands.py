@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
+
+from polar_core.console import make_console
 
 docker_app = typer.Typer(no_args_is_help=True, help="A private Docker daemon (start, stop, status, env) and stand-in images.")
-console = Console()
+console = make_console()
 DirOpt = Annotated[Optional[Path], typer.Option("--dir", help="The daemon's directory (default $POLAR_HOME/dockerd).")]
 
 

@@ -30,7 +30,6 @@ task) beside the rollout's ``rollouts.parquet`` and captures.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -41,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from polar_analysis import passk
+from polar_core.console import make_console
 
 RESULT_FILE = "eval.json"
 TASKS_FILE = "eval.parquet"
@@ -52,7 +52,7 @@ INFRA_POLICIES = ("exclude", "fail")
 DEMO_PREFIX = "eval-"
 
 # Tables: when the output is not a terminal (CI logs, `| tee`) rich would assume 80 columns.
-console = Console(width=None if sys.stdout.isatty() else 160)
+console = make_console()  # whole rows off a terminal (polar_core/console.py)
 
 
 def outcome(row: dict[str, Any], threshold: float = 1.0) -> tuple[bool | None, str]:

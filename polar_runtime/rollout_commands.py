@@ -11,16 +11,16 @@ from typing import Annotated, Any, Optional
 
 import polars as pl
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from polar_core.console import make_console
 from polar_core.processes import interruptible, stop_all_children
 from polar_runtime import harnesses as h
 from polar_runtime import rollout as r
 
 harness_app = typer.Typer(no_args_is_help=True, help="Agent harness CLIs: install (npm, pinned), list, run once.")
-console = Console()
+console = make_console()
 
 Mode = Annotated[str, typer.Option(help="base_url (reverse proxy) or proxy (HTTPS_PROXY + CA only).")]
 ProxyOpt = Annotated[Optional[str], typer.Option("--proxy", help="Use a running Polar proxy at this URL.")]
@@ -232,7 +232,7 @@ def rollout_command(
     _check_mode(mode)
     preset = _preset(harness, command)
     try:
-        task_list = r.load_tasks(tasks, container=sandbox in ("docker", "podman"))
+        task_list = r.load_tasks(tasks, container=sandbox if sandbox in ("docker", "podman") else False)
         index, count = r.parse_shard(shard)
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -12,15 +12,17 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from polar_core.console import make_console
+from polar_runtime.failures import FAILED, from_notes
 #: the backends that build a task's image for real (tasks/imagebuild.py): their Dockerfiles are planned
 #: for that, not for the local mode's subset
-CONTAINER_BACKENDS = ("docker", "podman")
+from polar_runtime.tasks.model import CONTAINER_BACKENDS
+
 tasks_app = typer.Typer(no_args_is_help=True, help="Harbor task directories: check (oracle and nop), list, convert.")
-console = Console()
+console = make_console()
 
 
 def check_tasks(tasks: list[Any], *, work: Path, sandbox: str = "auto", concurrency: int = 2,
@@ -28,20 +30,24 @@ def check_tasks(tasks: list[Any], *, work: Path, sandbox: str = "auto", concurre
     """Run the oracle and nop once on every task; one row per task with both rewards, a ``status``
     (``passed``, ``failed`` or ``refused``), a ``verdict`` (``ok``, or why not) and the task's notes.
 
-    ``refused``: the local mode cannot run the task (found before running it, or its build failed);
+    ``refused``: the backend cannot run the task (found before running it, or its build failed;
+    the reason names the backend), or the oracle ran out of memory at a limit clamped to this
+    host (the task asks for more than it has);
     ``failed``: no reference solution, an oracle that scored below 1 (a broken solution or
-    verifier), or, only when the oracle scored 1, a nop that scored as high (tests that test
-    nothing)."""
+    verifier: the failing tests are named, else the verifier output's end), or, only when the
+    oracle scored 1, a nop that scored as high (tests that test nothing)."""
     from polar_runtime import rollout as r
     from polar_runtime.harnesses import Endpoint, get_preset
-    from polar_runtime.tasks.environment import local_mode_refusal
+    from polar_runtime.tasks.staticcheck import static_check
 
     refusals: dict[str, str] = {}
+    check_notes: dict[str, list[str]] = {}
     for t in tasks:
         try:
-            why = local_mode_refusal(t, builds_image=sandbox in ("docker", "podman"))
-        except Exception as exc:  # noqa: BLE001 - a check never crashes on a task
-            why = f"cannot inspect the task: {type(exc).__name__}: {exc}"
+            why, check_notes[t.id] = static_check(t, sandbox)
+        except Exception as exc:  # noqa: BLE001 - reading a task never refuses it: it runs, said
+            why, check_notes[t.id] = None, [f"its scripts were not read before running ({type(exc).__name__}: "
+                                            f"{exc}); it runs unchecked"]
         if why:
             refusals[t.id] = why
     runnable = [t for t in tasks if t.id not in refusals]
@@ -59,18 +65,25 @@ def check_tasks(tasks: list[Any], *, work: Path, sandbox: str = "auto", concurre
         oracle, nop = rec.get("oracle") or {}, rec.get("nop") or {}
         o, n = oracle.get("reward"), nop.get("reward")
         err = str(oracle.get("error") or "")
+        failures = from_notes(oracle.get("sandbox_notes"))
         status, problems = "failed", []
         if t.id in refusals:
             status, problems = "refused", [refusals[t.id]]
         elif err.startswith("environment:"):
-            status, problems = "refused", [("the task's image could not be built: " if sandbox in ("docker", "podman") else
-                                    "the local mode could not build the environment: ") + err.removeprefix("environment:").strip()[:600]]
+            status, problems = "refused", [(f"the task's image could not be built by the {sandbox} backend: "
+                                            if sandbox in CONTAINER_BACKENDS else
+                                            "the local mode could not build the environment: ")
+                                           + err.removeprefix("environment:").strip()[:600]]
         elif not t.has_solution:
             problems.append("no solution/solve.sh: the oracle cannot be checked")
+        elif (o is None or o < 1) and "memory limit hit" in (oracle.get("sandbox_notes") or ""):
+            status, problems = out_of_memory(t)
         elif o is None or o < 1:
             why = (err or oracle.get("evaluator_output") or "").strip().splitlines()
             what = "the verifier wrote no reward" if o is None else f"scored {o:g}"
-            problems.append(f"oracle failed: {what}" + (f" ({why[-1][:200]})" if why else ""))
+            tests = [f.removeprefix(FAILED) for f in failures if f.startswith(FAILED)]
+            problems.append(f"oracle failed: {what}" + (f"; failed tests: {'; '.join(tests)}" if tests else
+                                                        f" ({why[-1][:200]})" if why else ""))
         elif n is None and nop.get("evaluator_status") in ("error", "timeout"):
             problems.append(f"nop: verifier {nop.get('evaluator_status')}")
         elif n is not None and n >= o:
@@ -80,8 +93,20 @@ def check_tasks(tasks: list[Any], *, work: Path, sandbox: str = "auto", concurre
         out.append({"task": t.id, "status": status, "oracle": o, "nop": n, "oracle_s": oracle.get("wall_s"),
                     "verdict": "ok" if not problems else "; ".join(problems),
                     "oracle_verifier": oracle.get("verifier_dir"), "notes": list(t.notes) + build_notes(t, sandbox)
-                    + stand_ins(oracle)})
+                    + check_notes.get(t.id, []) + stand_ins(oracle) + [f"oracle: {f}" for f in failures]})
     return out
+
+
+def out_of_memory(task: Any) -> tuple[str, list[str]]:
+    """(status, problems) of an oracle the OOM killer ended: at a limit clamped to this host it is
+    the host's shortfall (refused: the task asks for more than this host has), never "oracle
+    failed"; at the task's own limit it is the oracle's failure, said as such."""
+    asked = task.clamped.get("memory_mb")
+    limit = task.limits()["memory_mb"]
+    if asked:
+        return "refused", [f"out of memory at the clamped limit: the oracle was OOM-killed at {limit} MiB, this "
+                           f"host's memory; the task asks for {asked:g} MiB"]
+    return "failed", [f"oracle failed: out of memory at the task's limit of {limit} MiB (the OOM killer ran)"]
 
 
 def build_notes(task: Any, sandbox: str) -> list[str]:
@@ -105,7 +130,7 @@ def refused_row(task: str, reason: str) -> dict[str, Any]:
             "oracle_verifier": None, "notes": []}
 
 
-def load_for_check(path: str, container: bool = False) -> tuple[list[Any], list[dict[str, Any]]]:
+def load_for_check(path: str, container: bool | str = False) -> tuple[list[Any], list[dict[str, Any]]]:
     """The tasks of ``path`` that load, and a refused row for each that does not (a dataset
     directory never stops at its first bad task). Raises FileNotFoundError / ValueError only when
     ``path`` itself is not a task set."""
@@ -132,14 +157,14 @@ def check_command(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the rows as JSON to this file.")] = None,
 ) -> None:
     """Run the oracle and nop on every task; one row per task: passed, failed (an oracle below 1,
-    tests that test nothing, no solution) or refused (what the local mode cannot run, or a task
-    that does not load), with the reason and the notes. Exit 1 when any task failed or was refused."""
+    tests that test nothing, no solution) or refused (what the backend cannot run, named, or a
+    task that does not load), with the reason and the notes. Off a terminal every row is whole. Exit 1 when any task failed or was refused."""
     import json
 
     from polar_runtime.tasks import resolve_tasks_path
 
     try:
-        tasks, refused = load_for_check(path, container=sandbox in CONTAINER_BACKENDS)
+        tasks, refused = load_for_check(path, container=sandbox if sandbox in CONTAINER_BACKENDS else False)
     except (ValueError, FileNotFoundError, OSError) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
@@ -155,10 +180,12 @@ def check_command(
     rows = sorted(rows + refused, key=lambda r: ids.index(r["task"]))
     for row in rows:
         row["verdict"] = row["verdict"].replace(root, "")
+    terminal = console.is_terminal  # off a terminal (a log, CI, a pipe) every row is whole
     table = Table(title=f"polar tasks check {escape(path)} ({len(rows)} tasks, sandbox {sandbox}, {time.monotonic() - t0:.1f} s)")
     for col in ("task", "status", "oracle", "nop", "oracle s", "reason"):
         table.add_column(col, justify="right" if col in ("oracle", "nop", "oracle s") else "left",
-                         no_wrap=col != "reason", max_width=70 if col == "reason" else None)
+                         no_wrap=col != "reason", max_width=70 if col == "reason" and terminal else None,
+                         overflow="fold")
     counts = {"passed": 0, "failed": 0, "refused": 0}
     colours = {"passed": "green", "failed": "red", "refused": "yellow"}
     for row in rows:
@@ -167,7 +194,7 @@ def check_command(
         c = colours[row["status"]]
         reason = "" if row["status"] == "passed" else row["verdict"]
         table.add_row(escape(row["task"]), f"[{c}]{row['status']}[/{c}]", fmt(row["oracle"]), fmt(row["nop"]),
-                      fmt(row["oracle_s"]), escape(reason if len(reason) <= 140 else reason[:137] + "..."))
+                      fmt(row["oracle_s"]), escape(reason if len(reason) <= 140 or not terminal else reason[:137] + "..."))
     console.print(table)
     # every reason in full and every note, one line each (the table keeps to the terminal's width)
     for row in rows:

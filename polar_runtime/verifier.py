@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polar_runtime.failures import failure_notes
 from polar_runtime.sandbox.egress import registries
 from polar_runtime.tasks.environment import build_env
 from polar_runtime.tasks.model import DEFAULT_PATH, DEFAULT_VERIFIER_TIMEOUT, Task
@@ -184,6 +185,8 @@ def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, ag
         return Evaluation(0.0, "timeout", (output + f"\n[polar] {why}")[-OUTPUT_TAIL:], secs, with_notes + [why])
     reward, problem, tampered = read_reward(vdir)
     _keep_output(out_path, vdir)
+    if reward is None or reward < 1:  # a failed verdict says why: its failing tests, else the output's end
+        with_notes = with_notes + failure_notes(vdir, output)
     if reward is None:
         signal = _killed_by(res.returncode)
         if tampered or signal:

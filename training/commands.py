@@ -91,11 +91,11 @@ def train_command(
 ) -> None:
     """Train the policy with GRPO on captured trajectories and write a servable checkpoint."""
     options = {**locals(), "tis_cap": tis_cap or None, "compute_dtype": dtype}
-    from rich.console import Console
+    from polar_core.console import make_console
 
     from .run import TrainJob, run_training
 
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     try:
         cfg = TrainConfig(**_fields(TrainConfig, options), adv=AdvantageConfig(**_fields(AdvantageConfig, options)),
                           loss=LossConfig(**_fields(LossConfig, options)))

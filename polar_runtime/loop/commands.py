@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-console = Console(width=None if sys.stdout.isatty() else 120)
+from polar_core.console import make_console
+
+console = make_console()  # whole rows off a terminal (polar_core/console.py)
 
 
 def print_summary(report: dict[str, Any]) -> None:

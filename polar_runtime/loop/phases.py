@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from polar_core import paths
+from polar_core.console import make_console
 from polar_core.processes import child_pids, stop_children
 from polar_training.config import LossConfig, TrainConfig
 
@@ -31,7 +31,7 @@ from .config import LoopConfig
 from .groups import LoopError
 
 # Reports are tables: when the output is not a terminal (CI logs, `| tee`) rich would assume 80 columns.
-console = Console(width=None if sys.stdout.isatty() else 120)
+console = make_console()  # whole rows off a terminal (polar_core/console.py)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -198,8 +198,8 @@ class DockerSandbox(Sandbox):
             inner = [*python, f"{PRIVATE}/init.py", json.dumps(cfg), "--", *argv]
             run_spec = spec if env == spec.env else _with_env(spec, env)
             cmd = self.argv(run_spec, private, name, inner, report_dir, host_binds, staged, tmp_dir)
-            if commit_to:  # kept until committed (the finally below removes it)
-                cmd.remove("--rm")
+            # kept until inspected (OOMKilled) and, for a build step, committed: the finally below removes it
+            cmd.remove("--rm")
             rc, timed_out, _, wall = supervise(cmd, env=None, cwd=None, stdout=stdout, stderr=stderr,
                                                timeout_s=spec.timeout_s)
             if commit_to and rc == 0 and not timed_out:
@@ -207,6 +207,9 @@ class DockerSandbox(Sandbox):
                                    timeout=600, stdin=subprocess.DEVNULL)
                 if c.returncode != 0:
                     raise SandboxError(f"`{self.runtime} commit` of the build step failed: {c.stderr.strip()[-400:]}")
+            if spec.memory_mb and self.oom_killed(name):  # any process of it: measured true for a grandchild
+                notes.append(f"memory limit hit: the OOM killer ended a process of the phase at {spec.memory_mb} MiB "
+                             f"({self.runtime} says OOMKilled)")
             report, problem = read_report(report_dir)
             if problem:
                 notes.append(problem)
@@ -257,9 +260,16 @@ class DockerSandbox(Sandbox):
             return self._images[image]
 
     def remove(self, name: str) -> None:
-        """After the phase (or its timeout): the container and every process in it go."""
-        subprocess.run([self.runtime, "rm", "-f", name], capture_output=True, timeout=60,
+        """After the phase (or its timeout): the container, every process in it and its anonymous
+        volumes (an image's ``VOLUME``, as ``--rm`` removed them) go."""
+        subprocess.run([self.runtime, "rm", "-f", "-v", name], capture_output=True, timeout=60,
                        stdin=subprocess.DEVNULL, check=False)
+
+    def oom_killed(self, name: str) -> bool:
+        """Whether the OOM killer ended any process of the container (its ``State.OOMKilled``)."""
+        r = subprocess.run([self.runtime, "inspect", "--format", "{{.State.OOMKilled}}", name], capture_output=True,
+                           text=True, timeout=60, stdin=subprocess.DEVNULL, check=False)
+        return r.returncode == 0 and r.stdout.strip() == "true"
 
 
 #: the init's report is a few dozen bytes; anything past this is not ours

@@ -158,6 +158,21 @@ def root() -> Path:
     return paths.polar_home() / "uv"
 
 
+_NEWEST: list[str] = []
+
+
+def newest_version() -> str:
+    """The newest uv on PyPI (``ghcr.io/astral-sh/uv:latest`` is its release), asked once per process."""
+    if not _NEWEST:
+        r = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "uv", "--only-binary=:all:"],
+                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        m = re.search(r"^uv \((\d+\.\d+\.\d+)\)", r.stdout, re.M)
+        if r.returncode != 0 or m is None:
+            raise UvStandInError(f"`pip index versions uv` failed: {(r.stderr or r.stdout).strip()[-300:]}")
+        _NEWEST.append(m[1])
+    return _NEWEST[0]
+
+
 def ensure_uv(version: str, cache: Path | None = None) -> Path:
     """``<cache>/<version>/`` holding ``uv``, ``uvx`` and ``install.sh`` (pip-downloaded once)."""
     if not re.fullmatch(r"\d+\.\d+\.\d+", version):

@@ -38,7 +38,7 @@ def resolve_tasks_path(spec: str | Path) -> Path:
                             f"file (built-in: {', '.join(b.name for b in builtin_sets())})")
 
 
-def load_tasks(spec: str | Path, container: bool = False) -> list[Task]:
+def load_tasks(spec: str | Path, container: bool | str = False) -> list[Task]:
     """``container``: Dockerfiles planned for a container backend's image build (any FROM, COPY
     anywhere), not the local mode's subset (``tasks/dockerfile.py``)."""
     path = resolve_tasks_path(spec)

@@ -35,13 +35,17 @@ import shlex
 import shutil
 from pathlib import Path, PurePosixPath
 
-from polar_runtime.tasks.model import DEFAULT_PATH, DEFAULT_WORKDIR, Environment, Step
+from polar_runtime.sandbox.base import SandboxError, sandbox_path
+from polar_runtime.tasks.model import DEFAULT_PATH, DEFAULT_WORKDIR, Environment, Step, mode_name
 
 #: Base images whose userland the host's Debian-like toolchain stands in for (the last path part
 #: of the image name, before the tag).
 STAND_IN_IMAGES = re.compile(r"^(python|debian|ubuntu|buildpack-deps|python-3-\d+|ubuntu-\d+-\d+)$")
 IGNORED = {"LABEL", "MAINTAINER", "EXPOSE", "CMD", "ENTRYPOINT", "HEALTHCHECK", "STOPSIGNAL", "VOLUME"}
 ARCHIVES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".txz")
+#: astral's uv image (``COPY --from=ghcr.io/astral-sh/uv:0.5.11 /uv /uvx /bin/``): a container backend
+#: copies uv from its PyPI wheel instead (``sandbox/uvstandin.py``), ghcr.io being unreachable here
+UV_IMAGE = re.compile(r"^(?:ghcr\.io/)?astral-sh/uv(?::(?P<tag>[\w.-]+))?(?:@sha256:[0-9a-f]+)?$")
 #: a here-document opener (not a here-string ``<<<``): ``<<EOF``, ``<<-EOF``, ``<<"EOF"``, ``<<'EOF'``
 HEREDOC = re.compile(r"(?<![<\w])<<(-?)\s*([\"']?)([A-Za-z_][A-Za-z0-9_]*)\2(?!<)")
 
@@ -180,12 +184,13 @@ def escaping_link(path: Path, top: Path) -> Path | None:
 
 
 def parse(dockerfile: Path, base_env: dict[str, str] | None = None, *, workdir: str | None = None,
-          task_root: Path | None = None, container: bool = False) -> Environment:
+          task_root: Path | None = None, container: bool | str = False) -> Environment:
     """The build plan of ``dockerfile`` for the local mode, or :class:`DockerfileError`.
     ``workdir`` (task.toml's ``[environment] workdir``) overrides the Dockerfile's last WORKDIR;
     ``task_root`` (default: the build context's parent) is what a COPY source may not leave.
 
-    ``container``: the plan for a container backend, which builds a real image
+    ``container``: the plan for a container backend (its name: refusals say which backend they are
+    about), which builds a real image
     (``tasks/imagebuild.py``): any ``FROM`` image (pulled, or stood in for: ``sandbox/standin.py``),
     ``COPY``/``ADD`` to any path (a step whose ``dest`` is absolute goes into the image, not the
     work dir), ``RUN`` in any ``WORKDIR``, and ``USER`` ignored with a note (every phase runs as
@@ -211,8 +216,9 @@ def parse(dockerfile: Path, base_env: dict[str, str] | None = None, *, workdir: 
 
 
 def _plan(dockerfile: Path, lines: list[tuple[int, str]], env_out: Environment, variables: dict[str, str],
-          workdir_override: str | None, top: Path, container: bool = False) -> Environment:
+          workdir_override: str | None, top: Path, container: bool | str = False) -> Environment:
     context = env_out.context
+    mode = mode_name(container)
     assert context is not None
     arch = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(platform.machine(), platform.machine())
     automatic = {"TARGETARCH": arch, "BUILDARCH": arch, "TARGETOS": "linux", "BUILDOS": "linux",
@@ -244,6 +250,13 @@ def _plan(dockerfile: Path, lines: list[tuple[int, str]], env_out: Environment, 
         final = _norm(workdir_override)
     if final == PurePosixPath("/"):
         raise DockerfileError(f"{dockerfile}: the work dir must be a directory below /, not /")
+    # a work dir where a bind could replace what the sandbox itself runs (/run, /proc; the host's
+    # system dirs in the local mode, whose sandbox shows them): refused now, naming the key
+    try:
+        sandbox_path(str(final), "the work dir", host_system_dirs=not container)
+    except SandboxError as exc:
+        key = "task.toml [environment] workdir" if workdir_override else "the Dockerfile's WORKDIR"
+        raise DockerfileError(f"{dockerfile}: {key}: {exc}") from None
     env_out.workdir = str(final)
 
     froms, stages = 0, set()
@@ -255,7 +268,7 @@ def _plan(dockerfile: Path, lines: list[tuple[int, str]], env_out: Environment, 
         if instr == "FROM":
             froms += 1
             if froms > 1:
-                raise fail(n, src, "multi-stage builds are not supported by the local mode (one FROM)")
+                raise fail(n, src, f"multi-stage builds are not supported by {mode} (one FROM)")
             flags, rest = _flags(rest)
             parts = rest.split()
             image = _subst(parts[0], variables) if parts else ""
@@ -316,7 +329,7 @@ def _plan(dockerfile: Path, lines: list[tuple[int, str]], env_out: Environment, 
                 elif f.startswith("--network"):
                     env_out.notes.append(f"line {n}: RUN {f} ignored (the task's network setting applies)")
                 else:
-                    raise fail(n, src, f"RUN {f.split('=')[0]} is not supported by the local mode")
+                    raise fail(n, src, f"RUN {f.split('=')[0]} is not supported by {mode}")
             head, _, body = rest.partition("\n")
             args = _exec_form(head) if not body else None
             if args is not None:
@@ -345,22 +358,23 @@ def _plan(dockerfile: Path, lines: list[tuple[int, str]], env_out: Environment, 
         elif instr == "SHELL":
             args = _exec_form(rest)
             if not args or os.path.basename(args[0]) not in ("bash", "sh") or args[-1] != "-c":
-                raise fail(n, src, "SHELL other than bash or sh with -c is not supported by the local mode")
+                raise fail(n, src, f"SHELL other than bash or sh with -c is not supported by {mode}")
             opts = args[1:-1]
             if any(o not in ("-o", "pipefail", "-e", "-u", "-x", "-eu", "-ex", "-eux", "-euo", "-l", "--login") for o in opts):
-                raise fail(n, src, f"SHELL options {opts} are not supported by the local mode")
+                raise fail(n, src, f"SHELL options {opts} are not supported by {mode}")
             shell_opts = " ".join(opts)
             env_out.notes.append(f"line {n}: RUN steps run with bash {shell_opts} -c".replace("  ", " "))
         elif instr in IGNORED:
             env_out.notes.append(f"line {n}: {instr} ignored (the runner starts the agent itself)")
         else:
-            raise fail(n, src, f"{instr} is not supported by the local mode")
+            raise fail(n, src, f"{instr} is not supported by {mode}")
     if froms == 0:
         raise DockerfileError(f"{dockerfile}: no FROM line")
     return env_out
 
 
 def _copy_step(n, src, instr, rest, cwd, final, context, top, variables, stages, env_out, fail, container=False) -> None:
+    mode = mode_name(container)
     flags, rest = _flags(rest)
     head, _, body = rest.partition("\n")
     if body:  # ``COPY <<EOF /app/file``: the document becomes the file
@@ -391,10 +405,19 @@ def _copy_step(n, src, instr, rest, cwd, final, context, top, variables, stages,
     if frm is not None:
         if frm.lower() in stages or re.fullmatch(r"\d+", frm):
             raise fail(n, src, f"COPY --from={frm} copies from another build stage: multi-stage builds are not "
-                               "supported by the local mode")
+                               f"supported by {mode}")
         # programs from an image (Harbor's ``COPY --from=ghcr.io/astral-sh/uv:latest /uv /uvx /bin/``):
         # the host's own stand in when it has them
         names = [PurePosixPath(s).name for s in srcs]
+        if container:
+            uv = UV_IMAGE.match(frm)
+            if uv is None or any(x not in ("uv", "uvx") for x in names):
+                raise fail(n, src, f"COPY --from={frm}: {mode} cannot copy from that image here (no image registry "
+                                   "answers, and the only image it stands in for in a COPY --from is "
+                                   "ghcr.io/astral-sh/uv's uv and uvx, from uv's PyPI wheel)")
+            env_out.steps.append(Step("image-copy", src=frm, text="\n".join(names), line=n, source=src,
+                                      dest=str(dest_abs) + ("/" if dest.endswith("/") or len(srcs) > 1 else "")))
+            return
         missing = [x for x in names if not _host_has(x)]
         if missing:
             raise fail(n, src, f"COPY --from={frm}: the local mode has no image to copy from, and the host has no "
@@ -412,9 +435,9 @@ def _copy_step(n, src, instr, rest, cwd, final, context, top, variables, stages,
     rel_dest += "/" if (dest.endswith("/") or dest in (".", "./")) and not rel_dest.endswith("/") else ""
     for s in srcs:
         if re.match(r"^[a-z]+://", s) or s.startswith("git@"):
-            raise fail(n, src, f"{instr} of a URL is not supported by the local mode")
+            raise fail(n, src, f"{instr} of a URL is not supported by {mode}")
         if instr == "ADD" and s.endswith(ARCHIVES):
-            raise fail(n, src, "ADD of an archive (auto-extraction) is not supported by the local mode")
+            raise fail(n, src, f"ADD of an archive (auto-extraction) is not supported by {mode}")
         norm = os.path.normpath(s.lstrip("/")) if not s.startswith("/") else None
         if norm is None or norm == ".." or norm.startswith("../"):
             raise fail(n, src, f"source {s!r} is outside the build context")

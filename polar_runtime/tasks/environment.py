@@ -18,50 +18,16 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 from polar_core.processes import file_lock
 from polar_runtime.sandbox.egress import registries
 from polar_runtime.sandbox.hostfs import UnsafePath, copy_tree, write_bytes
-from polar_runtime.sandbox.releasestandin import strip_known
 from polar_runtime.tasks.model import DEFAULT_BUILD_TIMEOUT, DEFAULT_PATH, BuildError, Task  # noqa: F401
-
-
-_APT_NOISE = re.compile(r"^(apt(-get)?\s+(-\S+\s+)*(update|clean|autoremove)\b.*|rm\s+-rf\s+/var/lib/apt/lists/\S*|true)$")
-_APT_INSTALL = re.compile(r"^(DEBIAN_FRONTEND=\S+\s+)?apt(-get)?\s+((-\S+|--\S+)\s+)*install\s+(?P<pkgs>.*)$")
-
-
-def apt_packages(command: str) -> list[str] | None:
-    """The packages of a RUN that only updates/installs with apt (``apt-get update && apt-get
-    install -y curl git && rm -rf /var/lib/apt/lists/*``); None when it does anything else. The
-    local mode cannot install into the read-only host system, but such a step is satisfied when
-    every package is already installed on the host."""
-    pkgs: list[str] = []
-    saw_apt = False
-    for part in re.split(r"\s*(?:&&|;|\|\|)\s*", command.strip()):
-        part = part.strip()
-        if not part or _APT_NOISE.match(part):
-            saw_apt = saw_apt or part.startswith("apt")
-            continue
-        m = _APT_INSTALL.match(part)
-        if not m:
-            return None
-        words = [w for w in shlex.split(m["pkgs"]) if not w.startswith("-")]
-        pkgs += [w.split("=")[0] for w in words]
-        saw_apt = True
-    return pkgs if saw_apt else None
-
-
-def missing_host_packages(pkgs: list[str]) -> list[str]:
-    """Those of ``pkgs`` that dpkg does not list as installed on the host."""
-    missing = []
-    for p in pkgs:
-        proc = subprocess.run(["dpkg-query", "-W", "-f=${Status}", p], capture_output=True, text=True)
-        if proc.returncode != 0 or "install ok installed" not in proc.stdout:
-            missing.append(p)
-    return missing
+#: the static reading of a task lives in staticcheck.py (re-exported here, where callers found it)
+from polar_runtime.tasks.staticcheck import (apt_packages, local_mode_refusal, missing_host_packages,  # noqa: F401
+                                             network_refusal, static_check)
 
 
 def dockerignore(context: Path) -> list[str]:
@@ -134,6 +100,12 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path,
         where = f"line {step.line} `{step.source[:100]}`" if step.line else (step.source[:100] or step.kind)
         if step.kind in ("env", "arg"):
             env[step.dest] = step.text
+        elif step.kind == "image-copy":  # ``COPY --from=ghcr.io/astral-sh/uv``: uv from its PyPI wheel
+            if copy_in is None:
+                raise BuildError(f"{where}: COPY --from an image needs a container backend")
+            with tempfile.TemporaryDirectory(prefix="polar-copy-in-") as tmp:
+                notes.append(f"line {step.line}: {_lay_out_uv(step, Path(tmp), where)}")
+                copy_in(Path(tmp))
         elif step.kind in ("write", "copy") and step.dest.startswith("/"):
             if copy_in is None:
                 raise BuildError(f"{where}: destination {step.dest} is outside the work dir (only a container "
@@ -188,6 +160,28 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path,
                 what = f"timed out after {spec.timeout_s:g} s" if res.timed_out else f"exited {res.returncode}"
                 raise BuildError(f"{where} {what}: {tail}")
     return notes
+
+
+def _lay_out_uv(step: Any, root: Path, where: str) -> str:
+    """``COPY --from=ghcr.io/astral-sh/uv:<tag> /uv /uvx <dest>``: the same static binaries, from
+    uv's PyPI wheel (``sandbox/uvstandin.py``), laid out under ``root`` as under /; the note."""
+    from polar_runtime.sandbox.uvstandin import UvStandInError, ensure_uv, newest_version
+    from polar_runtime.tasks.dockerfile import UV_IMAGE
+
+    m = UV_IMAGE.match(step.src)
+    tag = (m["tag"] if m else None) or "latest"
+    want = re.match(r"^(\d+\.\d+\.\d+)", tag)
+    try:
+        version = want[1] if want else newest_version()
+        have = ensure_uv(version)
+    except UvStandInError as exc:
+        raise BuildError(f"{where}: no local uv for {step.src}: {exc}") from exc
+    names = step.text.split("\n")
+    for name in names:
+        rel = step.dest.strip("/") + ("/" + name if step.dest.endswith("/") else "")
+        write_bytes(root, root / rel, (have / name).read_bytes(), mode=0o755)
+    return (f"STAND-IN IMAGE FILES: COPY --from={step.src} {' '.join(names)} answered with uv {version} from its "
+            "PyPI wheel (the same static binaries; the image's registry is unreachable here)")
 
 
 def _lay_out(step: Any, root: Path, context: Path | None, where: str) -> None:
@@ -247,115 +241,3 @@ def prepare_workdir(task: Task, workdir: Path, sandbox: Any, build_root: Path) -
     copy_tree(built / "work", workdir)  # links as links, no FIFO opened (a RUN step may leave one)
     os.chmod(workdir, 0o755)
     return [n for n in ready.read_text().splitlines() if n]
-
-
-#: an install from a package registry (build steps and the verifier reach the registries through
-#: the sandbox's filtering proxy, ``sandbox/egress.py``; the agent and oracle phases do not)
-_REGISTRY_INSTALL = re.compile(
-    r"\b(pip3?|python3?(\.\d+)?\s+-m\s+pip)\s+(install|download)\b|\buv\s+(pip\s+install|sync|add|tool\s+install)\b"
-    r"|\buvx\b(?!\s+(-p|--python)\b)|\bnpm\s+(install|ci|i)\b")
-#: a URL fetched (curl, wget, git clone): allowed only when its host is a registry
-_URL_FETCH = re.compile(
-    r"\b(curl|wget|git\s+clone)\b[^\n|;&]*?\b(?:https?|ftp|git|ssh)://(?:[^@/\s\"']*@)?(?P<host>[A-Za-z0-9.\-\[\]:]+)")
-#: what needs more than the registries (toolchains and interpreters downloaded from elsewhere)
-_OTHER_NET = re.compile(r"\bcargo\s+install\b|\bgo\s+(get|install|mod\s+download)\b|\buv\s+python\s+install\b"
-                        r"|\buvx\s+(-p|--python)\b|\bgit\s+clone\b[^\n|;&]*git@")
-#: Terminal-Bench 2's verifier bootstrap, which a container backend serves (``sandbox/uvstandin.py``)
-_TB2_UV = re.compile(r"\bcurl\b.*https://astral\.sh/uv/\d+\.\d+\.\d+/install\.sh|^\s*uvx\b")
-#: astral's uv installer, which a container backend's build steps and verifier get locally
-_ASTRAL_UV = re.compile(r"https://astral\.sh/uv/\d+\.\d+\.\d+/install\.sh")
-_LOCAL_HOST = re.compile(r"^(localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|\[::1\])(:\d+)?$")
-
-
-def network_refusal(line: str, *, registries_reachable: bool) -> str | None:
-    """Why ``line`` cannot run in its phase's network (None when it can): build steps and the
-    verifier reach the package registries only; the agent and oracle phases reach nothing."""
-    from polar_runtime.sandbox.egress import allowed_host, registries
-
-    m = _OTHER_NET.search(line)
-    if m:
-        return f"`{m.group(0).strip()[:60]}` downloads from outside the package registries"
-    for m in _URL_FETCH.finditer(line):
-        host = m["host"].split(":")[0].strip("[]") if not m["host"].startswith("[") else m["host"]
-        if _LOCAL_HOST.match(m["host"]) or "$" in m["host"]:
-            continue
-        if not registries_reachable or not allowed_host(host, registries()):
-            return f"`{m.group(0).strip()[:60]}` fetches from {host}, not a package registry"
-    m = _REGISTRY_INSTALL.search(line)
-    if m and not registries_reachable:
-        return f"`{m.group(0).strip()[:60]}` needs a package registry, which this phase cannot reach"
-    return None
-
-
-def _script_lines(text: str) -> list[tuple[int, str]]:
-    """(line number, command) of a shell script, comments and blank lines dropped."""
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        s = line.strip()
-        if s and not s.startswith("#"):
-            out.append((n, s))
-    return out
-
-
-def local_mode_refusal(task: Task, *, builds_image: bool = False) -> str | None:
-    """Why the local mode (the host's toolchain, read-only, the package registries only in build
-    steps and the verifier, no network for the agent and oracle)
-    cannot run ``task``, found without running anything; None when nothing stands in its way. The
-    build itself may still fail: :func:`prepare_workdir` then says which line. ``builds_image``: a
-    container backend builds the task's image, so an apt install (in the Dockerfile, or the
-    verifier's, through the egress proxy) installs into the image instead of being refused."""
-    env_plan = task.environment
-    assert env_plan is not None
-    dockerfile = f"{task.root / 'environment' / 'Dockerfile'}" if task.root else "setup"
-    has_dpkg = shutil.which("dpkg-query") is not None
-    variables: dict[str, str] = {}
-    for step in env_plan.steps:
-        if step.kind in ("env", "arg"):
-            variables[step.dest] = step.text
-        if step.kind != "run":
-            continue
-        where = f"{dockerfile}:{step.line}" if step.line else dockerfile
-        pkgs = apt_packages(step.text)
-        if pkgs is not None:
-            if builds_image:
-                continue
-            missing = missing_host_packages(pkgs) if has_dpkg else pkgs
-            if missing:
-                return (f"{where}: installs apt packages this host lacks ({' '.join(missing)}); the local mode "
-                        "cannot install into the read-only host system")
-            continue
-        # stood in for by a container backend's build (uvstandin.py, releasestandin.py)
-        text = strip_known(_ASTRAL_UV.sub("", step.text), variables) if builds_image else step.text
-        why = network_refusal(text, registries_reachable=True)
-        if why:
-            return (f"{where}: {why}; build steps reach only the package registries "
-                    "(POLAR_SANDBOX_REGISTRIES; allow_internet widens nothing)")
-    if task.root is None:
-        return None
-    for rel, what in (("tests/test.sh", "the verifier"), ("solution/solve.sh", "the oracle")):
-        f = task.root / rel
-        if not f.is_file() or f.is_symlink():
-            continue
-        for n, line in _script_lines(f.read_text(errors="replace")):
-            pkgs = apt_packages(line)
-            if pkgs is not None:
-                if builds_image and what == "the verifier":
-                    continue
-                missing = missing_host_packages(pkgs) if has_dpkg else pkgs
-                if missing:
-                    return (f"{f}:{n}: {what} installs apt packages this host lacks ({' '.join(missing)}); the "
-                            "local mode cannot install into the read-only host system")
-                continue
-            if builds_image and what == "the verifier" and _TB2_UV.search(line):
-                continue  # astral's uv installer is stood in for, `uvx -p` finds the image's Python
-            if builds_image and what == "the oracle":
-                # not refused by reading: in an image, a solution's download is often a fallback
-                # that never runs (public Kotlin tasks: `if ! command -v kotlinc; then wget ...`,
-                # kotlinc being in the image); one that does run fails there, with no network
-                continue
-            why = network_refusal(line, registries_reachable=(what == "the verifier"))
-            if why:
-                reach = ("reaches only the package registries" if what == "the verifier"
-                         else "has no network (it runs as the agent does)")
-                return f"{f}:{n}: {what} runs {why}; {what} {reach}"
-    return None

@@ -10,13 +10,17 @@ context, ``tests/test.sh`` (writes /logs/verifier/reward.txt or reward.json) and
 ``allow_internet`` or ``network_mode`` (``public`` / ``no-network``), ``workdir`` (the dir the
 agent starts in, over the Dockerfile's WORKDIR), ``env`` (``[environment.env]``: the environment
 of every phase) and top-level ``artifacts`` (paths in the work dir, which the shared verifier
-sees), and its own ``[polar] followups`` (later user turns, which Harbor ignores). What the local
-mode cannot honour is refused by name, for that task only: a separate verifier environment
-(``[verifier] environment_mode = "separate"``, ``[verifier.environment]``), multi-step tasks
-(``[[steps]]``, ``steps/``), a user other than root, ``network_mode = "allowlist"`` and per-phase
-network modes, GPUs, ``os = "windows"``, ``environment/docker-compose.yaml``, artifacts outside the
-work dir, and ``[environment] docker_image`` without a Dockerfile. Other keys are ignored with a
-note, as Harbor ignores keys it does not know.
+sees), and its own ``[polar] followups`` (later user turns, which Harbor ignores). What the backend
+that will run the task cannot honour is refused by name, for that task only, and the message
+names that backend (the local mode, or the docker/podman backend: a rule of one never reads as
+another's): a separate verifier environment (``[verifier] environment_mode = "separate"``,
+``[verifier.environment]``), multi-step tasks (``[[steps]]``, ``steps/``), a user other than root,
+``network_mode = "allowlist"`` and per-phase network modes, GPUs, ``os = "windows"``,
+``environment/docker-compose.yaml``, artifacts outside the work dir, and, in the local mode only,
+``[environment] docker_image`` without a Dockerfile (a container backend pulls it where a registry
+answers, else builds the Dockerfile or stands in for the image, and says which in the notes).
+``cpus`` and memory above the host's are clamped to it with a note (``Task.fit_to_host``). Other
+keys are ignored with a note, as Harbor ignores keys it does not know.
 
 No file is read through a link that leaves the task directory: such a task.toml, instruction.md,
 Dockerfile, ``tests/``, ``solution/`` or COPY source is refused with an error naming it.
@@ -37,7 +41,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from polar_runtime.tasks.dockerfile import DockerfileError, escaping_link, leaves, parse
-from polar_runtime.tasks.model import DEFAULT_PATH, Step, Task
+from polar_runtime.tasks.model import DEFAULT_PATH, DEFAULT_WORKDIR, Environment, Step, Task, mode_name
 
 #: task.toml keys Polar reads (or refuses by value); ``None`` = the whole table is metadata
 KNOWN: dict[str, set[str] | None] = {
@@ -104,8 +108,9 @@ def _read(path: Path, root: Path, what: str) -> str:
         raise ValueError(f"{path}: cannot read {what}: {exc}") from None
 
 
-def _network(cfg: dict[str, Any], envc: dict[str, Any]) -> bool:
-    """allow_internet / network_mode -> whether the task's sandboxes get a network."""
+def _network(cfg: dict[str, Any], envc: dict[str, Any], mode: str = "the local mode") -> bool:
+    """allow_internet / network_mode -> whether the task's sandboxes get a network. ``mode``: the
+    backend the refusals name (:func:`~polar_runtime.tasks.model.mode_name`)."""
     allow = envc.get("allow_internet")
     if allow is not None and not isinstance(allow, bool):
         raise ValueError("[environment] allow_internet must be true or false")
@@ -117,7 +122,7 @@ def _network(cfg: dict[str, Any], envc: dict[str, Any]) -> bool:
     elif mode == "no-network":
         net = False
     elif mode == "allowlist":
-        raise ValueError('[environment] network_mode = "allowlist" is not supported by the local mode (its sandboxes '
+        raise ValueError(f'[environment] network_mode = "allowlist" is not supported by {mode} (its sandboxes '
                          "have the network or none, no host allowlist)")
     else:
         raise ValueError(f"[environment] network_mode must be public, no-network or allowlist, not {mode!r}")
@@ -126,37 +131,43 @@ def _network(cfg: dict[str, Any], envc: dict[str, Any]) -> bool:
     for phase in ("agent", "verifier"):
         pm = (cfg.get(phase) or {}).get("network_mode")
         if pm is not None and pm != ("public" if net else "no-network"):
-            raise ValueError(f"[{phase}] network_mode = {pm!r}: a per-phase network mode is not supported by the "
-                             f"local mode (one network setting per task; the task's is "
+            raise ValueError(f"[{phase}] network_mode = {pm!r}: a per-phase network mode is not supported by "
+                             f"{mode} (one network setting per task; the task's is "
                              f"{'public' if net else 'no-network'})")
     return net
 
 
-def _refuse_unsupported(root: Path, cfg: dict[str, Any], envc: dict[str, Any]) -> None:
-    """Harbor features the local mode cannot honour, each refused by name."""
+def _refuse_unsupported(root: Path, cfg: dict[str, Any], envc: dict[str, Any], container: bool | str = False) -> None:
+    """Harbor features the backend (``container``: its name, or False for the local mode) cannot
+    honour, each refused by name, naming that backend."""
+    mode = mode_name(container)
+    where = "in the container" if container else "in its own user namespace"
     agent, verifier = cfg.get("agent") or {}, cfg.get("verifier") or {}
     for section, table in (("agent", agent), ("verifier", verifier)):
         user = table.get("user")
         if user is not None and str(user) not in ROOT_USERS:
-            raise ValueError(f"[{section}] user = {user!r}: running a phase as another user is not supported by the "
-                             "local mode (every phase runs as root in its own user namespace)")
+            raise ValueError(f"[{section}] user = {user!r}: running a phase as another user is not supported by "
+                             f"{mode} (every phase runs as root {where})")
     if verifier.get("environment_mode", "shared") != "shared" or "environment" in verifier:
         raise ValueError("a separate verifier environment ([verifier] environment_mode = \"separate\" or "
-                         "[verifier.environment]) is not supported by the local mode: the verifier runs in the "
+                         f"[verifier.environment]) is not supported by {mode}: the verifier runs in the "
                          "agent's environment, on its work dir")
     if "steps" in cfg or (root / "steps").is_dir():
         raise ValueError("a multi-step task ([[steps]] or steps/) is not supported by Polar yet "
                          "([polar] followups are its multi-turn tasks)")
     gpus = envc.get("gpus")
     if gpus not in (None, 0, False):
-        raise ValueError(f"[environment] gpus = {gpus!r}: the local mode gives a sandbox no GPU")
+        raise ValueError(f"[environment] gpus = {gpus!r}: {mode} gives a sandbox no GPU")
     if envc.get("os", "linux") != "linux":
         raise ValueError(f"[environment] os = {envc['os']!r}: only linux tasks run")
 
 
-def load_task_dir(root: Path, container: bool = False) -> Task:
+def load_task_dir(root: Path, container: bool | str = False) -> Task:
     """One Harbor task directory -> :class:`Task`; a :class:`TaskRefused` (a ValueError) names the
-    file and what is wrong. Never raises anything else, whatever the directory holds."""
+    file and what is wrong. Never raises anything else, whatever the directory holds.
+    ``container``: the container backend that will run it (``"docker"``, ``"podman"``, or True for
+    either): its Dockerfile is planned for an image build, and only what that backend cannot do is
+    refused, by its name."""
     root = Path(os.path.abspath(root))
     try:
         return _load(Path(os.path.realpath(root)), root.name, container)
@@ -168,7 +179,7 @@ def load_task_dir(root: Path, container: bool = False) -> Task:
         raise TaskRefused(root.name, f"{root}: cannot load: {type(exc).__name__}: {exc}") from None
 
 
-def _load(root: Path, task_id: str, container: bool = False) -> Task:
+def _load(root: Path, task_id: str, container: bool | str = False) -> Task:
     toml_path = root / "task.toml"
     try:
         cfg = tomllib.loads(_read(toml_path, root, "task.toml"))
@@ -198,7 +209,7 @@ def _load(root: Path, task_id: str, container: bool = False) -> Task:
     agent, verifier, solution = cfg.get("agent") or {}, cfg.get("verifier") or {}, cfg.get("solution") or {}
     envc = cfg.get("environment") or {}
     try:
-        _refuse_unsupported(root, cfg, envc)
+        _refuse_unsupported(root, cfg, envc, container)
         memory = envc.get("memory_mb", envc.get("memory"))
         storage = envc.get("storage_mb", envc.get("storage"))
         polar = cfg.get("polar") or {}
@@ -213,7 +224,7 @@ def _load(root: Path, task_id: str, container: bool = False) -> Task:
         cpus = envc.get("cpus")
         if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or cpus <= 0):
             raise ValueError("[environment] cpus must be a positive number")
-        network = _network(cfg, envc)
+        network = _network(cfg, envc, mode_name(container))
         workdir = envc.get("workdir")
         if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/") or workdir.strip("/") == ""):
             raise ValueError(f"[environment] workdir must be an absolute path below /, not {workdir!r}")
@@ -237,25 +248,36 @@ def _load(root: Path, task_id: str, container: bool = False) -> Task:
             solution_env=_env_table(solution.get("env"), "[solution] env"),
             notes=notes,
         )
+        task.fit_to_host()
     except ValueError as exc:
         raise ValueError(f"{toml_path}: {exc}") from exc
     compose = [p for p in ("docker-compose.yaml", "docker-compose.yml", "compose.yaml") if (root / "environment" / p).exists()]
     if compose:
         raise ValueError(f"{root / 'environment' / compose[0]}: a multi-container task (docker compose services) "
-                         "needs a container runtime; the local mode runs one sandbox")
+                         + (f"is not supported by {mode_name(container)} yet: it runs one container per phase, "
+                            "and no compose tool" if container else
+                            "needs a container runtime; the local mode runs one sandbox"))
     dockerfile = root / "environment" / "Dockerfile"
     for p in (root / "environment", dockerfile):
         if (p.exists() or p.is_symlink()) and leaves(p, root):
             raise ValueError(f"{p}: a link to {os.path.realpath(p)}, outside the task directory: refused, not followed")
+    image = envc.get("docker_image")
+    if image is not None and (not isinstance(image, str) or not image.strip()):
+        raise ValueError(f"{toml_path}: [environment] docker_image must be an image name, not {image!r}")
     if dockerfile.is_file():
-        if envc.get("docker_image"):
-            notes.append(f"[environment] docker_image {envc['docker_image']!r} ignored: the local mode builds "
+        if image and not container:
+            notes.append(f"[environment] docker_image {image!r} ignored: the local mode builds "
                          "environment/Dockerfile")
         task.environment = parse(dockerfile, {"PATH": DEFAULT_PATH}, workdir=workdir, task_root=root,
                                  container=container)
-    elif envc.get("docker_image"):
-        raise ValueError(f"{toml_path}: [environment] docker_image {envc['docker_image']!r} needs a container "
-                         "runtime; the local mode builds from environment/Dockerfile")
+        if image and container:  # pulled where a registry answers, else this Dockerfile is built
+            task.environment.pull = image
+    elif image and container:
+        # no Dockerfile: the image itself, pulled, or stood in for where no registry answers
+        task.environment = Environment(workdir=workdir or DEFAULT_WORKDIR, base_image=image, pull=image)
+    elif image:
+        raise ValueError(f"{toml_path}: [environment] docker_image {image!r} without environment/Dockerfile needs "
+                         "a container backend (docker or podman); the local mode builds from environment/Dockerfile")
     else:
         raise ValueError(f"{root}: no environment/Dockerfile")
     # the build context: COPY sources were checked line by line; no other link may leave the task either
@@ -270,8 +292,8 @@ def _load(root: Path, task_id: str, container: bool = False) -> Task:
     for a in artifacts:
         p = PurePosixPath(str(a)) if str(a).startswith("/") else wd / str(a)
         if not (p == wd or wd in p.parents):
-            raise ValueError(f"{toml_path}: artifacts: {a!r} is outside the work dir {wd}: the local mode's verifier "
-                             "shares the agent's work dir only, so nothing else reaches it")
+            raise ValueError(f"{toml_path}: artifacts: {a!r} is outside the work dir {wd}: the verifier of "
+                             f"{mode_name(container)} shares the agent's work dir only, so nothing else reaches it")
         notes.append(f"artifact {a}: in the work dir, which the verifier shares")
     return task
 
@@ -306,7 +328,7 @@ def candidate_dirs(root: Path) -> list[Path]:
     return dirs
 
 
-def load_dataset_report(root: Path, container: bool = False) -> tuple[list[Task], list[Refusal]]:
+def load_dataset_report(root: Path, container: bool | str = False) -> tuple[list[Task], list[Refusal]]:
     """Every task of a dataset (or the one task directory ``root``), and the refusals of the others."""
     tasks: list[Task] = []
     refused: list[Refusal] = []
@@ -329,7 +351,7 @@ def load_dataset_report(root: Path, container: bool = False) -> tuple[list[Task]
     return tasks, refused
 
 
-def load_dataset(root: Path, container: bool = False) -> list[Task]:
+def load_dataset(root: Path, container: bool | str = False) -> list[Task]:
     dirs = dataset_task_dirs(root)
     if not dirs:
         raise ValueError(f"{root}: neither a Harbor task directory (task.toml + instruction.md) nor a dataset of them")

@@ -14,8 +14,15 @@ task whose solution uses ``jq`` failed with ``jq: command not found``). Now:
 * ``COPY``/``ADD`` and the shorthand's files go into a host staging dir bound at the WORKDIR for
   every RUN (the same hostfs-safe copy as the local mode), which is then ``docker cp``-ed into the
   final image, committed with the Dockerfile's ``WORKDIR`` and ``ENV``;
-* the image is tagged ``polar-task/<task>:<Environment.digest()>``: the digest of the Dockerfile's
-  steps and every file of the build context. A later build of the same content (a second ``polar
+* the image is tagged ``polar-task/<task>:<Environment.digest()>-<build_inputs_digest()>``: the
+  digest of the Dockerfile's steps and every file of the build context, and of our own build
+  inputs (``BUILD_INPUTS``: this module, the environment build, the stand-ins; their code, not
+  their docstrings: ``polar_core/codedigest.py``), so a change of our build logic or stand-ins
+  rebuilds the image instead of reusing one built by the old logic;
+* task.toml's ``[environment] docker_image`` is pulled first (``pull_image``: a registry that does
+  not answer fails in well under a second here, and is not asked again in the same process); where
+  none answers the Dockerfile is built (or, with no Dockerfile, the image's stand-in used), and the
+  notes say which. A later build of the same content (a second ``polar
   tasks check``, every sample of a rollout) finds the tag on the daemon and builds nothing
   (``BUILDS`` counts real builds; tests assert on it and on the image id);
 * each sample's work dir is the image's WORKDIR, copied out (``docker cp`` as a tar stream,
@@ -48,14 +55,26 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from polar_runtime.sandbox.safetar import UnsafeArchive, add_tree, extract
 from polar_runtime.tasks.model import BuildError
 
 #: real image builds in this process (a warm build, found by its tag, does not count)
 BUILDS = 0
+#: our own modules whose code an image's content depends on: a change of any rebuilds the image
+BUILD_INPUTS = tuple(Path(__file__).resolve().parents[1] / p for p in (
+    "tasks/imagebuild.py", "tasks/environment.py", "sandbox/standin.py", "sandbox/releasestandin.py",
+    "sandbox/uvstandin.py"))
+#: how long a registry may take to answer a pull (its first line of output): a host that does not
+#: resolve fails in ~0.1 s here (measured: ``docker pull python:3.11-slim`` on the private daemon,
+#: "lookup registry-1.docker.io ... no such host"), one that drops packets would hang for the
+#: daemon's own timeouts; a pull that has started may take ``PULL_TOTAL_S`` (a big image)
+PULL_ANSWER_S = 20.0
+PULL_TOTAL_S = 1800.0
+#: registry host -> why it did not answer (not asked again in this process)
+_UNREACHABLE: dict[str, str] = {}
 _lock = threading.Lock()
 REPOSITORY = "polar-task"
 
-from polar_runtime.sandbox.safetar import UnsafeArchive, add_tree, extract
 
 def task_image(task: Any, sandbox: Any) -> str | None:
     """The image every phase of ``task`` runs in under ``sandbox``: its built image on a backend that
@@ -65,20 +84,67 @@ def task_image(task: Any, sandbox: Any) -> str | None:
     return image_tag(task)
 
 
+def build_inputs_digest() -> str:
+    """The digest of :data:`BUILD_INPUTS`' code (docstrings and comments left out)."""
+    from polar_core.codedigest import code_digest
+
+    return code_digest(*BUILD_INPUTS)
+
+
 def image_tag(task: Any) -> str:
-    """``polar-task/<slug of the task id>:<digest of the build's content>``."""
+    """``polar-task/<slug of the task id>:<digest of the build's content>-<digest of our build inputs>``."""
     slug = re.sub(r"[^a-z0-9._-]+", "-", task.id.lower()).strip("-._")[:80] or "task"
-    return f"{REPOSITORY}/{slug}:{task.environment.digest()}"
+    return f"{REPOSITORY}/{slug}:{task.environment.digest()}-{build_inputs_digest()}"
 
 
-def _docker(runtime: str, *args: str, check: bool = True, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
-    if "input" not in kw:
-        kw["stdin"] = subprocess.DEVNULL
-    r = subprocess.run([runtime, *args], capture_output=True, timeout=timeout, **kw)
-    if check and r.returncode != 0:
-        err = r.stderr.decode(errors="replace") if isinstance(r.stderr, bytes) else r.stderr
-        raise RuntimeError(f"`{runtime} {' '.join(args[:3])}` failed: {err.strip()[-600:]}")
-    return r
+def registry_host(image: str) -> str:
+    """The registry an image name pulls from (``docker.io`` for a bare ``python:3.11``)."""
+    first, _, rest = image.partition("/")
+    return first if rest and ("." in first or ":" in first or first == "localhost") else "docker.io"
+
+
+def pull_image(image: str, runtime: str = "docker", answer_s: float = PULL_ANSWER_S,
+               total_s: float = PULL_TOTAL_S) -> tuple[bool, str]:
+    """``docker pull image``: (pulled, why not). The registry must answer (the pull prints its first
+    line) within ``answer_s``; a pull that has started may take ``total_s``. A registry that did not
+    answer is not asked again in this process (a dataset naming images on one unreachable registry
+    pays once)."""
+    host = registry_host(image)
+    if host in _UNREACHABLE:
+        return False, f"{host} did not answer earlier in this run: {_UNREACHABLE[host]}"
+    proc = subprocess.Popen([runtime, "pull", image], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, errors="replace")
+    lines: list[str] = []
+    answered = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line.rstrip())
+            answered.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    t0 = time.monotonic()
+    while not answered.is_set() and proc.poll() is None and time.monotonic() - t0 < answer_s:
+        answered.wait(0.05)
+    try:
+        if not answered.is_set() and proc.poll() is None:
+            _UNREACHABLE[host] = f"no answer within {answer_s:g} s"
+            return False, _UNREACHABLE[host]
+        proc.wait(timeout=total_s)
+    except subprocess.TimeoutExpired:
+        return False, f"the pull took over {total_s:g} s"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=5)
+    if proc.returncode == 0:
+        return True, ""
+    why = (lines[-1:] or [f"exit {proc.returncode}"])[0][:300]
+    if re.search(r"dial tcp|no such host|i/o timeout|connection refused|TLS handshake|network is unreachable", why):
+        _UNREACHABLE[host] = why
+    return False, why
 
 
 def image_id(image: str, runtime: str = "docker") -> str | None:
@@ -94,10 +160,22 @@ def build_task_image(task: Any, sandbox: Any, log_dir: Path, apply_steps: Callab
     tag, runtime = image_tag(task), sandbox.runtime
     if image_id(tag, runtime):
         return tag, list(task.environment.notes) + [f"image {tag} reused (built before from the same content)"]
-    base = task.image
+    base, pulled, said = task.image, False, []
+    want = task.environment.pull  # task.toml's docker_image: pulled where a registry answers
+    if want:
+        pulled, why = pull_image(want, runtime)
+        if pulled:
+            base = want
+            said.append(f"[environment] docker_image {want} pulled: it is the task's image "
+                        "(environment/Dockerfile not built)")
+        else:
+            said.append(f"[environment] docker_image {want} not pulled ({why}): "
+                        + ("environment/Dockerfile built instead" if task.environment.context is not None
+                           else "no Dockerfile, so the image's stand-in is used where Polar has one"))
     if not base:
         raise BuildError(f"the {runtime} backend needs the Dockerfile's FROM image")
-    sandbox.image_ready(base)  # stood in where missing
+    if not pulled:
+        sandbox.image_ready(base)  # stood in where missing
     t0 = time.monotonic()
     created: list[str] = []  # intermediate images, removed at the end
     state = {"image": base}
@@ -131,7 +209,9 @@ def build_task_image(task: Any, sandbox: Any, log_dir: Path, apply_steps: Callab
     stage = Path(tempfile.mkdtemp(prefix="polar-stage-"))
     notes_extra: list[str] = []
     try:
-        notes = apply_steps(task, stage / "work", sandbox, log_dir, run_step=run_step, copy_in=copy_in)
+        (stage / "work").mkdir(parents=True, exist_ok=True)  # the pulled image's work dir, as it has it
+        notes = said + (list(task.environment.notes) if pulled else
+                        apply_steps(task, stage / "work", sandbox, log_dir, run_step=run_step, copy_in=copy_in))
         notes += list(dict.fromkeys(notes_extra))
         changes = image_changes(base, runtime) + [f"WORKDIR {task.workdir}"] + [
             f"ENV {k}={v}" for k, v in task.environment.env.items()]
@@ -156,7 +236,8 @@ def build_task_image(task: Any, sandbox: Any, log_dir: Path, apply_steps: Callab
     with _lock:
         BUILDS += 1
     return tag, notes + [f"image {tag} built from {base} in {time.monotonic() - t0:.1f} s "
-                         f"({sum(1 for s in task.environment.steps if s.kind == 'run')} RUN step(s) committed)"]
+                         f"({0 if pulled else sum(1 for s in task.environment.steps if s.kind == 'run')} RUN "
+                         "step(s) committed)"]
 
 
 def uv_stand_in(spec: Any, command: str, notes: list[str]) -> None:

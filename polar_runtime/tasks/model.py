@@ -37,6 +37,37 @@ DEFAULT_STORAGE_MB = 10240
 DEFAULT_PIDS = 4096
 #: PATH inside when neither the caller nor the Dockerfile sets one (what $PATH means in an ENV line).
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: the backends that build a task's image for real (``tasks/imagebuild.py``)
+CONTAINER_BACKENDS = ("docker", "podman")
+
+
+def mode_name(container: bool | str = False) -> str:
+    """How a message names the backend its rule applies to: ``"the local mode"`` (bubblewrap on
+    the host's toolchain), ``"the docker backend"``, ``"the podman backend"`` (``container`` is
+    the backend's name; True: either). A rule of one backend never reads as another's."""
+    if not container:
+        return "the local mode"
+    return f"the {container} backend" if isinstance(container, str) else "a container backend"
+
+
+def host_cpus() -> int:
+    """The CPUs this process may run on (what the daemon's ``--cpus`` range allows: docker refuses
+    ``--cpus 4`` on a 2-CPU machine, "Range of CPUs is from 0.01 to 2.00")."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def host_memory_mb() -> int | None:
+    """The host's memory in MiB (``MemTotal``), None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 @dataclass
@@ -68,6 +99,9 @@ class Environment:
     steps: list[Step] = field(default_factory=list)
     context: Path | None = None  # the build context (a Harbor task's environment/)
     notes: list[str] = field(default_factory=list)  # what the local mode ignored or stood in for
+    #: task.toml's ``[environment] docker_image`` on a container backend: pulled where a registry
+    #: answers (then nothing is built), else the Dockerfile (or, without one, the image's stand-in)
+    pull: str = ""
 
     @property
     def env(self) -> dict[str, str]:
@@ -77,7 +111,8 @@ class Environment:
     def digest(self) -> str:
         """Content hash of everything the build reads: a built work dir is reused only as long as
         neither the Dockerfile nor a file of its context changed."""
-        h = hashlib.sha256(f"{self.workdir}\0{self.base_image}".encode())
+        h = hashlib.sha256(f"{self.workdir}\0{self.base_image}".encode() + (f"\0pull\0{self.pull}".encode()
+                                                                        if self.pull else b""))
         for s in self.steps:
             h.update(f"\0{s.kind}\0{s.text}\0{s.src}\0{s.dest}\0{s.cwd}\0{s.shell}".encode())
         if self.context is not None and self.context.is_dir() and not self.context.is_symlink():
@@ -121,6 +156,8 @@ class Task:
     solution_env: dict[str, str] = field(default_factory=dict)
     environment: Environment | None = None
     notes: list[str] = field(default_factory=list)  # task.toml keys ignored, stand-ins used
+    #: requests above this host's, clamped to it: ``{"cpus": 4.0, "memory_mb": 65536}`` (what was asked)
+    clamped: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.environment is None:  # the shorthand: files are COPYs, setup is a RUN
@@ -135,9 +172,28 @@ class Task:
         return self.environment.workdir
 
     def limits(self, pids: int | None = None) -> dict:
-        """The sandbox limits of any phase of this task (SandboxSpec keyword arguments)."""
-        return dict(cpus=self.cpus or DEFAULT_CPUS, memory_mb=self.memory_mb or DEFAULT_MEMORY_MB,
+        """The sandbox limits of any phase of this task (SandboxSpec keyword arguments), never above
+        the host's CPUs and memory (:meth:`fit_to_host` says so in the notes for task.toml's own)."""
+        mem = self.memory_mb or DEFAULT_MEMORY_MB
+        host_mem = host_memory_mb()
+        return dict(cpus=min(self.cpus or DEFAULT_CPUS, float(host_cpus())),
+                    memory_mb=min(mem, host_mem) if host_mem else mem,
                     disk_mb=self.storage_mb or DEFAULT_STORAGE_MB, pids=pids or DEFAULT_PIDS)
+
+    def fit_to_host(self) -> None:
+        """Requests above this host's (``cpus = 4`` on 2 CPUs, more memory than it has) clamped to
+        it, with a note: a build never fails for a request (docker refused ``--cpus 4`` here with
+        "Range of CPUs is from 0.01 to 2.00"), and an out-of-memory at the clamped limit is
+        reported as such (``clamped``), not as a failed oracle."""
+        cpus, mem = host_cpus(), host_memory_mb()
+        if self.cpus is not None and self.cpus > cpus:
+            self.clamped["cpus"] = self.cpus
+            self.notes.append(f"[environment] cpus = {self.cpus:g} clamped to this host's {cpus} CPU(s)")
+            self.cpus = float(cpus)
+        if self.memory_mb is not None and mem and self.memory_mb > mem:
+            self.clamped["memory_mb"] = self.memory_mb
+            self.notes.append(f"[environment] memory {self.memory_mb} MiB clamped to this host's {mem} MiB")
+            self.memory_mb = mem
 
     @property
     def image(self) -> str | None:

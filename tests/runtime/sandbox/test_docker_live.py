@@ -67,7 +67,7 @@ def test_stop_never_signals_a_process_that_is_not_its_dockerd(tmp_path):
 def test_standin_plans_say_what_stands_in():
     assert plan_for("ubuntu:24.04").suite == "bookworm" and "NOT Ubuntu" in plan_for("ubuntu:24.04").why
     assert plan_for("python:3.11-slim").python and plan_for("python:3.11-slim").suite == "bookworm"
-    assert plan_for("python:3.13-slim-bookworm").suite == "trixie"
+    assert plan_for("python:3.13-slim-bookworm").suite == "bookworm"  # the tag's release first (issue 53)
     assert plan_for("debian:trixie").suite == "trixie" and plan_for("debian:bookworm-slim").suite == "bookworm"
     assert plan_for("alpine:3.20") is None and plan_for("debian:buster") is None  # node:20: a toolchain plan now
 
