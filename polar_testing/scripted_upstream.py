@@ -127,9 +127,9 @@ class Tokenizer:
     def __init__(self, directory: str | Path | Any | None = None):
         self.hf = None
         if isinstance(directory, (str, Path)):
-            from transformers import AutoTokenizer
+            from polar_core.tokenizer_identity import load_tokenizer  # no Mistral-regex warning (its docstring)
 
-            self.hf = AutoTokenizer.from_pretrained(directory)
+            self.hf = load_tokenizer(directory)
         elif directory is not None:  # an already loaded transformers tokenizer
             self.hf = directory
         self._cache: OrderedDict[bytes, list[int]] = OrderedDict()
