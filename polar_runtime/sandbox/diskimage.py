@@ -55,7 +55,7 @@ class DiskImage:
                 fh.truncate((size_mb + max(4, size_mb // 16)) * 1024 * 1024)
             self._run([MKFS, "-q", "-F", "-m", "0", "-O", "^has_journal", "-E",
                        f"lazy_itable_init=1,nodiscard,root_owner={uid}:{uid}", str(self.image)])
-            self.waited_s = loopdev.wait_for_device(self._mount, probe=probe)
+            self.waited_s = loopdev.wait_for_device(self._mount, probe=probe, reclaim=loopdev.janitor)
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(self.mnt / "lost+found")
         except BaseException:

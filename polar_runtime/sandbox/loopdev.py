@@ -167,6 +167,10 @@ def free_devices() -> int:
     return max(0, limit - len(backing_files()))
 
 
+#: how often a waiting run looks again for the devices of dead runs
+RECLAIM_EVERY_S = 5.0
+
+
 def wait_timeout_s() -> float:
     with contextlib.suppress(ValueError):
         return float(os.environ.get("POLAR_LOOP_WAIT_S", "600"))
@@ -174,13 +178,16 @@ def wait_timeout_s() -> float:
 
 
 def wait_for_device(attach: Callable[[], None], *, probe: Callable[[], int] = free_devices,
-                    timeout_s: float | None = None, sleep: Callable[[float], None] = time.sleep) -> float:
+                    timeout_s: float | None = None, sleep: Callable[[float], None] = time.sleep,
+                    reclaim: Callable[[], object] | None = None) -> float:
     """Run ``attach`` (which binds a device, raising :class:`NoFreeLoop` when it lost the race)
     once ``probe`` says a device is free, polling with backoff (0.05 s doubling to 2 s, jittered);
-    returns the seconds waited. Raises :class:`LoopDeviceTimeout` after ``timeout_s``."""
+    returns the seconds waited. While none is free, ``reclaim`` (the janitor: a run killed since
+    this process started holds one) runs at most every :data:`RECLAIM_EVERY_S`. Raises
+    :class:`LoopDeviceTimeout` after ``timeout_s``."""
     timeout_s = wait_timeout_s() if timeout_s is None else timeout_s
     t0 = time.monotonic()
-    delay = 0.05
+    delay, reclaimed = 0.05, None
     while True:
         if probe() > 0:
             try:
@@ -189,6 +196,11 @@ def wait_for_device(attach: Callable[[], None], *, probe: Callable[[], int] = fr
             except NoFreeLoop:
                 pass
         waited = time.monotonic() - t0
+        if reclaim is not None and (reclaimed is None or waited - reclaimed >= RECLAIM_EVERY_S):
+            reclaimed = waited
+            reclaim()
+            if probe() > 0:
+                continue
         if waited >= timeout_s:
             held = backing_files()
             shown = ", ".join(f"{dev}: {f}" for dev, f in sorted(held.items())[:8])

@@ -116,6 +116,15 @@ def test_the_queue_waits_for_a_free_device_then_attaches():
     assert slept[0] < slept[2] and max(slept) <= 3.0  # backoff
 
 
+def test_a_waiting_run_reclaims_the_devices_of_runs_killed_since_it_started():
+    """The janitor runs once per process at its first image; a long run that finds every device
+    held looks again for dead owners while it waits."""
+    state = {"reclaimed": 0}
+    loopdev.wait_for_device(lambda: None, probe=lambda: 1 if state["reclaimed"] else 0, timeout_s=60,
+                            sleep=lambda s: None, reclaim=lambda: state.update(reclaimed=state["reclaimed"] + 1))
+    assert state["reclaimed"] == 1
+
+
 def test_no_free_device_refuses_loudly_after_the_timeout(tmp, monkeypatch):
     """Every device held for the whole wait: an error naming the cause, and no image left behind
     (it never falls back silently). ~0.4 s."""
