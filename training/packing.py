@@ -71,6 +71,8 @@ class MicroBatch:
     top_k: torch.Tensor | None = None  # [K] long (0: off), None when no token used top-k
     top_p: torch.Tensor | None = None  # [K] float32 (1: off), None when no token used top-p
     is_padding: bool = False  # a zero-weight filler so that every rank runs as many passes
+    target_positions: torch.Tensor | None = None  # [K] index of each target in its own sequence (token_record.py)
+    seq_ids: list[str] | None = None  # trajectory_id of each sequence index of the mini-batch
 
     @property
     def n_tokens(self) -> int:
@@ -216,6 +218,7 @@ def build_microbatches(
         acc += len(s.sampled_positions)
 
     ids_all = [s.input_ids for s in sequences]
+    seq_ids = [s.trajectory_id for s in sequences]
     if attention == "shared_prefix":
         units = group_by_prefix(ids_all, token_budget)
     else:  # every sequence a unit of its own, whole
@@ -243,6 +246,7 @@ def build_microbatches(
         adv: list[float] = []
         sidx: list[int] = []
         widx: list[int] = []
+        tpos: list[int] = []
         tk: list[float] = []
         kk: list[int] = []
         pk: list[float] = []
@@ -260,6 +264,7 @@ def build_microbatches(
                 for j, t in enumerate(s.sampled_positions):
                     logit_pos.append(where[k][t - 1])
                     targets.append(s.input_ids[t])
+                    tpos.append(t)
                     blp.append(s.behaviour_logp[j])
                     adv.append(s.advantage)
                     sidx.append(k)
@@ -289,6 +294,8 @@ def build_microbatches(
                 temperature=torch.tensor(tk, dtype=torch.float32) if any(t != 1.0 for t in tk) else None,
                 top_k=torch.tensor(kk, dtype=torch.long) if any(k > 0 for k in kk) else None,
                 top_p=torch.tensor(pk, dtype=torch.float32) if any(p < 1.0 for p in pk) else None,
+                target_positions=torch.tensor(tpos, dtype=torch.int32),
+                seq_ids=seq_ids,
             )
         )
     return micro, stats

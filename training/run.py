@@ -5,6 +5,7 @@ Writes into the run directory::
     metrics.jsonl      one JSON object per optimizer step (appended across invocations)
     metrics.png        the curves so far
     step-000012/       the checkpoint after this invocation (see checkpoint.py); ``latest`` names it
+    tokens/            per batch, every trained token's behaviour and trainer logprob (token_record.py)
 
 Works the same under ``torchrun`` (FSDP2; rank 0 writes files and draws the progress bar).
 """
@@ -117,6 +118,9 @@ def run_training(job: TrainJob, console=None) -> RunResult:
         model, ref, lora_settings, lora_base = _load_lora(job, cfg, lora_settings, lora_save, resume_dir, prev,
                                                           model_dir, base_model)
     trainer = GRPOTrainer(model, cfg, ref_model=ref)
+    from .token_record import TokenRecorder
+
+    trainer.recorder = TokenRecorder(out, trainer.rank, trainer.world)  # <out>/tokens/: what polar view shows
     del ref  # the trainer's reference is its only one, so fit(last_batch=True) can free it
     if resume_dir:
         trainer.load_state_dict(ckpt.load_trainer_state(resume_dir))

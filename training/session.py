@@ -176,6 +176,9 @@ class TrainSession:
         else:
             policy, ref = load_models(self.model_dir, config, ref_dir=self.ref_dir)
         self.trainer = GRPOTrainer(policy, config, ref_model=ref)
+        from .token_record import TokenRecorder
+
+        self.trainer.recorder = TokenRecorder(self.out)  # <out>/tokens/: the trained tokens, for polar view
         del ref
         if self.resume_dir:
             self.trainer.load_state_dict(ckpt.load_trainer_state(self.resume_dir))

@@ -61,6 +61,7 @@ class Prepared:
     minibatches: list[list[MicroBatch]]  # this rank's micro-batches per optimizer step
     stats: list[PackStats]
     data_stats: dict[str, float] = field(default_factory=dict)  # rows left out (stale, zero variance)
+    left_out: dict[str, str] = field(default_factory=dict)  # trajectory_id -> why (stale | zero_variance)
 
 
 @dataclass
@@ -234,6 +235,8 @@ class GRPOTrainer:
         self.step = 0
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.rank, self.world = pdist.rank_and_world()
+        #: writes the trained tokens of each batch when set (token_record.py; the session and `polar train` set it)
+        self.recorder: Any = None
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -260,9 +263,14 @@ class GRPOTrainer:
     def prepare(self, trajectories: pl.DataFrame | pl.LazyFrame) -> Prepared:
         """Advantages, the mini-batch split (seeded) and packing for this rank."""
         frame = trajectories.collect() if isinstance(trajectories, pl.LazyFrame) else trajectories
+        all_ids = frame["trajectory_id"].to_list() if "trajectory_id" in frame.columns else []
         frame, data_stats = filter_stale(frame, self.step, self.cfg.max_staleness)
         per_sample = compute_sample_advantages(frame, self.cfg.adv)
         with_adv = compute_advantages(frame, self.cfg.adv)
+        left_out: dict[str, str] = {}
+        if all_ids:
+            fresh, kept = set(frame["trajectory_id"].to_list()), set(with_adv["trajectory_id"].to_list())
+            left_out = {t: "stale" if t not in fresh else "zero_variance" for t in all_ids if t not in kept}
         if self.cfg.adv.drop_zero_variance:
             data_stats["n_zero_variance_samples_dropped"] = float(per_sample["zero_variance"].sum())
             data_stats["n_zero_variance_sequences_dropped"] = float(frame.height - with_adv.height)
@@ -278,7 +286,8 @@ class GRPOTrainer:
             mbs, st = build_microbatches(seqs, self.cfg.token_budget, self.cfg.loss.aggregation, self.cfg.attention)
             minibatches.append(pdist.shard_microbatches(mbs, self.rank, self.world))
             stats.append(st)
-        return Prepared(frame=with_adv, per_sample=per_sample, minibatches=minibatches, stats=stats, data_stats=data_stats)
+        return Prepared(frame=with_adv, per_sample=per_sample, minibatches=minibatches, stats=stats, data_stats=data_stats,
+                        left_out=left_out)
 
     # ---- one optimizer step ------------------------------------------------------------------
     def autocast(self):
@@ -356,6 +365,8 @@ class GRPOTrainer:
             with self.autocast():
                 logp, ent = policy_logprobs(self.policy, mb, with_entropy=True)
             dev = logp.device
+            if self.recorder is not None and self.recorder.active:  # before this step's update: step + 1 makes it
+                self.recorder.add(mb, mb.old_logp if mb.old_logp is not None else logp.detach(), self.step + 1)
             old = None
             if cfg.loss.use_tis:
                 old = mb.old_logp.to(dev) if mb.old_logp is not None else logp.detach()
@@ -434,7 +445,11 @@ class GRPOTrainer:
         if "policy_version" in prep.frame.columns and prep.frame.height:
             batch_stats["data_policy_version"] = float(prep.frame["policy_version"].min() or 0)
         history = []
+        if self.recorder is not None:
+            self.recorder.begin(prep, self.step + 1)
         for _epoch in range(self.cfg.ppo_epochs):
+            if self.recorder is not None and _epoch == 1:  # the first epoch's logprobs are the ones sampled against
+                self.recorder.active = False
             for mbs, st in zip(prep.minibatches, prep.stats):
                 if st.n_sampled_tokens == 0:  # e.g. every group dropped as zero-variance: no update
                     continue
@@ -446,6 +461,9 @@ class GRPOTrainer:
                 history.append(metrics)
                 if on_step:
                     on_step(metrics)
+        if self.recorder is not None:
+            self.recorder.active = bool(history)  # a batch that made no step writes no file
+            self.recorder.finish()
         if last_batch:
             # The gradients are spent: dropping them keeps them out of the checkpoint save that
             # follows (2.4 GB on the 0.5B in float32).
