@@ -234,3 +234,28 @@ def test_tests_and_solution_are_uploaded_not_mounted(dockerd, tmp_path):
     with open(log, "wb") as out:
         res = DockerSandbox().run(spec, ["bash", "-c", script], stdout=out, stderr=out)
     assert res.returncode == 0 and "ok" in log.read_text(), log.read_text()
+
+
+def test_a_report_the_phase_replaced_with_a_link_is_never_followed_by_the_host(dockerd, tmp_path):
+    """The report dir is the phase's to write (same uid as the init here): a link to a host 0600
+    JSON file put its text in the notes, a link to /dev/ptmx hung the worker for good. Both are
+    refused now, said in the notes, and the phase's own result stands. ~3 s."""
+    import json
+    import threading
+
+    ensure_image("ubuntu:24.04")
+    secret = tmp_path / "host-only.json"
+    secret.write_text(json.dumps({"leftovers": "HOST-SECRET-77c1"}))
+    os.chmod(secret, 0o600)
+    for target in (secret, "/dev/ptmx"):
+        spec = SandboxSpec(tmp_path / "w", env={"PATH": PATH}, image="ubuntu:24.04", timeout_s=60)
+        got: dict = {}
+        t = threading.Thread(target=lambda: got.update(res=DockerSandbox().run(
+            spec, ["bash", "-c", f"ln -sf {target} /run/polar-report/report.json"])), daemon=True)
+        t.start()
+        t.join(90)
+        assert not t.is_alive(), f"the host blocked reading a report linked to {target}"
+        res = got["res"]
+        notes = "\n".join(res.notes)
+        assert res.returncode == 0 and "HOST-SECRET" not in notes, notes
+        assert "report refused" in notes and "link" in notes, notes
