@@ -586,12 +586,13 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry) 
     result = None
     for turn, text in enumerate(turns):
         # a follow-up continues the harness's own conversation (same session, work dir and HOME)
-        spec = agent_spec(cfg, task, workdir, home, max(1.0, limit - wall), image)
-        session = Session(session_id=sid, task=text, workdir=Path(sandbox.inside(spec, workdir)), home=home,
-                          model=cfg.model, endpoint=cfg.endpoint, trim=cfg.trim, extra_env=dict(extra_env),
-                          resume=turn > 0, host_workdir=workdir, solution_dir=solution, key=key)
         name = cfg.preset.name if turn == 0 else f"{cfg.preset.name}.turn{turn}"
         try:
+            # a spec the sandbox refuses (a task's WORKDIR at /run/...) fails this sample, not the rollout
+            spec = agent_spec(cfg, task, workdir, home, max(1.0, limit - wall), image)
+            session = Session(session_id=sid, task=text, workdir=Path(sandbox.inside(spec, workdir)), home=home,
+                              model=cfg.model, endpoint=cfg.endpoint, trim=cfg.trim, extra_env=dict(extra_env),
+                              resume=turn > 0, host_workdir=workdir, solution_dir=solution, key=key)
             inv = cfg.preset.prepare(session)
             _map_binds(inv, spec, sandbox)
             result = run_invocation(inv, max(1.0, limit - wall), logs, name, sandbox=sandbox, spec=spec)

@@ -10,6 +10,12 @@ unchanged with no network; (2) sets RLIMIT_FSIZE; (3) runs ARGV as its child and
 silently when this process exits; counting them first lets the sample's record say so), and
 writes a JSON report to the fd the host passed (not inherited by ARGV).
 
+Environment: this init runs with the host's fixed minimal one (``bubblewrap.HOST_ENV``); the
+phase's (``env_file`` in the config, 0600 in the job-private dir) is read here and given to ARGV's
+execve only, after the drop: a task's LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT, GCONV_PATH or LOCPATH
+is never in a process that holds a privilege. Without ``env_file`` (the container backends) ARGV
+gets this process's own environment.
+
 Privilege (a root caller): bwrap itself runs as the host's root, so that its binds reach any path,
 and hands this init only CAP_SETUID, CAP_SETGID, CAP_SETFCAP and CAP_SYS_ADMIN, held only until
 the maps are written. The child that becomes ARGV first becomes the unprivileged host uid, then
@@ -211,10 +217,24 @@ def _map_ids(pid: int, base: int, count: int) -> None:
             fh.write(f"0 {base} {count}\n")
 
 
-def _spawn_and_wait(argv: list[str], drop: dict | None = None, harden: bool = False) -> int:
-    """Run argv as a child (PATH searched in the phase's env); its status, -N if killed by N.
-    ``drop`` ({"uid_base", "count"}): the child enters a user namespace of its own mapped to that
-    host range; ``harden``: no_new_privs and the seccomp filter before exec."""
+def _phase_env(path: str | None) -> dict[str, str]:
+    """The phase's environment from ``path`` (a JSON object of strings), or this process's own."""
+    if not path:
+        return dict(os.environ)
+    with open(path, "rb") as fh:
+        env = json.load(fh)
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ValueError(f"{path}: not an object of strings")
+    if "PWD" in os.environ:  # what bwrap's --chdir set, as the phase always had it
+        env.setdefault("PWD", os.environ["PWD"])
+    return env
+
+
+def _spawn_and_wait(argv: list[str], drop: dict | None = None, harden: bool = False,
+                    env: dict[str, str] | None = None) -> int:
+    """Run argv as a child with ``env`` (None: this process's; PATH searched in it); its status,
+    -N if killed by N. ``drop`` ({"uid_base", "count"}): the child enters a user namespace of its
+    own mapped to that host range; ``harden``: no_new_privs and the seccomp filter before exec."""
     r, w = os.pipe()  # the child reports a failed exec through it (closed on a good one)
     os.set_inheritable(w, False)
     if drop:
@@ -238,8 +258,8 @@ def _spawn_and_wait(argv: list[str], drop: dict | None = None, harden: bool = Fa
                     _drop_all_capabilities()
             if harden:
                 _no_new_privs_and_seccomp()
-            os.execvp(argv[0], argv)
-        except OSError as e:
+            os.execvpe(argv[0], argv, os.environ if env is None else env)
+        except BaseException as e:  # noqa: BLE001 - the child never returns into the init's code (a NUL in the env: ValueError)
             os.write(w, f"{e}".encode())
         os._exit(127)
     os.close(w)
@@ -302,7 +322,12 @@ def main() -> int:
             shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True)
         except OSError as e:
             print(f"sandbox: copying {src} to {dest} failed: {e}", file=sys.stderr)
-    rc = _spawn_and_wait(argv, cfg.get("drop"), bool(cfg.get("harden")))
+    try:
+        env = _phase_env(cfg.get("env_file"))
+    except (OSError, ValueError) as e:
+        print(f"sandbox: cannot read the phase's environment: {e}", file=sys.stderr)
+        return 125
+    rc = _spawn_and_wait(argv, cfg.get("drop"), bool(cfg.get("harden")), env)
     me = os.getpid()
     seen: set[int] = set()
     # Sweep only inside a PID namespace of its own (this process is then the child of the

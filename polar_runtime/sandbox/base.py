@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import os
+import posixpath
 import subprocess
 import threading
 import time
@@ -37,6 +38,47 @@ class SandboxError(RuntimeError):
 
 class SandboxUnavailable(SandboxError):
     """The requested backend is not usable on this machine (the message says why)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# where a bind may go inside (the work dir, a task's WORKDIR, is a bind too)
+
+#: No bind may be at or under these on any backend: the kernel's file systems, and /run, which
+#: holds the sandbox's own machinery (bubblewrap's init and its job-private dir at
+#: /run/polar-sandbox, the container backends' /run/polar-* dirs). A task's WORKDIR at the init's
+#: private dir made the task's own init.py run as the privileged init.
+RESERVED_DIRS = ("/proc", "/dev", "/sys", "/run")
+#: The host's system dirs, which bubblewrap shows read-only (and, for those that are links on a
+#: merged-/usr system, as the same links). The privileged start of a bubblewrap sandbox runs from
+#: them (``/usr/bin/python3 -I -S``: its whole ``sys.path`` is under /usr/lib; the loader reads
+#: /etc/ld.so.*), so no bind may land there: a WORKDIR at /usr/lib/python3.11 was the init's stdlib.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc", "/opt")
+
+
+def _within(path: str, dirs: tuple[str, ...]) -> str | None:
+    return next((d for d in dirs if path == d or path.startswith(d + "/")), None)
+
+
+def sandbox_path(path: str, what: str, *, host_system_dirs: bool = False) -> str:
+    """``path`` (a place inside the sandbox) normalised (``..``, ``//``, a trailing ``/``), or
+    :class:`SandboxError` naming it when a bind there could replace what the sandbox itself runs:
+    ``/``, :data:`RESERVED_DIRS` and what lies under them, and with ``host_system_dirs`` (a
+    backend that shows the host's system dirs, i.e. bubblewrap) :data:`SYSTEM_DIRS` too."""
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+        raise SandboxError(f"{what} must be an absolute path inside the sandbox, not {path!r}")
+    norm = "/" + posixpath.normpath(path).lstrip("/")  # "//run/" and "/app/../run" are "/run"
+    if norm == "/":
+        raise SandboxError(f"{what} {path!r} refused: a bind at / would replace the sandbox's whole root")
+    shown = f"{path!r}" if norm == path else f"{path!r} (that is {norm})"
+    if (d := _within(norm, RESERVED_DIRS)) is not None:
+        why = ("the sandbox's own machinery (its init, private dir and sockets)" if d == "/run"
+               else "a kernel file system")
+        raise SandboxError(f"{what} {shown} refused: {d} is {why}; no bind may be at or under it")
+    if host_system_dirs and (d := _within(norm, SYSTEM_DIRS)) is not None:
+        raise SandboxError(f"{what} {shown} refused: {d} is the host's system dir, read-only, which the "
+                           f"sandbox's privileged start runs from; no bind may be at or under it "
+                           f"(use a path of its own, such as /app)")
+    return norm
 
 
 @dataclass
@@ -83,10 +125,34 @@ class SandboxSpec:
         self.workdir_host = Path(os.path.abspath(self.workdir_host))
         if self.home_host is not None:
             self.home_host = Path(os.path.abspath(self.home_host))
-        if not self.workdir.startswith("/"):
-            raise SandboxError(f"workdir must be an absolute path inside the sandbox, not {self.workdir!r}")
-        self.ro_binds = [(Path(os.path.abspath(h)), d) for h, d in self.ro_binds]
-        self.rw_binds = [(Path(os.path.abspath(h)), d) for h, d in self.rw_binds]
+        self.workdir = sandbox_path(self.workdir, "the work dir")
+        if self.home is not None:
+            self.home = sandbox_path(self.home, "HOME")
+        self.ro_binds = [(Path(os.path.abspath(h)), d and sandbox_path(d, f"the bind of {h}")) for h, d in self.ro_binds]
+        self.rw_binds = [(Path(os.path.abspath(h)), d and sandbox_path(d, f"the bind of {h}")) for h, d in self.rw_binds]
+
+    def check_mounts(self, *, host_system_dirs: bool) -> None:
+        """Every bind's place inside, the work dir's and HOME's included, checked as the backend
+        will mount them (:func:`sandbox_path`; raises :class:`SandboxError` naming the first bad
+        one). A read-only bind at its own host path changes nothing a system dir shows (bubblewrap
+        skips it); a writable one is allowed under /opt only, which holds nothing the sandbox's
+        start runs (a checkout or POLAR_HOME there keeps its run dirs working). And no bind may lie under an earlier *writable*
+        one: the phase can put a link there (its HOME from an earlier turn, a task's build), and a
+        mount follows links in its destination, so a work dir at ``<HOME>/x`` with ``x -> /run/...``
+        would be mounted over the init's private dir."""
+        writable: list[str] = []
+        for host, dest, rw in self.mounts():
+            what = ("the work dir" if (host, dest) == (self.workdir_host, self.workdir) else
+                    "HOME" if (host, dest) == (self.home_host, self.home_inside) else f"the bind of {host}")
+            norm = sandbox_path(dest, what)
+            if norm != str(host) or (rw and _within(norm, SYSTEM_DIRS) != "/opt"):
+                norm = sandbox_path(dest, what, host_system_dirs=host_system_dirs)
+            outer = next((w for w in writable if norm.startswith(w + "/")), None)
+            if outer is not None:
+                raise SandboxError(f"{what} at {norm} refused: it lies under {outer}, a writable bind mounted "
+                                   "before it, where a link the phase left would redirect the mount")
+            if rw:
+                writable.append(norm)
 
     @property
     def home_inside(self) -> str | None:

@@ -14,9 +14,15 @@ What one phase sees (docs/sandbox.md has the full table):
   that socket, so HTTPS_PROXY and base-URL modes are unchanged; ``egress``: the package registries
   through a filtering proxy (``egress.py``); ``network=True`` (a model proxy on another machine
   only) shares the host's network;
-* a root caller's phase holds no privilege (``_init.py``): an unprivileged host uid range, uid 0
+* a root caller's phase holds no privilege (``_init.py``): an unprivileged host uid range of its
+  own (``uidrange.py``: per-uid kernel limits are not shared between concurrent samples), uid 0
   inside a user and mount namespace of its own, no capability (or, with ``userns_caps``, only over
   its own namespaces), no_new_privs, a seccomp filter;
+* nothing the task controls reaches what starts the sandbox with privilege (the host's sh and
+  bwrap, the init until its drop): they run with a fixed environment (``HOST_ENV``) in /, the
+  phase's environment is applied only at the phase's own execve, and no bind, the work dir
+  included, may land where the privileged start runs from (``SandboxSpec.check_mounts``: /, /run,
+  /proc, /dev, /sys, the system dirs);
 * pids/memory/CPU limits through a cgroup where one can be created (``cgroups.py``); the work dir,
   HOME and the other writable binds together on one loop-mounted image of ``disk_mb``
   (``diskimage.py``: hard, ENOSPC); without root, RLIMIT_FSIZE and a watchdog that kills the phase
@@ -31,6 +37,7 @@ disk image ~35 ms (under load, 2026-12-03). A harness phase takes tens of second
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import select
@@ -39,16 +46,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from polar_runtime.sandbox.base import Sandbox, SandboxError, SandboxResult, SandboxSpec, Stream, supervise
+from polar_runtime.sandbox.base import (SYSTEM_DIRS, Sandbox, SandboxError, SandboxResult, SandboxSpec, Stream,
+                                        supervise)
 from polar_runtime.sandbox.cgroups import Cgroup
 from polar_runtime.sandbox.diskimage import DiskImage
 from polar_runtime.sandbox.egress import EgressProxy, egress_env, egress_port
 from polar_runtime.sandbox.hostfs import give_to_sandbox
 from polar_runtime.sandbox.relay import UnixToTcpRelay
+from polar_runtime.sandbox.uidrange import UID_COUNT, lease_uid_range
 
-#: The host's system dirs visible read-only (the ones that are symlinks, e.g. /bin -> usr/bin on a
-#: merged-/usr system, are recreated as the same symlinks).
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc", "/opt")
+# base.SYSTEM_DIRS are the host's system dirs visible read-only (the ones that are symlinks, e.g.
+# /bin -> usr/bin on a merged-/usr system, are recreated as the same symlinks).
 #: Parts of /etc that are secrets: files are covered with /dev/null, dirs with an empty tmpfs.
 ETC_SECRETS = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-",
                "/etc/security/opasswd", "/etc/ssh", "/etc/ssl/private", "/etc/sudoers.d")
@@ -56,14 +64,18 @@ ETC_SECRETS = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-",
 PYTHON = "/usr/bin/python3"
 PRIVATE = "/run/polar-sandbox"  # where the job-private dir (init script, proxy socket) appears
 DISK_POLL_S = 0.25
-#: A root caller's phases run as this unprivileged host uid/gid range (uid 0..65535 inside a user
-#: namespace of their own); a range no account of a normal system uses (POLAR_SANDBOX_UID_BASE).
-UID_BASE = int(os.environ.get("POLAR_SANDBOX_UID_BASE", "2000000000"))
-UID_COUNT = 65536
-#: the in-sandbox init's own unprivileged uid once the phase has started (outside the phase's range)
-INIT_UID = UID_BASE + UID_COUNT
+#: The whole environment of the host-side processes that start a sandbox (the cgroup join's
+#: /bin/sh, bwrap, both real root outside any namespace) and of the privileged init inside: fixed,
+#: nothing of the phase's. A task's ENV LD_PRELOAD=./evil.so, resolved against Polar's cwd, was
+#: loaded into the host's sh and bwrap with every capability (LD_LIBRARY_PATH, LD_AUDIT, LOCPATH
+#: and GCONV_PATH likewise). The phase's environment (``spec.env``) goes to the init in a file of
+#: the job-private dir, and is applied only at the unprivileged child's execve.
+HOST_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+HOST_ENV = {"PATH": HOST_PATH, "LANG": "C.UTF-8"}
+#: The host-side processes run in / (no relative path of anyone's resolves against Polar's cwd).
+HOST_CWD = "/"
 #: What the in-sandbox init keeps of a root caller's capabilities, only until the phase's ids are
-#: mapped (before any code of the phase runs; then it drops to INIT_UID and the kernel clears them
+#: mapped (before any code of the phase runs; then it drops to the range's init uid and the kernel clears them
 #: all): writing another uid's user-namespace maps with uid 0 in them takes CAP_SETUID/SETGID,
 #: CAP_SETFCAP (Linux 5.12+) and CAP_SYS_ADMIN over that namespace, which is the phase's own uid's
 #: (so the kernel charges the phase's inotify instances and namespaces to it, not to root).
@@ -92,12 +104,19 @@ def _du_bytes(root: Path, limit: int) -> int:
     return total
 
 
+@functools.lru_cache(maxsize=1)
+def _bwrap_path() -> str | None:
+    """bwrap's absolute path, looked up once on a fixed PATH (never the phase's or a relative one)."""
+    found = shutil.which("bwrap", path="/usr/local/sbin:/usr/local/bin:" + HOST_PATH)
+    return os.path.abspath(found) if found else None
+
+
 class BubblewrapSandbox(Sandbox):
     name = "bubblewrap"
 
     @classmethod
     def bwrap(cls) -> str | None:
-        return shutil.which("bwrap")
+        return _bwrap_path()
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -110,8 +129,14 @@ class BubblewrapSandbox(Sandbox):
     def argv(self, spec: SandboxSpec, private: Path, inner: list[str],
              staged: dict[Path, Path] | None = None) -> list[str]:
         """The bwrap command line for ``spec`` (``inner`` runs inside); ``staged`` maps a writable
-        bind's host path to its copy on the phase's disk image (bound instead)."""
-        a = [self.bwrap() or "bwrap", "--die-with-parent", "--new-session", "--unshare-pid",
+        bind's host path to its copy on the phase's disk image (bound instead). Raises
+        :class:`SandboxError` for a bind (the work dir included) where it could replace what the
+        sandbox's privileged start runs (``SandboxSpec.check_mounts``)."""
+        spec.check_mounts(host_system_dirs=True)
+        bwrap = self.bwrap()
+        if bwrap is None:
+            raise SandboxError(self.unavailable_reason() or "bwrap is not installed")
+        a = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid",
              "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
         if not spec.network:
             a.append("--unshare-net")
@@ -140,6 +165,9 @@ class BubblewrapSandbox(Sandbox):
                 a += ["--ro-bind", resolv, resolv]
         made: set[str] = {"/", "/tmp", "/var", "/var/tmp", "/run", PRIVATE}
         for host, dest, writable in spec.mounts():
+            dest = "/" + os.path.normpath(dest).lstrip("/")
+            if not writable and dest == str(host) and any(dest.startswith(d + "/") for d in SYSTEM_DIRS):
+                continue  # the host's own file at its own place, read-only: already shown as it is
             # the dirs a bind's path goes through: 0755 (bwrap would make them 0700, root's, which
             # the phase's unprivileged uid could not pass)
             for anc in reversed(Path(dest).parents):
@@ -149,8 +177,8 @@ class BubblewrapSandbox(Sandbox):
                 made.add(str(anc))
             if not host.exists():
                 raise SandboxError(f"sandbox bind source {host} does not exist")
-            under = next((d for d in (*SYSTEM_DIRS, "/proc", "/dev") if dest.startswith(d + "/")), None)
-            if under and not os.path.exists(dest):
+            under = next((d for d in SYSTEM_DIRS if dest.startswith(d + "/")), None)
+            if under and not os.path.exists(dest):  # a writable bind at its own path under /opt
                 raise SandboxError(f"cannot bind {host} at {dest}: {under} is the host's, read-only, and "
                                    f"has no {dest} to mount on (bind it at a path of its own)")
             src = (staged or {}).get(host, host) if writable else host
@@ -162,6 +190,7 @@ class BubblewrapSandbox(Sandbox):
             stderr: Stream = None) -> SandboxResult:
         if not argv:
             raise SandboxError("nothing to run")
+        spec.check_mounts(host_system_dirs=True)  # before anything is made or chowned for it
         spec.workdir_host.mkdir(parents=True, exist_ok=True)
         if spec.home_host is not None:
             spec.home_host.mkdir(parents=True, exist_ok=True)
@@ -171,10 +200,11 @@ class BubblewrapSandbox(Sandbox):
         cg: Cgroup | None = None
         image: DiskImage | None = None
         egress: EgressProxy | None = None
+        uids = None
         r_fd, w_fd = os.pipe()
         try:
             shutil.copy(Path(__file__).with_name("_init.py"), private / "init.py")
-            cfg: dict = {"report_fd": w_fd, "harden": hardened()}
+            cfg: dict = {"report_fd": w_fd, "harden": hardened(), "env_file": f"{PRIVATE}/env.json"}
             if spec.proxy_port and not spec.network:
                 relay = UnixToTcpRelay(private / "proxy.sock", spec.proxy_port)
                 cfg.update(proxy_port=spec.proxy_port, socket=f"{PRIVATE}/proxy.sock")
@@ -184,20 +214,27 @@ class BubblewrapSandbox(Sandbox):
                 port = egress_port(spec)
                 cfg["relays"] = [[port, f"{PRIVATE}/egress.sock"]]
                 env.update(egress_env(port))
+            # the phase's environment: read by the init (0600, the caller's), applied at its child's
+            # execve only; a file, not argv (a harness's env can be long) nor the init's own env
+            fd = os.open(private / "env.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(env, fh)
             staged: dict[Path, Path] = {}
             writable = [host for host, _, w in spec.mounts() if w]
             if os.geteuid() == 0 and hardened():
-                # a root caller: the phase runs as an unprivileged uid range (see _init.py), so its
-                # writable binds become that uid's; the init keeps the private dir and socket
-                cfg["drop"] = {"uid_base": UID_BASE, "count": UID_COUNT, "init_uid": INIT_UID,
+                # a root caller: the phase runs as an unprivileged uid range of its own (see
+                # _init.py, uidrange.py), so its writable binds become that uid's; the init keeps
+                # the private dir and socket
+                uids = lease_uid_range()
+                cfg["drop"] = {"uid_base": uids.base, "count": UID_COUNT, "init_uid": uids.init_uid,
                                "keep_caps": spec.userns_caps}
                 os.chmod(private, 0o711)  # the init (root, no CAP_DAC_*) reads init.py; no listing
                 for sock in ("proxy.sock", "egress.sock"):
                     if (private / sock).exists():
-                        os.chown(private / sock, INIT_UID, INIT_UID)  # 0600: the init's alone
+                        os.chown(private / sock, uids.init_uid, uids.init_uid)  # 0600: the init's alone
                 if spec.disk_mb:
                     try:
-                        image = DiskImage(spec.disk_mb, UID_BASE)
+                        image = DiskImage(spec.disk_mb, uids.base)
                         staged = image.stage(writable)
                     except Exception as exc:  # noqa: BLE001 - any failure: the watchdog, said in the notes
                         notes.append(f"disk image unavailable ({exc}); the disk cap falls back to a watchdog")
@@ -206,7 +243,7 @@ class BubblewrapSandbox(Sandbox):
                             image = None
                 if image is None:
                     for host in writable:
-                        give_to_sandbox(host, UID_BASE)
+                        give_to_sandbox(host, uids.base)
             if spec.disk_mb:
                 cfg["fsize"] = spec.disk_mb * 1024 * 1024
             # -I: the phase's PYTHONPATH/PYTHONHOME (a harness's env) must not reach the init; -S: no site (~10 ms)
@@ -218,6 +255,8 @@ class BubblewrapSandbox(Sandbox):
                 files = cg.procs_files
                 join = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
                 cmd = ["/bin/sh", "-c", join, "sh", str(len(files)), *files, *cmd]
+            # nothing of the phase's environment, and no relative path, reaches the host-side
+            # processes (root) or the init (privileged until the phase's ids are mapped)
 
             seen = {"procs": 0, "disk": 0, "next_du": 0.0}
             limit = (spec.disk_mb or 0) * 1024 * 1024 if image is None else 0  # the image is the cap
@@ -238,7 +277,7 @@ class BubblewrapSandbox(Sandbox):
 
             wants_poll = cg is not None or bool(limit)
             rc, timed_out, reason, wall = supervise(
-                cmd, env=env, cwd=None, stdout=stdout, stderr=stderr, timeout_s=spec.timeout_s,
+                cmd, env=dict(HOST_ENV), cwd=HOST_CWD, stdout=stdout, stderr=stderr, timeout_s=spec.timeout_s,
                 pass_fds=(w_fd,), poll=poll if wants_poll else None,
                 poll_interval_s=DISK_POLL_S)
             os.close(w_fd)
@@ -301,6 +340,8 @@ class BubblewrapSandbox(Sandbox):
                 cg.remove()
             if image is not None:
                 image.release()
+            if uids is not None:
+                uids.release()  # every process of the range is gone: the PID namespace ended with bwrap
             shutil.rmtree(private, ignore_errors=True)
 
 
