@@ -415,6 +415,9 @@ class RolloutConfig:
     #: docker, or host (no isolation at all: tests with a fake harness that writes outside)
     sandbox: str = "auto"
     pids: int | None = 4096  # the most processes alive at once in one sample's sandbox
+    #: container backends run each sample as one live environment (``sandbox/trial.py``); False
+    #: denies the agent phase the package manager's capabilities and the registries there
+    agent_privileged: bool = True
     #: the lowest attempt number of a session id (``.r<n>``): a sample re-run on another machine after
     #: its first one was lost (polar_runtime/cluster) gets a session id of its own there too
     first_attempt: int = 0
@@ -510,7 +513,8 @@ def _map_binds(inv: Any, spec: Any, sandbox: Any) -> None:
 def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[str, Any]:
     """One sample, end to end (build, agent, verifier); never raises for harness, build or
     verifier failures. What stays in the run dir keeps no link out of the sample's dir."""
-    row = _run_sample_phases(cfg, job, registry)
+    with contextlib.ExitStack() as stack:  # a live trial's environment is removed at the end
+        row = _run_sample_phases(cfg, job, registry, stack)
     note = seal_sample_dir(cfg.work / row["session_id"])
     if note:
         row["sandbox_notes"] = "\n".join(n for n in (row.get("sandbox_notes"), note) if n)
@@ -536,7 +540,8 @@ def seal_sample_dir(sample_dir: Path) -> str | None:
     return f"{n} link(s) pointing outside the sample's dir removed from the run dir: {', '.join(names)}"
 
 
-def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[str, Any]:
+def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
+                       stack: contextlib.ExitStack | None = None) -> dict[str, Any]:
     task, i = job.task, job.sample
     attempt = next_attempt(cfg, task.id, i)
     sid = session_id_for(task.id, cfg.step, i, attempt)
@@ -560,6 +565,7 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry) 
         notes += prepare_workdir(task, workdir, sandbox, cfg.work / ".builds")
         # a container backend runs every phase in the task's built image (``tasks/imagebuild.py``)
         image = task_image(task, sandbox)
+        trial = live_trial(cfg, task, sandbox, image, workdir, stack)
     except Exception as exc:  # noqa: BLE001 - no sandbox, a build that fails: this sample failed, visibly
         row["error"] = f"environment: {exc}"
         row["sandbox_notes"] = "\n".join(notes)
@@ -595,7 +601,8 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry) 
                               resume=turn > 0, host_workdir=workdir, solution_dir=solution, key=key)
             inv = cfg.preset.prepare(session)
             _map_binds(inv, spec, sandbox)
-            result = run_invocation(inv, max(1.0, limit - wall), logs, name, sandbox=sandbox, spec=spec)
+            box = trial.view("agent", passwd_home=not getattr(cfg.preset, "needs_model", True)) if trial else sandbox
+            result = run_invocation(inv, max(1.0, limit - wall), logs, name, sandbox=box, spec=spec)
         except Exception as exc:  # noqa: BLE001 - a preset that cannot start is a failed sample, not a crash
             row["error"] = f"{type(exc).__name__}: {exc}"
             row["wall_s"] = round(wall, 3)
@@ -624,7 +631,8 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry) 
         note = "a call still in flight at the end is not in the captures (the upstream has not answered)"
         row["error"] = f"{row['error']}; {note}" if row["error"] else note
     assert result is not None
-    ev = verify(task, sandbox=sandbox, sample_dir=sample_dir, workdir_host=workdir, agent_logs=logs, image=image,
+    vbox = trial.view("verifier", passwd_home=True) if trial else sandbox  # the trial's: its environment
+    ev = verify(task, sandbox=vbox, sample_dir=sample_dir, workdir_host=workdir, agent_logs=logs, image=image,
                 timeout=task.verifier_timeout or cfg.eval_timeout, facts={
                     "session": sid, "task_id": task.id, "status": row["status"],
                     "harness_stdout": str(result.stdout_path), "harness_stderr": str(result.stderr_path)})
@@ -633,6 +641,24 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry) 
                verifier_dir=str(sample_dir / "verifier"), sandbox_notes="\n".join(dict.fromkeys(notes)))
     row["calls"], row["error_calls"], row["prompt_tokens"], row["sampled_tokens"] = capture_stats(cfg.capture_dir, sid)
     return row
+
+
+def live_trial(cfg: RolloutConfig, task: Task, sandbox: Any, image: str | None, workdir: Path,
+               stack: contextlib.ExitStack | None) -> Any:
+    """The sample's live environment on a container backend (``sandbox/trial.py``: created at the
+    first agent phase, removed when ``stack`` closes); None where phases run in sandboxes of their own."""
+    from polar_runtime.sandbox.egress import registries
+    from polar_runtime.sandbox.trial import LiveTrial, TrialConfig, task_healthcheck, uses_live_trial
+
+    if stack is None or not image or not uses_live_trial(sandbox):
+        return None
+    lim = task.limits(cfg.pids)
+    trial = LiveTrial(sandbox, TrialConfig(
+        image=image, workdir_host=workdir, workdir=task.workdir, pids=lim["pids"], memory_mb=lim["memory_mb"],
+        cpus=lim["cpus"], disk_mb=lim["disk_mb"], registries=registries(), agent_privileged=cfg.agent_privileged,
+        healthcheck=task_healthcheck(task)))
+    stack.callback(trial.stop)
+    return trial
 
 
 def run_rollout(
