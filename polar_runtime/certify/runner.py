@@ -43,7 +43,7 @@ CELL_FILE = "certify.json"
 TASKS = "followups"
 SAMPLES = 2  # per task: a GRPO group needs two samples to have a reward spread
 #: the delivery step's learning rate: the canary must move well above the serving noise (tiny-qwen in
-#: float32: separation 369 noise units at 1e-5 against 37 at 1e-6, benchmarks/README.md "Push check margins")
+#: float32: separation 369 noise units at 1e-5 against 37 at 1e-6, benchmarks/history/push-margin.md)
 DELIVERY_LR = 1e-5
 ORDER = ("capture", "exact history", "mask", "logprob agreement", "sampling", "tool calls", "reasoning",
          "policy delivery")
