@@ -41,7 +41,10 @@ from .delivery import check_logprob_agreement, check_policy_delivery, served_ver
 CELL_FILE = "certify.json"
 #: built-in tasks: tools (write a file, make a directory), then later user turns on the same conversation
 TASKS = "followups"
-SAMPLES = 2  # per task: a GRPO group needs two samples to have a reward spread
+#: per task: a GRPO group needs two samples for a reward spread; three give a harness that makes no
+#: tool calls (a random-weight model) 6 sessions x 2 follow-up turns = 12 re-sent answers, over the
+#: exact-history check's minimum of 10 (2 samples gave 8: NOT EXERCISED)
+SAMPLES = 3
 #: the delivery step's learning rate: the canary must move well above the serving noise (tiny-qwen in
 #: float32: separation 369 noise units at 1e-5 against 37 at 1e-6, benchmarks/history/push-margin.md)
 DELIVERY_LR = 1e-5

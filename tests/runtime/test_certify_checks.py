@@ -216,3 +216,25 @@ def test_cells_and_shards():
     halves = cells_of(["pi-chat", "codex"], ["m1", "m2"], (0, 2)) + cells_of(["pi-chat", "codex"], ["m1", "m2"], (1, 2))
     assert sorted(halves) == sorted(cells)
     assert cell_name("pi-chat", "/x/y/Qwen 0.5B") == "pi-chat__Qwen-0.5B"
+
+
+def test_the_published_matrix_is_generated_from_the_committed_cells():
+    """docs/certify.md's matrix region is exactly what the committed results render to (regenerate
+    it with `polar certify --matrix` after committing a cell)."""
+    from polar_runtime.certify import matrix
+
+    assert matrix.region() == "\n" + matrix.render(matrix.load_results())
+
+
+def test_a_failing_cell_stays_in_the_matrix_with_its_cause():
+    from polar_runtime.certify import matrix
+
+    check = {"name": "mask", "state": "FAIL", "measured": "10 sampled tokens", "count": 300, "minimum": 100,
+             "value": 1.0, "failures": 1, "details": ["x/0.0: first difference at masked token 0"]}
+    rep = {"harness": "codex", "model": "tiny-r1", "verdict": "FAIL", "error": None, "checks": [check],
+           "harness_version": "@openai/codex@0.171.0", "vllm_version": "0.32.0", "date": "2026-12-07"}
+    text = matrix.render({("codex", "tiny-r1"): rep})
+    row = next(line for line in text.splitlines() if line.startswith("| codex | tiny-r1 |"))
+    assert "**FAIL**" in row and "1 wrong of 300 tok" in row and "0.32.0" in row
+    assert "- codex x tiny-r1: mask: x/0.0: first difference at masked token 0" in text
+    assert "| pi-chat | tiny-r1 | not run yet |" in text
