@@ -385,12 +385,21 @@ def drop_outside_links(root: Path, keep_names: int = 5) -> tuple[int, list[str]]
     """Remove every symlink under ``root`` whose target resolves outside ``root`` (absolute
     targets included: on the host they name the host's files); links that stay inside are kept.
     A sample's planted ``work/key -> /root/.ssh/id_rsa`` is harmless to Polar, which never follows
-    it, but a user's ``cp -L``, ``tar -h`` or upload of the run dir would. Returns (how many were
-    removed, the first ``keep_names`` of them as ``path -> target``). Nothing may run in ``root``."""
+    it, but a user's ``cp -L``, ``tar -h`` or upload of the run dir would. A directory deeper than
+    :data:`MAX_DEPTH` (where the walk does not go) is removed whole, so no link hides there.
+    Returns (how many were removed, the first ``keep_names`` of them as ``path -> target``).
+    Nothing may run in ``root``."""
     dropped, names = 0, []
     fd = os.open(root, _DIR_FLAGS)
     try:
         for dfd, name, st, relp in _walk_dirs(fd):
+            if stat.S_ISDIR(st.st_mode) and relp.count("/") + 1 >= MAX_DEPTH:  # not entered by the walk
+                clear_dir(Path(f"/proc/self/fd/{dfd}/{name}"))
+                os.rmdir(name, dir_fd=dfd)
+                dropped += 1
+                if len(names) < keep_names:
+                    names.append(f"{relp[:120]}... (deeper than {MAX_DEPTH} levels: removed whole)")
+                continue
             if not stat.S_ISLNK(st.st_mode):
                 continue
             try:

@@ -91,11 +91,13 @@ ln -s /etc/passwd host-file
 ln -s ../../../../../../../../../../etc/shadow up
 ln -s sub/../../.. dotdot
 mkdir -p "$HOME/.cache" && ln -s /root "$HOME/.cache/root"
+(for i in $(seq 300); do mkdir d && cd d || exit 1; done; ln -s /etc/passwd deep-below)
 """
 
 
 def test_links_out_of_the_sample_dir_leave_the_run_dir_after_its_last_phase(tmp_path):
-    """A sample plants links to host files in its work dir and HOME; the verifier still sees them
+    """A sample plants links to host files in its work dir and HOME (one 300 levels down, past the
+    host walk's depth); the verifier still sees them
     (it runs before the sweep: reward 1 only if ``host-file`` is there), the run dir keeps none
     that resolves outside the sample's dir, the task's own relative links stay, and the row says
     what was removed. ~2 s."""
@@ -111,5 +113,6 @@ def test_links_out_of_the_sample_dir_leave_the_run_dir_after_its_last_phase(tmp_
     sample = Path(row["workdir"]).parent
     links = {str(p.relative_to(sample)): os.readlink(p) for p in sample.rglob("*") if p.is_symlink()}
     assert links == {"work/inside": "data.txt", "work/sub/inside": "../data.txt"}, links
-    assert "4 link(s) pointing outside the sample's dir removed" in row["sandbox_notes"], row["sandbox_notes"]
+    assert "5 link(s) pointing outside the sample's dir removed" in row["sandbox_notes"], row["sandbox_notes"]
+    assert "deeper than 256 levels: removed whole" in row["sandbox_notes"]  # where deep-below was
     assert "host-file -> /etc/passwd" in row["sandbox_notes"]
