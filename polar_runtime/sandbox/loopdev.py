@@ -53,17 +53,28 @@ def proc_start(pid: int) -> str | None:
     return text.rsplit(")", 1)[1].split()[19]
 
 
+def _pid_ns() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "?"
+
+
 def write_owner(d: Path) -> None:
-    """Record this process as the owner of the image dir ``d`` (before anything is mounted)."""
-    (d / OWNER_FILE).write_text(f"{os.getpid()} {proc_start(os.getpid())}\n")
+    """Record this process as the owner of the image dir ``d`` (before anything is mounted): its
+    pid, start time and PID namespace (a pid means nothing in another namespace sharing /tmp)."""
+    (d / OWNER_FILE).write_text(f"{os.getpid()} {proc_start(os.getpid())} {_pid_ns()}\n")
 
 
 def owner_alive(d: Path) -> bool | None:
-    """Whether the process that made ``d`` still runs; None when ``d`` records no owner."""
+    """Whether the process that made ``d`` still runs; None when ``d`` records no owner, or one of
+    another PID namespace (its liveness cannot be told from here)."""
     try:
-        pid_s, start = (d / OWNER_FILE).read_text(errors="replace")[:100].split()[:2]
+        pid_s, start, *ns = (d / OWNER_FILE).read_text(errors="replace")[:200].split()
         pid = int(pid_s)
     except (OSError, ValueError):
+        return None
+    if ns and ns[0] != _pid_ns():
         return None
     return proc_start(pid) == start
 

@@ -84,6 +84,9 @@ def test_a_live_owner_and_a_recycled_pid_are_told_apart(tmp):
     assert loopdev.owner_alive(d) is True
     (d / loopdev.OWNER_FILE).write_text(f"{os.getpid()} 1\n")  # this pid, another process's start time
     assert loopdev.owner_alive(d) is False
+    (d / loopdev.OWNER_FILE).write_text(f"{os.getpid()} 1 pid:[1]\n")  # another PID namespace's: unknown
+    assert loopdev.owner_alive(d) is None
+    (d / loopdev.OWNER_FILE).write_text(f"{os.getpid()} 1\n")
     assert loopdev.janitor(str(tmp)) == [str(d)] and not d.exists()
     legacy = tmp / f"{loopdev.PREFIX}old"  # no owner file: kept while young (another version's live run)
     legacy.mkdir()
