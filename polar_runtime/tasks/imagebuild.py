@@ -31,8 +31,10 @@ task whose solution uses ``jq`` failed with ``jq: command not found``). Now:
 
 Both tar streams go through a pipe, never held whole: a 400 MiB work dir raised Polar's peak RSS
 from 121 MiB to 1,319 MiB when the ``docker cp`` tar was built in a BytesIO and its output read
-whole; streamed, the host holds one member header and a 1 MiB chunk (tests/runtime/sandbox/
-test_safetar.py measures the RSS difference between two work-dir sizes).
+whole. Measured on the private dockerd here, 400 MiB of random data: copying a work dir out raised
+the peak RSS by 801 MiB held whole, by 4 MiB streamed (11.0 s -> 5.6 s); copying a tree in, by 402
+MiB and 0 MiB (9.3 s -> 3.2 s). The host holds one member header and a 1 MiB chunk
+(tests/runtime/sandbox/test_safetar.py checks the RSS difference between two work-dir sizes).
 
 ``docker build`` was not used: BuildKit's RUN network is the daemon's bridge or the host's (the
 private daemon has ``--bridge=none``), and it cannot bind the job-private egress socket, so RUN
