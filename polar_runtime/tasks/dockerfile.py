@@ -351,7 +351,8 @@ def _plan(dockerfile: Path, lines: list[tuple[int, str]], env_out: Environment, 
             env_out.steps.append(Step("run", text=command, line=n, source=src, cwd=str(cwd), shell=shell_opts))
         elif instr == "USER":
             if container and _subst(rest, variables).split(":")[0] not in ("root", "0"):
-                env_out.notes.append(f"line {n}: USER {rest} ignored: every phase runs as root in the container")
+                env_out.notes.append(f"line {n}: USER {rest} ignored: under {mode_name(container)} every phase runs "
+                                     "as root in the container")
             elif _subst(rest, variables).split(":")[0] not in ("root", "0"):
                 raise fail(n, src, "USER other than root is not supported by the local mode (every phase runs "
                                    "as root in its own user namespace)")

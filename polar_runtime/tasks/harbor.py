@@ -108,8 +108,8 @@ def _read(path: Path, root: Path, what: str) -> str:
         raise ValueError(f"{path}: cannot read {what}: {exc}") from None
 
 
-def _network(cfg: dict[str, Any], envc: dict[str, Any], mode: str = "the local mode") -> bool:
-    """allow_internet / network_mode -> whether the task's sandboxes get a network. ``mode``: the
+def _network(cfg: dict[str, Any], envc: dict[str, Any], backend: str = "the local mode") -> bool:
+    """allow_internet / network_mode -> whether the task's sandboxes get a network. ``backend``: the
     backend the refusals name (:func:`~polar_runtime.tasks.model.mode_name`)."""
     allow = envc.get("allow_internet")
     if allow is not None and not isinstance(allow, bool):
@@ -122,7 +122,7 @@ def _network(cfg: dict[str, Any], envc: dict[str, Any], mode: str = "the local m
     elif mode == "no-network":
         net = False
     elif mode == "allowlist":
-        raise ValueError(f'[environment] network_mode = "allowlist" is not supported by {mode} (its sandboxes '
+        raise ValueError(f'[environment] network_mode = "allowlist" is not supported by {backend} (its sandboxes '
                          "have the network or none, no host allowlist)")
     else:
         raise ValueError(f"[environment] network_mode must be public, no-network or allowlist, not {mode!r}")
@@ -132,7 +132,7 @@ def _network(cfg: dict[str, Any], envc: dict[str, Any], mode: str = "the local m
         pm = (cfg.get(phase) or {}).get("network_mode")
         if pm is not None and pm != ("public" if net else "no-network"):
             raise ValueError(f"[{phase}] network_mode = {pm!r}: a per-phase network mode is not supported by "
-                             f"{mode} (one network setting per task; the task's is "
+                             f"{backend} (one network setting per task; the task's is "
                              f"{'public' if net else 'no-network'})")
     return net
 

@@ -149,6 +149,16 @@ def pull_image(image: str, runtime: str = "docker", answer_s: float = PULL_ANSWE
     return False, why
 
 
+def _docker(runtime: str, *args: str, check: bool = True, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    if "input" not in kw:
+        kw["stdin"] = subprocess.DEVNULL
+    r = subprocess.run([runtime, *args], capture_output=True, timeout=timeout, **kw)
+    if check and r.returncode != 0:
+        err = r.stderr.decode(errors="replace") if isinstance(r.stderr, bytes) else r.stderr
+        raise RuntimeError(f"`{runtime} {' '.join(args[:3])}` failed: {err.strip()[-600:]}")
+    return r
+
+
 def image_id(image: str, runtime: str = "docker") -> str | None:
     r = _docker(runtime, "image", "inspect", "--format", "{{.Id}}", image, check=False, text=True)
     return r.stdout.strip() if r.returncode == 0 else None

@@ -116,7 +116,7 @@ def script_lines(text: str) -> list[tuple[int, str]]:
         if not buf:
             start = n
         if s.endswith("\\") and not s.endswith("\\\\"):
-            buf += s[:-1] + " "
+            buf += s[:-1].rstrip() + " "
             continue
         out.append((start, (buf + s).strip()))
         buf = ""
