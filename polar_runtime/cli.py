@@ -23,6 +23,7 @@ from polar_runtime import demo, evaluation, rollout_commands
 from polar_runtime.certify import commands as certify_commands
 from polar_runtime.cluster import commands as cluster_commands
 from polar_runtime.loop import commands as loop_commands
+from polar_runtime.view import commands as view_commands
 from polar_training import commands as training_commands
 
 #: The panels of `polar --help`, in the order shown, each with its commands in the order shown.
@@ -84,6 +85,7 @@ demo.register(app)  # demo
 loop_commands.register(app)  # loop
 cluster_commands.register(app)  # cluster gather (Ray imported when it runs)
 certify_commands.register(app)  # certify (a harness x model fit to train on?)
+view_commands.register(app)  # view (the run viewer)
 
 
 @app.command()

@@ -329,11 +329,13 @@ def print_report(report: dict[str, Any]) -> None:
 
     console.print("[bold]where things are[/bold]")
     for k, v in report["paths"].items():
-        if v and k != "browse flows":
+        if v and k not in ("browse flows", "view"):
             console.print(f"  {k:<16} {v}")
     if report["paths"].get("browse flows"):  # two lines: how, and what one sees
         console.print(f"[bold]browse the calls[/bold]  {report['paths']['browse flows']}", soft_wrap=True)
         console.print(f"  {BROWSE_WHAT}", soft_wrap=True)
+    if report["paths"].get("view"):  # the run viewer: rewards to tokens, in a browser
+        console.print(f"[bold]browse the run[/bold]  {report['paths']['view']}", soft_wrap=True)
 
 
 
@@ -439,6 +441,7 @@ def run_demo(cfg: LoopConfig, keep: bool = False, fresh: bool = False) -> dict[s
         "notebook sources": str(NOTEBOOKS_DIR),
         "logs": str(out / "logs"),
         "report": str(out / REPORT_FILE),
+        "view": f"{Path(sys.executable).with_name('polar')} view {out}",
     }
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str))
     return report

@@ -81,6 +81,9 @@ def loop_command(
         console.print(f"[red]polar loop failed:[/red] {escape(str(exc))}")
         raise typer.Exit(1) from None
     print_summary(report)
+    from polar_runtime.view.commands import view_hint
+
+    console.print(f"[bold]browse the run[/bold]  {escape(view_hint(run_dir))}", soft_wrap=True)
 
 
 def slurm_command(
