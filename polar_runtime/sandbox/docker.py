@@ -156,6 +156,7 @@ class DockerSandbox(Sandbox):
                 if stand_in:
                     notes.append(f"STAND-IN IMAGE: {stand_in}")
             shutil.copy(Path(__file__).with_name("_init.py"), private / "init.py")
+            owner = _remapped_owner(self.runtime, spec, private, report_dir)
             cfg: dict = {"report_path": "/run/polar-report/report.json"}
             env = dict(spec.env)
             if spec.proxy_port and not spec.network:
@@ -170,7 +171,7 @@ class DockerSandbox(Sandbox):
                 env.update(egress_env(port))
             if spec.disk_mb and os.geteuid() == 0:
                 try:
-                    image = DiskImage(spec.disk_mb, os.getuid())
+                    image = DiskImage(spec.disk_mb, os.getuid() if owner is None else owner)
                     staged = image.stage([h for h, _, w in spec.mounts() if w])
                     tmp_dir = image.mnt / "tmp"
                     tmp_dir.mkdir()
@@ -309,6 +310,21 @@ def read_report(report_dir: Path) -> tuple[dict, str | None]:
     if isinstance(out.get("leftovers"), int) and not 0 <= out["leftovers"] < 2**31:
         del out["leftovers"]
     return out, None
+
+
+def _remapped_owner(runtime: str, spec: SandboxSpec, private: Path, report_dir: Path) -> int | None:
+    """On a daemon that remaps user ids (``remap.py``), the host uid of the container's root: the
+    phase's writable binds and the report dir are chowned to it, the private dir made readable."""
+    from polar_runtime.sandbox.remap import chown_tree, remapped_root
+
+    owner = remapped_root(runtime)
+    if owner is not None:
+        os.chmod(private, 0o755)
+        os.chown(report_dir, owner, owner)
+        for host, _, writable in spec.mounts():
+            if writable and host.exists():
+                chown_tree(host, owner)
+    return owner
 
 
 def _with_env(spec: SandboxSpec, env: dict[str, str]) -> SandboxSpec:

@@ -13,6 +13,10 @@ with ``--iptables=false --ip6tables=false --bridge=none``: it never touches the 
 or interfaces, and a container gets no network but ``--network none`` (the sandbox's) or the
 host's. Clients find it by ``DOCKER_HOST=unix://<root>/docker.sock`` (``polar docker env``).
 
+Hardening: ``--userns-remap`` (``remap.py``: container uid 0 is host uid 1,500,000,000, owning
+nothing here; the data root is then ``data/<uid>.<gid>``), and ``--log-driver none`` (no json log
+of a container's output grows on the host's disk).
+
 ``start`` is idempotent (a daemon already answering on the socket is reused) and installs
 ``docker.io`` with apt when ``dockerd`` is missing; ``stop`` ends the daemon it finds in the pid
 file only if that process is a dockerd with this data root (never another process whose pid was
@@ -69,6 +73,8 @@ class PrivateDockerd:
 
     root: Path
     storage_driver: str = "overlay2"
+    #: containers in a user namespace of their own (``remap.py``): their root is not the host's
+    userns_remap: bool = True
 
     def __post_init__(self) -> None:
         self.root = Path(os.path.abspath(self.root))
@@ -119,7 +125,17 @@ class PrivateDockerd:
         dockerd = shutil.which("dockerd") or "/usr/sbin/dockerd"
         return [dockerd, "--data-root", str(self.root / "data"), "--exec-root", str(self.root / "exec"),
                 "--pidfile", str(self.pidfile), "-H", self.host, "--iptables=false", "--ip6tables=false",
-                "--bridge=none", "--storage-driver", self.storage_driver, "--log-level", "warn"]
+                "--bridge=none", "--storage-driver", self.storage_driver, "--log-level", "warn",
+                # no container log kept: a phase's 300 MB of stdout grew the json log to 287 MiB;
+                # Polar reads every phase's output from the CLI's own streams
+                "--log-driver", "none", *self.remap_args()]
+
+    def remap_args(self) -> list[str]:
+        if not self.userns_remap:
+            return []
+        from polar_runtime.sandbox.remap import ensure_remap_user
+
+        return ["--userns-remap", ensure_remap_user()]
 
     def start(self, timeout_s: float = 90.0, install: bool = True) -> bool:
         """Start the daemon unless one already answers here; True when this call started it.
@@ -132,6 +148,8 @@ class PrivateDockerd:
                 return False
             if install:
                 ensure_installed()
+            if self.userns_remap:
+                _traversable(self.root / "data")
             if len(str(self.root / "exec" / "containerd" / "containerd.sock")) > 100:
                 raise DaemonError(f"{self.root}: too long for containerd's socket path (108 bytes); use a shorter dir")
             stale = self.pid()
@@ -186,6 +204,17 @@ class PrivateDockerd:
             return self.log.read_text(errors="replace")[-n:]
         except OSError:
             return "(no log)"
+
+
+def _traversable(path: Path) -> None:
+    """o+x (search only, never read) on ``path``'s existing parents: a remapping dockerd refuses a
+    data root the remapped root cannot reach ("restricts access to the remapped root uid/gid"), and
+    $POLAR_HOME under /root (0700) is one."""
+    path.mkdir(parents=True, exist_ok=True)
+    for p in [path, *path.parents]:
+        mode = p.stat().st_mode
+        if not mode & 0o001:
+            os.chmod(p, mode | 0o001)
 
 
 def _is_zombie(pid: int) -> bool:

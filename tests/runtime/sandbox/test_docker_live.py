@@ -15,9 +15,7 @@ the storage-cap and /tests-upload tests add ~2 s and ~1 s.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import tempfile
 import threading
 from pathlib import Path
 
@@ -33,28 +31,7 @@ PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 REPO = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(scope="module")
-def dockerd():
-    """A private daemon for this module (never the machine's own, if it has one); always stopped."""
-    if os.getuid() != 0:
-        pytest.skip("a private dockerd needs root (the CI machines run as root)")
-    root = Path(tempfile.mkdtemp(prefix="pd-", dir="/tmp"))  # short: containerd's socket path
-    d = PrivateDockerd(root)
-    old = os.environ.get("DOCKER_HOST")
-    try:
-        d.start(timeout_s=120)
-        os.environ["DOCKER_HOST"] = d.host
-        DockerSandbox._images.clear()  # images looked up on another daemon do not count here
-        yield d
-    finally:
-        if old is None:
-            os.environ.pop("DOCKER_HOST", None)
-        else:
-            os.environ["DOCKER_HOST"] = old
-        DockerSandbox._images.clear()
-        d.stop()
-        assert d.pid() is None
-        shutil.rmtree(root, ignore_errors=True)
+# ``dockerd``: one private daemon for the whole test session (conftest.py)
 
 
 def test_stop_never_signals_a_process_that_is_not_its_dockerd(tmp_path):
