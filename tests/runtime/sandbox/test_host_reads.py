@@ -116,3 +116,27 @@ def test_links_out_of_the_sample_dir_leave_the_run_dir_after_its_last_phase(tmp_
     assert "5 link(s) pointing outside the sample's dir removed" in row["sandbox_notes"], row["sandbox_notes"]
     assert "deeper than 256 levels: removed whole" in row["sandbox_notes"]  # where deep-below was
     assert "host-file -> /etc/passwd" in row["sandbox_notes"]
+
+
+@pytest.mark.parametrize("kind", ["host-file", "ptmx", "fifo"])
+def test_the_live_trials_reports_are_read_without_following_or_blocking(report_dir, tmp_path, kind):
+    """The live trial's reports dir is written in the container: its reader refuses a link (to a
+    host file, to /dev/ptmx) and a FIFO, without blocking."""
+    from polar_runtime.sandbox.trial import _read_json
+
+    path = report_dir / "phase.json"
+    if kind == "host-file":
+        secret = tmp_path / "host-only.json"
+        secret.write_text(json.dumps({"error": "HOST-SECRET-9d2e"}))
+        os.chmod(secret, 0o600)
+        path.symlink_to(secret)
+    elif kind == "ptmx":
+        path.symlink_to("/dev/ptmx")
+    else:
+        os.mkfifo(path)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=_read_json(path)), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the report read blocked"
+    assert out["r"] == {}
