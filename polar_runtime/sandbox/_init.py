@@ -17,10 +17,11 @@ is never in a process that holds a privilege. Without ``env_file`` (the containe
 gets this process's own environment.
 
 Privilege (a root caller): bwrap itself runs as the host's root, so that its binds reach any path,
-and hands this init only CAP_SETUID, CAP_SETGID, CAP_SETFCAP and CAP_SYS_ADMIN, held only until
-the maps are written. The child that becomes ARGV first becomes the unprivileged host uid, then
-enters a user and mount namespace of its own (that uid's), in which this init maps uid/gid
-0..65535 to that host range (``uid_base``): ARGV is uid 0 *inside* (apt, Harbor tasks) and holds
+and hands this init only CAP_SETUID and CAP_SETGID (to move its child, then itself, to
+unprivileged uids; no mount, no map writing: CAP_SYS_ADMIN and CAP_SETFCAP stay with the host).
+The child that becomes ARGV first becomes the unprivileged host uid, then enters a user and mount
+namespace of its own (that uid's), whose uid/gid 0..65535 the *host* maps to that host range
+(``uid_base``; ``uidrange.MapWriter``): ARGV is uid 0 *inside* (apt, Harbor tasks) and holds
 capabilities only over its own namespaces; on the host it is an unused uid with none. Its copies
 of the mounts are locked by the kernel (a read-only bind cannot be remounted writable, a cover
 such as bwrap's read-only /proc/sys cannot be unmounted). Then ``no_new_privs`` and a seccomp
@@ -177,44 +178,44 @@ def _no_new_privs_and_seccomp() -> None:
     _check(ctypes, libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
 
 
-def _enter_user_namespace(to_parent: int, from_parent: int, host_uid: int) -> None:
+def _enter_user_namespace(map_fd: int, host_uid: int) -> None:
     """In the child: first the unprivileged host uid (so the new user namespace is *its*, and the
     kernel charges what the phase uses, inotify instances, namespaces, to that uid, not to the
-    host's root), then a user + mount namespace of its own; the parent writes the uid/gid maps
-    (``_map_ids``); then uid/gid 0 inside, no supplementary groups."""
+    host's root), then a user + mount namespace of its own; the host writes the uid/gid maps
+    (asked over ``map_fd``, a Unix socket whose peer learns this process's pid and uid from the
+    kernel: ``uidrange.MapWriter``); then uid/gid 0 inside, no supplementary groups."""
     ctypes, libc = _libc()
     os.setgroups([])
     os.setresgid(host_uid, host_uid, host_uid)
     os.setresuid(host_uid, host_uid, host_uid)
     _check(ctypes, libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "unshare(user, mount)")
-    os.write(to_parent, b"u")
-    if os.read(from_parent, 1) != b"m":
-        raise OSError("the init could not map the sandbox's user ids")
+    os.write(map_fd, b"u")
+    if os.read(map_fd, 1) != b"m":
+        raise OSError("the host could not map the sandbox's user ids")
+    os.close(map_fd)
     os.setgroups([])
     os.setresgid(0, 0, 0)
     os.setresuid(0, 0, 0)
 
 
-def _drop_all_capabilities() -> None:
+def _drop_all_capabilities(keep: tuple[int, ...] = ()) -> None:
     """Empty the bounding set (so exec as uid 0 regains nothing) and the other sets: the phase
-    holds no capability even over its own namespaces."""
+    holds no capability even over its own namespaces. ``keep``: capabilities (numbers below 32)
+    left in the bounding, effective and permitted sets."""
     ctypes, libc = _libc()
     with open("/proc/sys/kernel/cap_last_cap") as fh:
         last = int(fh.read())
     for cap in range(last + 1):
-        _check(ctypes, libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"dropping capability {cap}")
+        if cap not in keep:
+            _check(ctypes, libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"dropping capability {cap}")
 
     class Header(ctypes.Structure):
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
-    data = (ctypes.c_uint32 * 6)()  # two of {effective, permitted, inheritable}: all zero
+    mask = sum(1 << c for c in keep)
+    # two of {effective, permitted, inheritable} (low 32 bits, then high): no inheritable, so no ambient
+    data = (ctypes.c_uint32 * 6)(mask, mask, 0, 0, 0, 0)
     _check(ctypes, libc.capset(ctypes.byref(Header(0x20080522, 0)), data), "capset")
-
-
-def _map_ids(pid: int, base: int, count: int) -> None:
-    for name in ("uid_map", "gid_map"):
-        with open(f"/proc/{pid}/{name}", "w") as fh:
-            fh.write(f"0 {base} {count}\n")
 
 
 def _phase_env(path: str | None) -> dict[str, str]:
@@ -233,13 +234,13 @@ def _phase_env(path: str | None) -> dict[str, str]:
 def _spawn_and_wait(argv: list[str], drop: dict | None = None, harden: bool = False,
                     env: dict[str, str] | None = None) -> int:
     """Run argv as a child with ``env`` (None: this process's; PATH searched in it); its status,
-    -N if killed by N. ``drop`` ({"uid_base", "count"}): the child enters a user namespace of its
-    own mapped to that host range; ``harden``: no_new_privs and the seccomp filter before exec."""
+    -N if killed by N. ``drop`` ({"uid_base", "map_fd", "init_uid"}): the child enters a user
+    namespace of its own, which the host maps to that host range; ``harden``: no_new_privs and
+    the seccomp filter before exec."""
     r, w = os.pipe()  # the child reports a failed exec through it (closed on a good one)
     os.set_inheritable(w, False)
     if drop:
-        up_r, up_w = os.pipe()
-        down_r, down_w = os.pipe()
+        os.set_inheritable(int(drop["map_fd"]), False)
     pid = os.fork()
     if pid == 0:
         try:
@@ -249,11 +250,7 @@ def _spawn_and_wait(argv: list[str], drop: dict | None = None, harden: bool = Fa
             # gets it back as on any system (`curl ... | sh`, `yes | head` end as they would)
             signal.signal(signal.SIGPIPE, signal.SIG_DFL)
             if drop:
-                os.close(up_r)
-                os.close(down_w)
-                _enter_user_namespace(up_w, down_r, int(drop["uid_base"]))
-                os.close(up_w)
-                os.close(down_r)
+                _enter_user_namespace(int(drop["map_fd"]), int(drop["uid_base"]))
                 if not drop.get("keep_caps"):
                     _drop_all_capabilities()
             if harden:
@@ -264,17 +261,7 @@ def _spawn_and_wait(argv: list[str], drop: dict | None = None, harden: bool = Fa
         os._exit(127)
     os.close(w)
     if drop:
-        os.close(up_w)
-        os.close(down_r)
-        try:
-            if os.read(up_r, 1) == b"u":
-                _map_ids(pid, int(drop["uid_base"]), int(drop["count"]))
-                os.write(down_w, b"m")
-        except OSError as e:
-            print(f"sandbox: cannot map the user ids: {e}", file=sys.stderr)
-        finally:
-            os.close(up_r)
-            os.close(down_w)
+        os.close(int(drop["map_fd"]))
         # This init needs no privilege from here on: an unprivileged uid of its own (not the
         # phase's, so neither can signal or trace the other); the kernel clears every capability.
         init_uid = int(drop["init_uid"])
@@ -295,9 +282,17 @@ def _spawn_and_wait(argv: list[str], drop: dict | None = None, harden: bool = Fa
     return os.waitstatus_to_exitcode(status)
 
 
+#: What a root caller's init keeps until its child is the range's uid (bwrap also gives it
+#: CAP_SETPCAP, to drop the rest here: bwrap leaves the bounding set whole, and uid 0 regains at
+#: execve every capability the bounding set holds, whatever is effective now)
+CAP_SETGID, CAP_SETUID = 6, 7
+
+
 def main() -> int:
     cfg = json.loads(sys.argv[1])
     argv = sys.argv[sys.argv.index("--") + 1:]
+    if cfg.get("drop"):
+        _drop_all_capabilities(keep=(CAP_SETGID, CAP_SETUID))
     report_fd = cfg.get("report_fd")
     if report_fd is not None:
         os.set_inheritable(report_fd, False)

@@ -53,7 +53,7 @@ from polar_runtime.sandbox.diskimage import DiskImage
 from polar_runtime.sandbox.egress import EgressProxy, egress_env, egress_port
 from polar_runtime.sandbox.hostfs import give_to_sandbox
 from polar_runtime.sandbox.relay import UnixToTcpRelay
-from polar_runtime.sandbox.uidrange import UID_COUNT, lease_uid_range
+from polar_runtime.sandbox.uidrange import UID_COUNT, MapWriter, lease_uid_range
 
 # base.SYSTEM_DIRS are the host's system dirs visible read-only (the ones that are symlinks, e.g.
 # /bin -> usr/bin on a merged-/usr system, are recreated as the same symlinks).
@@ -74,12 +74,12 @@ HOST_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_ENV = {"PATH": HOST_PATH, "LANG": "C.UTF-8"}
 #: The host-side processes run in / (no relative path of anyone's resolves against Polar's cwd).
 HOST_CWD = "/"
-#: What the in-sandbox init keeps of a root caller's capabilities, only until the phase's ids are
-#: mapped (before any code of the phase runs; then it drops to the range's init uid and the kernel clears them
-#: all): writing another uid's user-namespace maps with uid 0 in them takes CAP_SETUID/SETGID,
-#: CAP_SETFCAP (Linux 5.12+) and CAP_SYS_ADMIN over that namespace, which is the phase's own uid's
-#: (so the kernel charges the phase's inotify instances and namespaces to it, not to root).
-INIT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_SETFCAP", "CAP_SYS_ADMIN")
+#: What the in-sandbox init keeps of a root caller's capabilities, only until its child has become
+#: the range's uid (before any code of the phase runs; then the init drops to the range's init uid
+#: and the kernel clears them all). The user-namespace maps, which take CAP_SYS_ADMIN and
+#: CAP_SETFCAP too, are written by the host (``uidrange.MapWriter``). CAP_SETPCAP only lets the
+#: init empty its bounding set but for these two, first thing (bwrap 0.8 leaves it whole).
+INIT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")
 
 
 def hardened() -> bool:
@@ -201,6 +201,7 @@ class BubblewrapSandbox(Sandbox):
         image: DiskImage | None = None
         egress: EgressProxy | None = None
         uids = None
+        mapper: MapWriter | None = None
         r_fd, w_fd = os.pipe()
         try:
             shutil.copy(Path(__file__).with_name("_init.py"), private / "init.py")
@@ -226,8 +227,9 @@ class BubblewrapSandbox(Sandbox):
                 # _init.py, uidrange.py), so its writable binds become that uid's; the init keeps
                 # the private dir and socket
                 uids = lease_uid_range()
+                mapper = MapWriter(uids)
                 cfg["drop"] = {"uid_base": uids.base, "count": UID_COUNT, "init_uid": uids.init_uid,
-                               "keep_caps": spec.userns_caps}
+                               "map_fd": mapper.child_fd, "keep_caps": spec.userns_caps}
                 os.chmod(private, 0o711)  # the init (root, no CAP_DAC_*) reads init.py; no listing
                 for sock in ("proxy.sock", "egress.sock"):
                     if (private / sock).exists():
@@ -278,11 +280,15 @@ class BubblewrapSandbox(Sandbox):
             wants_poll = cg is not None or bool(limit)
             rc, timed_out, reason, wall = supervise(
                 cmd, env=dict(HOST_ENV), cwd=HOST_CWD, stdout=stdout, stderr=stderr, timeout_s=spec.timeout_s,
-                pass_fds=(w_fd,), poll=poll if wants_poll else None,
+                pass_fds=(w_fd,) if mapper is None else (w_fd, mapper.child_fd),
+                on_start=(lambda _: mapper.started()) if mapper is not None else None,
+                poll=poll if wants_poll else None,
                 poll_interval_s=DISK_POLL_S)
             os.close(w_fd)
             w_fd = -1
             report = _read_report(r_fd)
+            if mapper is not None and mapper.error:
+                notes.append(f"the phase's user ids were not mapped: {mapper.error}")
             if cg is not None:
                 left = cg.kill_all()
                 if left:
@@ -340,6 +346,8 @@ class BubblewrapSandbox(Sandbox):
                 cg.remove()
             if image is not None:
                 image.release()
+            if mapper is not None:
+                mapper.close()
             if uids is not None:
                 uids.release()  # every process of the range is gone: the PID namespace ended with bwrap
             shutil.rmtree(private, ignore_errors=True)

@@ -13,6 +13,11 @@ kernel drops the lock when the lease is released or its holder dies, so a killed
 no stale lease behind, and every ``polar`` process on the machine (and every thread: each lease
 opens its own file description) shares the slots safely. A lease is taken in ~10 us when the
 first slots are free.
+
+The range's maps are written by the host (:class:`MapWriter`), not by the sandbox's init: writing
+uid 0 into another uid's user namespace takes CAP_SETUID/SETGID, CAP_SETFCAP and CAP_SYS_ADMIN
+over it, and the init then held CAP_SYS_ADMIN in the host's user namespace; now it keeps only
+CAP_SETUID/SETGID, to become unprivileged.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import socket
 import stat
+import struct
 import threading
 from pathlib import Path
 
@@ -104,3 +111,58 @@ def lease_uid_range() -> UidRange:
     finally:
         os.close(dfd)
     raise UidRangeError(errno.EAGAIN, f"all {SLOTS} sandbox uid ranges are in use ({d})")
+
+
+class MapWriter:
+    """The host's half of a sandbox's uid/gid maps. ``child_fd`` goes to the init (one end of a
+    Unix socket pair); the init's child, once it is the range's base uid in a user namespace of
+    its own, writes one byte there, and a thread here learns its pid and uid from the kernel
+    (SCM_CREDENTIALS, translated to the host's PID namespace: nothing the sandbox says is taken
+    on trust), writes ``0 <base> <UID_COUNT>`` into that process's uid_map and gid_map when it
+    is that uid in a user namespace other than the host's, and answers ``m``. ``close()`` after
+    the sandbox ends."""
+
+    def __init__(self, uids: UidRange):
+        self.uids = uids
+        self._host, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._host.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.child_fd = child.detach()
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._serve, name="uid-map", daemon=True)
+        self._thread.start()
+
+    def started(self) -> None:
+        """The sandbox holds its copy: drop ours, so its end means EOF here."""
+        if self.child_fd >= 0:
+            os.close(self.child_fd)
+            self.child_fd = -1
+
+    def _serve(self) -> None:
+        try:
+            size = struct.calcsize("iII")
+            data, anc, _, _ = self._host.recvmsg(1, socket.CMSG_SPACE(size))
+            if data != b"u":
+                return
+            creds = [d for lvl, typ, d in anc if lvl == socket.SOL_SOCKET and typ == socket.SCM_CREDENTIALS]
+            pid, uid, _ = struct.unpack("iII", creds[0][:size])
+            base = self.uids.base
+            if uid != base:
+                raise OSError(errno.EPERM, f"the map request came from uid {uid}, not the range's {base}")
+            if os.readlink(f"/proc/{pid}/ns/user") == os.readlink("/proc/self/ns/user"):
+                raise OSError(errno.EPERM, f"pid {pid} has no user namespace of its own")
+            for name in ("uid_map", "gid_map"):
+                with open(f"/proc/{pid}/{name}", "w") as fh:
+                    fh.write(f"0 {base} {UID_COUNT}\n")
+            self._host.sendall(b"m")
+        except (OSError, IndexError, struct.error) as exc:
+            self.error = str(exc)
+        finally:
+            self._host.close()  # the child's read sees EOF when nothing was mapped
+
+    def close(self) -> None:
+        self.started()
+        try:
+            self._host.shutdown(socket.SHUT_RDWR)  # a sandbox that never asked: the thread ends
+        except OSError:
+            pass
+        self._thread.join(5)

@@ -149,14 +149,14 @@ def _ppid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def test_every_process_between_polar_and_the_phase_has_the_fixed_environment(sandbox, tmp_path, marks):
-    """Looked up from the host while the phase runs: the init, bwrap (and the cgroup join's sh,
-    which execs bwrap) have exactly HOST_ENV; the phase has the task's variables, GCONV_PATH and
-    LOCPATH included."""
-    work = tmp_path / "work"
-    work.mkdir()
-    tag = f"polar-env-{uuid.uuid4().hex[:8]}"
-    spec = _spec(work, marks, INJECTED)
+def _status(pid: int) -> dict[str, str]:
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in Path(f"/proc/{pid}/status").read_text().splitlines())}
+
+
+def _while_running(sandbox, spec: SandboxSpec) -> tuple[dict[str, str], list[tuple[int, str, dict[str, str], dict[str, str]]]]:
+    """(the phase's environment, [(pid, command, environment, status)] of each process between
+    it and this test: the init, bwrap), looked up from the host while the phase sleeps."""
+    tag = f"polar-probe-{uuid.uuid4().hex[:8]}"
     t = threading.Thread(target=sandbox.run, args=(spec, ["bash", "-c", f"exec -a {tag} sleep 20"]), daemon=True)
     t.start()
     pid = None
@@ -174,16 +174,45 @@ def test_every_process_between_polar_and_the_phase_has_the_fixed_environment(san
         phase_env = _environ(pid)
         chain, p = [], _ppid(pid)
         while p not in (os.getpid(), 0, 1):
-            chain.append((p, Path(f"/proc/{p}/comm").read_text().strip(), _environ(p)))
+            chain.append((p, Path(f"/proc/{p}/comm").read_text().strip(), _environ(p), _status(p)))
             p = _ppid(p)
     finally:
         os.kill(pid, 9)
         t.join(30)
+    assert [c for _, c, _, _ in chain][:1] == ["python3"] and "bwrap" in [c for _, c, _, _ in chain], chain
+    return phase_env, chain
+
+
+def test_every_process_between_polar_and_the_phase_has_the_fixed_environment(sandbox, tmp_path, marks):
+    """Looked up from the host while the phase runs: the init, bwrap (and the cgroup join's sh,
+    which execs bwrap) have exactly HOST_ENV; the phase has the task's variables, GCONV_PATH and
+    LOCPATH included."""
+    work = tmp_path / "work"
+    work.mkdir()
+    phase_env, chain = _while_running(sandbox, _spec(work, marks, INJECTED))
     assert {k: phase_env.get(k) for k in INJECTED} == INJECTED, "the phase lost its own environment"
-    assert [c for _, c, _ in chain][:1] == ["python3"] and "bwrap" in [c for _, c, _ in chain], chain
-    for p, comm, env in chain:
+    for p, comm, env, _ in chain:
         env.pop("PWD", None)  # bwrap's --chdir sets it for the init
         assert env == HOST_ENV, f"{comm} (pid {p}), privileged, has the environment {env}"
+
+
+CAP_SETGID, CAP_SETUID = 6, 7
+
+
+@pytest.mark.parametrize("userns_caps", [False, True], ids=["agent", "verifier"])
+def test_the_init_could_never_hold_more_than_setuid_and_setgid(sandbox, tmp_path, userns_caps):
+    """The host writes the phase's uid/gid maps, so the init's bounding set (what it was given and
+    could ever have) is CAP_SETUID|CAP_SETGID, not CAP_SYS_ADMIN and CAP_SETFCAP with them (with
+    those, a task's code in the init remounted the host's /usr writable); and it holds none once
+    the phase runs."""
+    work = tmp_path / "work"
+    work.mkdir()
+    _, chain = _while_running(sandbox, SandboxSpec(work, env={"PATH": "/usr/bin:/bin"}, timeout_s=30,
+                                                   userns_caps=userns_caps))
+    _, _, _, init = chain[0]
+    assert int(init["CapBnd"], 16) == (1 << CAP_SETUID) | (1 << CAP_SETGID), f"the init's CapBnd is {init['CapBnd']}"
+    assert int(init["CapEff"], 16) == 0 and int(init["CapPrm"], 16) == 0, init["CapEff"]
+    assert 0 not in {int(u) for u in init["Uid"].split()}, f"the init is still the host's root: {init['Uid']}"
 
 
 # ---- the work dir and the binds -------------------------------------------------------------------
