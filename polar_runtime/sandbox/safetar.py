@@ -178,7 +178,7 @@ def extract(tf: tarfile.TarFile, dest: Path | str, *, strip: int = 0, symlinks: 
                         continue
                     _remove(dfd, name, shown)
                     os.symlink(m.linkname, name, dir_fd=dfd)
-                    with contextlib.suppress(OSError):
+                    with contextlib.suppress(OSError, OverflowError, ValueError):  # any mtime an archive says
                         os.utime(name, (m.mtime, m.mtime), dir_fd=dfd, follow_symlinks=False)
                     out.symlinks += 1
                     continue
@@ -194,7 +194,8 @@ def extract(tf: tarfile.TarFile, dest: Path | str, *, strip: int = 0, symlinks: 
                     assert src is not None
                     out.bytes += _write_sparse(src, fd, m.size)
                     os.fchmod(fd, mode)
-                    os.utime(fd, (m.mtime, m.mtime))
+                    with contextlib.suppress(OSError, OverflowError, ValueError):
+                        os.utime(fd, (m.mtime, m.mtime))
                 finally:
                     os.close(fd)
                 out.files += 1

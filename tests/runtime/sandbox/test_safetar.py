@@ -138,9 +138,12 @@ def test_set_id_bits_are_dropped_and_owners_not_restored(dirs):
     dest, _ = dirs
     info = _info("suid", mode=0o6755)
     info.uid = info.gid = 4242
-    _extract(_tar([(info, b"#!/bin/sh\n")]), dest)
+    odd = _info("odd-time")
+    odd.mtime = 10**20  # past any time_t: kept as extracted, no crash
+    _extract(_tar([(info, b"#!/bin/sh\n"), (odd, b"x")]), dest)
     st = os.stat(dest / "suid")
     assert stat.S_IMODE(st.st_mode) == 0o755 and st.st_uid == os.getuid()
+    assert (dest / "odd-time").read_bytes() == b"x"
 
 
 def test_symlinks_kept_or_only_inside(dirs):
