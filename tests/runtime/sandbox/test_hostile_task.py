@@ -441,3 +441,22 @@ def test_one_sample_holding_every_inotify_instance_leaves_another_samples_workin
     assert int(fd) >= 0, f"the second sample's inotify_init1 failed (errno {errno_}: EMFILE is 24) {res.notes}"
     assert a_base != b_base, f"both samples ran as host uid {a_base}"
 
+
+
+@pytest.mark.parametrize("workdir", [PRIVATE, "/usr/lib/python3.11"], ids=["spec", "bwrap"])
+def test_a_hostile_work_dir_past_the_loader_fails_its_sample_not_the_rollout(tmp_path, workdir):
+    """A task whose work dir got past the loader (built in code here) fails its own samples with
+    the refusal, whether the spec refuses it (/run) or bubblewrap does (a system dir); the rollout
+    goes on and the other task's sample runs."""
+    from polar_runtime import rollout as r
+    from polar_runtime.harnesses import Endpoint, get_preset
+
+    bad, good = r.Task("bad", "x", evaluator="true"), r.Task("good", "x", evaluator="true")
+    bad.environment.workdir = workdir  # type: ignore[union-attr]
+    cfg = r.RolloutConfig(tasks=[bad, good], preset=get_preset("generic", command="true"),
+                          endpoint=Endpoint(mode="base_url", base_url="http://127.0.0.1:9"),
+                          capture_dir=tmp_path / "captures", model="m", samples=1, timeout=60.0, eval_timeout=60.0)
+    rows = {row["task_id"]: row for row in r.run_rollout(cfg).iter_rows(named=True)}
+    assert rows["bad"]["status"] == "failed" and "refused" in (rows["bad"]["error"] or ""), rows["bad"]
+    assert workdir in rows["bad"]["error"], rows["bad"]["error"]
+    assert rows["good"]["status"] == "ok" and rows["good"]["reward"] == 1.0, rows["good"]
