@@ -229,7 +229,8 @@ def list_command(path: Annotated[str, typer.Argument(help="A task dir, dataset d
     for t in tasks:
         table.add_row(t.id, t.workdir, str(t.timeout or "-"), str(t.verifier_timeout or "-"), str(t.cpus or "-"),
                       str(t.memory_mb or "-"), "yes" if t.allow_internet else "no", "yes" if t.has_solution else "no",
-                      t.instruction.splitlines()[0][:60])
+                      first if len(first := t.instruction.splitlines()[0]) <= 60 or not console.is_terminal
+                      else first[:57] + "...")
     console.print(table)
 
 
