@@ -166,8 +166,8 @@ class BubblewrapSandbox(Sandbox):
         made: set[str] = {"/", "/tmp", "/var", "/var/tmp", "/run", PRIVATE}
         for host, dest, writable in spec.mounts():
             dest = "/" + os.path.normpath(dest).lstrip("/")
-            if not writable and dest == str(host) and any(dest.startswith(d + "/") for d in SYSTEM_DIRS):
-                continue  # the host's own file at its own place, read-only: already shown as it is
+            if not writable and dest == str(host) and any(dest == d or dest.startswith(d + "/") for d in SYSTEM_DIRS):
+                continue  # the host's own file at its own place, read-only: already shown as it is (secrets covered)
             # the dirs a bind's path goes through: 0755 (bwrap would make them 0700, root's, which
             # the phase's unprivileged uid could not pass)
             for anc in reversed(Path(dest).parents):

@@ -11,7 +11,7 @@ Slot ``i`` is the range ``[BASE + i * STRIDE, + UID_COUNT)`` with the init's uid
 slot is held by an ``flock`` on ``LOCK_DIR/<i>`` (a root-owned 0700 dir on /run, a tmpfs): the
 kernel drops the lock when the lease is released or its holder dies, so a killed ``polar`` leaves
 no stale lease behind, and every ``polar`` process on the machine (and every thread: each lease
-opens its own file description) shares the slots safely. A lease is taken in ~10 us when the
+opens its own file description) shares the slots safely. A lease is taken in ~5 us when the
 first slots are free.
 
 The range's maps are written by the host (:class:`MapWriter`), not by the sandbox's init: writing
