@@ -53,7 +53,7 @@ PACKAGE_CAPS = {"CHOWN": 0, "DAC_OVERRIDE": 1, "FOWNER": 3, "FSETID": 4, "KILL":
 INIT_CAPS = ("SYS_ADMIN", "SYS_PTRACE")
 #: covered in the agent's mount namespace: our dir (the verifier's output, the phase binds) and
 #: where the tests will be copied
-AGENT_COVERS = ("/tests",)  # BREAK
+AGENT_COVERS = (INSIDE, "/tests")
 HEALTHCHECK_LIMIT_S = 300.0
 
 

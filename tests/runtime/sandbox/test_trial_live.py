@@ -102,12 +102,13 @@ def test_two_trials_of_one_task_at_once_share_nothing(dockerd, tmp_path):
 
 def test_a_leftover_cannot_rewrite_the_reward_after_test_sh(dockerd, tmp_path):
     """A process the sample left writes 1 into /logs/verifier/reward.txt in a loop; test.sh
-    writes 0 and ends. The verifier's /logs/verifier is a bind in its own mount namespace: the
-    leftover writes into the image's plain dir."""
+    writes 0 and ends. The verifier's /logs/verifier is a bind in its own mount namespace (the
+    leftover writes into the image's plain dir), and the host's side of that bind, under
+    /run/polar-trial, is covered in the environment's mount namespace."""
     d = _task(tmp_path, "rewrite", solve="""
         mkdir -p /logs/verifier
-        setsid bash -c 'while :; do echo 1 > /logs/verifier/reward.txt; for p in /proc/[0-9]*; do
-          echo 1 > $p/root/logs/verifier/reward.txt; done 2>/dev/null; sleep 0.02; done' >/dev/null 2>&1 < /dev/null &
+        setsid bash -c 'while :; do echo 1 > /logs/verifier/reward.txt; for f in /proc/[0-9]*/root/logs/verifier \
+          /run/polar-trial/x/*; do echo 1 > $f/reward.txt; done 2>/dev/null; sleep 0.02; done' >/dev/null 2>&1 < /dev/null &
         """, test="""
         echo 0 > /logs/verifier/reward.txt
         sleep 1.5
