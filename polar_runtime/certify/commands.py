@@ -81,6 +81,13 @@ def certify_command(
         con.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None
     cells = cells_of(harness or [base.harness.name], model or [base.model.name], parse_shard(shard))
+    from polar_runtime import harnesses as h
+
+    for name in {c[0] for c in cells}:
+        try:
+            h.get_preset(name)
+        except KeyError as exc:
+            raise typer.BadParameter(str(exc).strip("'\"")) from None
     if upstream and len({m for _, m in cells}) > 1:
         raise typer.BadParameter("--upstream serves one model: give one --model")
     root = paths.absolute(out)

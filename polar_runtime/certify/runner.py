@@ -57,9 +57,10 @@ def cell_name(harness: str, model: str) -> str:
     return f"{safe(harness)}__{safe(Path(model).name if '/' in model else model)}"
 
 
-def certify_config(base: LoopConfig, harness: str | None, model: str | None, out: Path) -> LoopConfig:
+def certify_config(base: LoopConfig, harness: str | None, model: str | None, out: Path, *, samples: int = SAMPLES,
+                   task_ids: list[str] | None = None) -> LoopConfig:
     """``base``'s [model], [harness], [sandbox] and [sampling] keys with certify's own tasks, samples
-    and one delivery step."""
+    and one delivery step (``samples``, ``task_ids``: fewer, for a quick cell in the tests)."""
     import copy
 
     cfg = copy.deepcopy(base)
@@ -69,8 +70,8 @@ def certify_config(base: LoopConfig, harness: str | None, model: str | None, out
         cfg.model.name = model
     cfg.out = str(out)
     cfg.harness.exact_history = True
-    cfg.tasks.source, cfg.tasks.ids, cfg.tasks.limit = TASKS, [], 0
-    cfg.rollout.samples_per_group, cfg.rollout.groups_per_step, cfg.rollout.iterations = SAMPLES, 0, 1
+    cfg.tasks.source, cfg.tasks.ids, cfg.tasks.limit = TASKS, list(task_ids or []), 0
+    cfg.rollout.samples_per_group, cfg.rollout.groups_per_step, cfg.rollout.iterations = samples, 0, 1
     cfg.trainer.lr, cfg.trainer.lora_rank, cfg.trainer.kl_coef = DELIVERY_LR, 0, 0.0
     cfg.eval.every = 0
     return cfg
@@ -122,7 +123,6 @@ def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Calla
 
     from polar_analysis import frames
     from polar_analysis.steps import versions_of_step
-    from polar_runtime.loop.groups import LoopError
     from polar_runtime.loop.placement import LocalPlacement
     from polar_training.push_probe import PushError
     from polar_training.weights_push import push_weights
@@ -137,7 +137,7 @@ def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Calla
         "harness": cfg.harness.name, "model": cfg.model.name, "harness_version": harness_version(cfg.harness.name),
         "vllm_version": None, "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {'GPU' if cfg.on_gpu else 'CPU'}", "upstream": upstream,
-        "tasks": TASKS, "samples_per_task": SAMPLES, "error": None, "phases": {}, "run": {},
+        "tasks": TASKS, "samples_per_task": cfg.rollout.samples_per_group, "error": None, "phases": {}, "run": {},
     }
     results: dict[str, C.CheckResult] = {}
     frame = None
@@ -206,7 +206,7 @@ def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Calla
                     calls = frames.calls(placement.captures, rewards=None).collect()
                     later = versions_of_step(calls, 1)
                     report["run"]["after_push"] = {r["session_id"]: r["calls"] for r in rows1}
-    except (LoopError, RuntimeError, OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any break of the run is the cell's failure, named in its report
         report["error"] = f"{type(exc).__name__}: {exc}"
         log(f"certify: {report['error']}")
         report["traceback"] = traceback.format_exc(limit=6)
