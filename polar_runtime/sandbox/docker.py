@@ -200,7 +200,8 @@ class DockerSandbox(Sandbox):
             run_spec = spec if env == spec.env else _with_env(spec, env)
             cmd = self.argv(run_spec, private, name, inner, report_dir, host_binds, staged, tmp_dir)
             # kept until inspected (OOMKilled) and, for a build step, committed: the finally below removes it
-            cmd.remove("--rm")
+            if "--rm" in cmd:  # apptainer's exec leaves no container
+                cmd.remove("--rm")
             rc, timed_out, _, wall = supervise(cmd, env=None, cwd=None, stdout=stdout, stderr=stderr,
                                                timeout_s=spec.timeout_s)
             if commit_to and rc == 0 and not timed_out:
