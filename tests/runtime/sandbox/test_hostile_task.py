@@ -315,8 +315,7 @@ def test_no_bind_can_reach_the_inits_interpreter_or_its_code(tmp_path):
 
 
 def test_a_normal_work_dir_still_works(sandbox, tmp_path):
-    for workdir in ("/app", "/workspace/proj", "/root/project", "/home/user/x", "/srv/app", "/var/www/html",
-                    "/tmp/build", "/app/./sub/.."):
+    for workdir in ("/app", "/root/project", "/var/www/html", "/tmp/build", "/home/user/./x/.."):
         work = tmp_path / workdir.strip("/").replace("/", "_")
         work.mkdir()
         res = sandbox.run(SandboxSpec(work, workdir=workdir, env={"PATH": "/usr/bin:/bin"}, timeout_s=20),
