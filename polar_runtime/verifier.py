@@ -184,6 +184,13 @@ def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, ag
                f"work is the sample's failure)")
         return Evaluation(0.0, "timeout", (output + f"\n[polar] {why}")[-OUTPUT_TAIL:], secs, with_notes + [why])
     reward, problem, tampered = read_reward(vdir)
+    if reward is None and not tampered:
+        # a FIFO or device where the reward should be is not copied back from the disk image:
+        # absent on the host, but the phase put it there
+        planted = {str(vdir / name) for name in ("reward.txt", "reward.json")} & set(res.special_files)
+        if planted:
+            tampered = True
+            problem = f"refused to read the reward: {', '.join(sorted(Path(p).name for p in planted))} was a special file"
     _keep_output(out_path, vdir)
     if reward is None or reward < 1:  # a failed verdict says why: its failing tests, else the output's end
         with_notes = with_notes + failure_notes(vdir, output)

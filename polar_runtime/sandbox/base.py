@@ -189,6 +189,9 @@ class SandboxResult:
     #: what was contained or enforced, one sentence each
     notes: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    #: host paths where the phase left a special file (FIFO, socket, device) that was not copied
+    #: back from its disk image: nothing is there on the host, but something was
+    special_files: list[str] = field(default_factory=list)
 
 
 class Sandbox(abc.ABC):

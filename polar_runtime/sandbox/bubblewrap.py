@@ -332,7 +332,8 @@ class BubblewrapSandbox(Sandbox):
                              "host network shared (the model proxy is on another machine)")
             if (timed_out or reason) and rc >= 0:
                 rc = -9
-            return SandboxResult(rc, timed_out, notes, wall)
+            special = [str(p) for p in image.special] if image is not None else []
+            return SandboxResult(rc, timed_out, notes, wall, special_files=special)
         finally:
             if w_fd >= 0:
                 os.close(w_fd)

@@ -47,6 +47,9 @@ class DiskImage:
         self.mounted = False
         self.unstaged = False
         self.skipped = 0
+        #: host paths of the special files (FIFOs, sockets, devices) the phase left and that were
+        #: not copied back
+        self.special: list[Path] = []
         try:
             loopdev.write_owner(self.dir)  # before anything is mounted: a kill from here on is reaped
             self.mnt.mkdir()
@@ -105,7 +108,9 @@ class DiskImage:
         for host, dest in self.staged:
             if dest.is_dir() and not dest.is_symlink():
                 clear_dir(host)
-                self.skipped += copy_tree(dest, host, budget=budget)
+                special: list[str] = []
+                self.skipped += copy_tree(dest, host, budget=budget, special=special)
+                self.special += [host / rel for rel in special]
             elif dest.is_file() and not dest.is_symlink():
                 with contextlib.suppress(FileNotFoundError):
                     host.unlink()

@@ -236,7 +236,8 @@ class DockerSandbox(Sandbox):
                 notes += [f"egress refused: {why}" for why in egress.refused[:5]]
             else:
                 notes.append("no network" if not spec.network else "network open (allow_internet)")
-            return SandboxResult(rc if not timed_out else -9, timed_out, notes, wall)
+            special = [str(p) for p in image.special] if image is not None else []
+            return SandboxResult(rc if not timed_out else -9, timed_out, notes, wall, special_files=special)
         finally:
             self.remove(name)
             if image is not None:

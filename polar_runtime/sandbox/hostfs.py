@@ -216,14 +216,15 @@ class CopyBudgetExceeded(OSError):
 
 
 def copy_tree(src: Path | int, dst: Path | int, *, budget: int | None = None,
-              ignore=None) -> int:
+              ignore=None, special: list[str] | None = None) -> int:
     """Copy the tree ``src`` into the directory ``dst`` (made if missing; either may be an open
     directory fd) as it is: directories, regular files (sparse ones stay sparse, modes and times
     kept, set-id bits dropped), symlinks *as symlinks*, hard links as hard links; never following
     a link (a link where a directory is to be copied raises :class:`UnsafePath`), never opening a
     FIFO, socket or device. ``budget``: the most data bytes to write (:class:`CopyBudgetExceeded`
     past it). ``ignore(rel_path) -> bool`` skips a path. Returns how many entries were skipped
-    (special files, and what lies deeper than MAX_DEPTH)."""
+    (special files, and what lies deeper than MAX_DEPTH); ``special`` gets the relative path of
+    each special file skipped (the verifier's reward file as a FIFO is a tampered verdict)."""
     skipped, written = [0], 0
     seen: dict[tuple[int, int], str] = {}  # (dev, ino) of a hard-linked file -> its copy, relative to dst
     if isinstance(dst, (str, os.PathLike)):
@@ -280,6 +281,8 @@ def copy_tree(src: Path | int, dst: Path | int, *, budget: int | None = None,
                     seen[key] = relp
             else:
                 skipped[0] += 1
+                if special is not None:
+                    special.append(relp)
         for relp, st in reversed(dirs_done):  # modes and times once their contents are in
             with contextlib.suppress(OSError):
                 os.chmod(relp, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID), dir_fd=root,

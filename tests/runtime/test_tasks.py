@@ -165,6 +165,7 @@ def test_failed_build_fails_every_sample_with_the_line(tmp_path):
     # a tampered verdict scores 0 (issue 50): a link, a FIFO, a directory, an oversize file where
     # the reward should be, or the test runner killed by a signal that was not our timeout
     ("ln -s /etc/hostname /logs/verifier/reward.txt", (0.0, "fail", "tampered")),
+    ("mkfifo /logs/verifier/reward.txt", (0.0, "fail", "tampered")),
     ("mkdir /logs/verifier/reward.txt", (0.0, "fail", "tampered")),
     ("head -c 70000 /dev/zero | tr '\\0' 1 > /logs/verifier/reward.txt", (0.0, "fail", "tampered")),
     ("ln -s /etc/hostname /logs/verifier/reward.json", (0.0, "fail", "tampered")),
