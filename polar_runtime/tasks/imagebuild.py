@@ -63,9 +63,11 @@ from polar_runtime.tasks.model import BuildError
 #: real image builds in this process (a warm build, found by its tag, does not count)
 BUILDS = 0
 #: our own modules whose code an image's content depends on: a change of any rebuilds the image
+#: (the build here, the environment's steps, the stand-ins, and the sandbox that runs each RUN
+#: step: its user, capabilities, environment and network are in what a step leaves)
 BUILD_INPUTS = tuple(Path(__file__).resolve().parents[1] / p for p in (
     "tasks/imagebuild.py", "tasks/environment.py", "sandbox/standin.py", "sandbox/releasestandin.py",
-    "sandbox/uvstandin.py"))
+    "sandbox/uvstandin.py", "sandbox/docker.py", "sandbox/_init.py", "sandbox/egress.py"))
 #: how long a registry may take to answer a pull (its first line of output): a host that does not
 #: resolve fails in ~0.1 s here (measured: ``docker pull python:3.11-slim`` on the private daemon,
 #: "lookup registry-1.docker.io ... no such host"), one that drops packets would hang for the
