@@ -175,7 +175,10 @@ def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Calla
             try:
                 from polar_training.behaviour_gap import behaviour_gap
 
-                gap = behaviour_gap(frame, placement.serve_dir if not upstream else placement.model_dir)
+                # the loop's own token budget per packed bin (8,192 on CPU): one bin of a whole
+                # rollout would hold a quadratic attention mask of all its tokens
+                gap = behaviour_gap(frame, placement.serve_dir if not upstream else placement.model_dir,
+                                    token_budget=max(4096, cfg.model.max_model_len // 2))
             except Exception as exc:  # noqa: BLE001 - graded as the check's failure
                 gap_error = f"{type(exc).__name__}: {exc}"
             phase("logprobs", t)
