@@ -238,3 +238,19 @@ def test_a_failing_cell_stays_in_the_matrix_with_its_cause():
     assert "**FAIL**" in row and "1 wrong of 300 tok" in row and "0.32.0" in row
     assert "- codex x tiny-r1: mask: x/0.0: first difference at masked token 0" in text
     assert "| pi-chat | tiny-r1 | not run yet |" in text
+
+
+def test_certify_takes_the_loops_model_harness_sandbox_and_sampling_keys(tmp_path):
+    from polar_runtime.certify.runner import DELIVERY_LR, SAMPLES, TASKS, certify_config
+    from polar_runtime.loop.config import parse_config
+
+    base = parse_config('[model]\nname = "tiny-r1"\nmax_model_len = 8192\n[harness]\nname = "codex"\ntimeout_s = 99\n'
+                        '[sandbox]\nbackend = "docker"\n[sampling]\ntemperature = 0.8\n[tasks]\nsource = "coding"\n'
+                        '[rollout]\nsamples_per_group = 8\niterations = 5\n[trainer]\nlr = 3e-7\n')
+    cfg = certify_config(base, None, None, tmp_path)
+    assert (cfg.model.name, cfg.model.max_model_len, cfg.harness.name, cfg.harness.timeout_s) == ("tiny-r1", 8192, "codex", 99)
+    assert cfg.sandbox.backend == "docker" and cfg.sampling.temperature == 0.8
+    assert (cfg.tasks.source, cfg.rollout.samples_per_group, cfg.rollout.iterations) == (TASKS, SAMPLES, 1)
+    assert cfg.trainer.lr == DELIVERY_LR and cfg.harness.exact_history
+    assert certify_config(base, "pi-chat", "tiny-qwen", tmp_path).harness.name == "pi-chat"
+    assert base.rollout.samples_per_group == 8  # the caller's configuration is left alone
