@@ -44,6 +44,7 @@ from polar_core import paths
 from polar_core.schema import SESSIONS_SUBDIR, read_capture_lines, valid_session_id
 from polar_runtime import cancel
 from polar_runtime.harnesses import Endpoint, Preset, Session, run_invocation, terminate_all
+from polar_runtime.sandbox.harnessruntime import bring_runtime
 from polar_runtime.tasks import TASKS_DIR, Task, builtin_sets, load_tasks, resolve_tasks_path, task_from_dict  # noqa: F401
 from polar_runtime.tasks.environment import BuildError, build_env, prepare_workdir
 from polar_runtime.tasks.imagebuild import task_image
@@ -601,6 +602,9 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
                               resume=turn > 0, host_workdir=workdir, solution_dir=solution, key=key)
             inv = cfg.preset.prepare(session)
             _map_binds(inv, spec, sandbox)
+            brought = bring_runtime(inv, spec, sandbox)  # a container: the harness's own node/loader
+            if brought:
+                notes.append(brought)
             box = trial.view("agent", passwd_home=not getattr(cfg.preset, "needs_model", True)) if trial else sandbox
             result = run_invocation(inv, max(1.0, limit - wall), logs, name, sandbox=box, spec=spec)
         except Exception as exc:  # noqa: BLE001 - a preset that cannot start is a failed sample, not a crash

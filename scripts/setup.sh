@@ -55,6 +55,16 @@ if [ "$(id -u)" = 0 ] && { ! command -v dockerd >/dev/null 2>&1 || ! command -v 
     || { quiet apt-get update && quiet apt-get install -y --no-install-recommends docker.io tini debootstrap; }; } \
     || die "cannot install docker.io, tini and debootstrap"
 fi
+# ---- 0c. what a harness brings into a task's image (sandbox/harnessruntime.py): patchelf for its
+# copy of node, fd-find for Pi's fd; busybox-static builds the no-libc test image
+if [ "$(id -u)" = 0 ] && { ! command -v patchelf >/dev/null 2>&1 || ! command -v fdfind >/dev/null 2>&1 \
+     || ! command -v busybox >/dev/null 2>&1; }; then
+  phase "sandbox: installing patchelf, fd-find and busybox-static (Debian packages)"
+  export DEBIAN_FRONTEND=noninteractive
+  { quiet apt-get install -y --no-install-recommends patchelf fd-find busybox-static \
+    || { quiet apt-get update && quiet apt-get install -y --no-install-recommends patchelf fd-find busybox-static; }; } \
+    || die "cannot install patchelf, fd-find and busybox-static"
+fi
 
 # ---- 1. the main venv ---------------------------------------------------------------------------
 MAIN_STAMP_VAL="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$ROOT"

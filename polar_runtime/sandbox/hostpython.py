@@ -63,7 +63,7 @@ class HostPython:
 _LDD_LINE = re.compile(r"^\s*(?:\S+\s+=>\s+)?(/\S+)\s+\(0x")
 
 
-def _needed(files: list[str]) -> dict[str, str]:
+def needed_libraries(files: list[str]) -> dict[str, str]:
     """The shared libraries ``ldd`` names for ``files``, the loader included: {the name they are
     loaded by (the soname, e.g. libexpat.so.1): the real file}."""
     out: dict[str, str] = {}
@@ -113,7 +113,7 @@ def host_python(python: str = HOST_PYTHON, root: Path | None = None) -> HostPyth
             (tmp / "libs").mkdir()
             (tmp / "lib" / f"python{version}").mkdir(parents=True)
             shutil.copy2(exe, tmp / "bin" / f"python{version}")
-            libs = _needed([exe, *map(str, sorted(dynload.glob("*.so")))])
+            libs = needed_libraries([exe, *map(str, sorted(dynload.glob("*.so")))])
             loaders = [lib for lib in libs if lib.startswith("ld-linux")]
             if len(loaders) != 1:
                 raise HostPythonError(f"{exe}: expected one dynamic loader, ldd named {loaders or 'none'}")
