@@ -419,6 +419,10 @@ class RolloutConfig:
     #: container backends run each sample as one live environment (``sandbox/trial.py``); False
     #: denies the agent phase the package manager's capabilities and the registries there
     agent_privileged: bool = True
+    #: a task's ``allow_internet = true`` opens its agent phase to public hosts through the egress
+    #: proxy (``sandbox/egress.py``: public addresses only) only when the run sets this; off, the
+    #: agent reaches the model (and, in a live trial, the registries) and nothing else
+    allow_internet: bool = False
     #: the lowest attempt number of a session id (``.r<n>``): a sample re-run on another machine after
     #: its first one was lost (polar_runtime/cluster) gets a session id of its own there too
     first_attempt: int = 0
@@ -484,6 +488,7 @@ def agent_spec(cfg: RolloutConfig, task: Task, workdir_host: Path, home: Path, t
                image: str | None = None) -> Any:
     """The sandbox of the agent phase (also the oracle's and nop's: exactly the same)."""
     from polar_runtime.sandbox import SandboxSpec
+    from polar_runtime.sandbox.publicnet import PUBLIC
 
     ro: list[tuple[Path, str]] = []
     ep = cfg.endpoint
@@ -493,13 +498,16 @@ def agent_spec(cfg: RolloutConfig, task: Task, workdir_host: Path, home: Path, t
     if needs_model and ep.mode == "proxy" and ep.ca_cert:
         ro.append((ep.ca_cert, ""))
     port = _loopback_port(ep.proxy_url if ep.mode == "proxy" else ep.base_url) if needs_model else None
-    # The agent reaches only the model (allow_internet widens nothing here: build steps and the
-    # verifier reach the package registries through a filter); the host's network only when the
-    # model proxy is on another machine and there is no loopback port to relay
+    # The agent reaches only the model, and public hosts through the egress proxy where the task
+    # allows the internet and the run does too (a harness in proxy mode keeps its HTTPS_PROXY: the
+    # model proxy's); the host's network only when the model proxy is on another machine and
+    # there is no loopback port to relay
     network = needs_model and port is None
+    internet = bool(task.allow_internet and getattr(cfg, "allow_internet", False)) and not network \
+        and not (needs_model and ep.mode == "proxy")
     return SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, home_host=home, ro_binds=ro,
                        network=network, proxy_port=port, **task.limits(cfg.pids), timeout_s=timeout,
-                       image=image or task.image)
+                       image=image or task.image, egress=(PUBLIC,) if internet else ())
 
 
 def _map_binds(inv: Any, spec: Any, sandbox: Any) -> None:
@@ -660,6 +668,7 @@ def live_trial(cfg: RolloutConfig, task: Task, sandbox: Any, image: str | None, 
     trial = LiveTrial(sandbox, TrialConfig(
         image=image, workdir_host=workdir, workdir=task.workdir, pids=lim["pids"], memory_mb=lim["memory_mb"],
         cpus=lim["cpus"], disk_mb=lim["disk_mb"], registries=registries(), agent_privileged=cfg.agent_privileged,
+        agent_internet=bool(task.allow_internet and cfg.allow_internet),
         healthcheck=task_healthcheck(task)))
     stack.callback(trial.stop)
     return trial

@@ -223,6 +223,9 @@ def rollout_command(
         help="Proxy option polar_exact_history: prompt the model with its own sampled ids for every answer "
              "the harness re-sends (needs vLLM with --enable-scale-out; otherwise the normal path).")] = True,
     sandbox: SandboxOpt = "auto",
+    allow_internet: Annotated[bool, typer.Option(
+        help="Tasks with allow_internet = true reach public hosts in the agent phase (through the egress "
+             "proxy: public addresses only). Off: the agent reaches the model and nothing else.")] = False,
 ) -> None:
     """Run a harness N times per task through the proxy; evaluate; write <capture_dir>/rollouts.parquet.
 
@@ -255,6 +258,7 @@ def rollout_command(
                     tasks=task_list, preset=preset, endpoint=stack.endpoint, capture_dir=stack.capture_dir,
                     model=model_name or stack.served_model, samples=samples, concurrency=concurrency, timeout=timeout,
                     eval_timeout=eval_timeout, step=step, trim=trim, rerun=_statuses(rerun), sandbox=sandbox,
+                    allow_internet=allow_internet,
                 )
                 console.print(f"{len(task_list)} tasks x {samples} samples, harness {preset.name} ({mode}), "
                               f"model {cfg.model}, captures in {stack.capture_dir}"

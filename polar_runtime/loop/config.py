@@ -109,6 +109,7 @@ class EvalSection:
 class SandboxSection:
     backend: str = "auto"  # auto | bubblewrap | docker | podman | apptainer | host
     pids: int = 4096
+    allow_internet: bool = False  # tasks with allow_internet = true get public hosts in the agent phase
 
 
 @dataclass

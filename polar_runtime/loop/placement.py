@@ -250,7 +250,8 @@ class LocalPlacement:
         rcfg = r.RolloutConfig(tasks=[self.tasks[t] for t in task_ids], preset=self.preset, endpoint=self.endpoint,
                                capture_dir=self.captures, model=self.served, samples=self.cfg.rollout.samples_per_group,
                                concurrency=self.cfg.harness.concurrency, timeout=self.cfg.resolved_timeout(), step=step,
-                               sandbox=self.cfg.sandbox.backend, pids=self.cfg.sandbox.pids)
+                               sandbox=self.cfg.sandbox.backend, pids=self.cfg.sandbox.pids,
+                               allow_internet=self.cfg.sandbox.allow_internet)
         with self.tl.phase(f"rollout {step}", f"{self.preset.name} x {len(task_ids)} groups x {rcfg.samples} samples, "
                            f"policy v{policy_version}") as ph:
             rows = phases.run_rollouts(rcfg, self.proxy.control, self.stop_event, f"rollout {step}").to_dicts()
@@ -272,7 +273,8 @@ class LocalPlacement:
         rcfg = r.RolloutConfig(tasks=[self.tasks[task_id]], preset=self.preset, endpoint=self.endpoint,
                                capture_dir=self.captures, model=self.served, samples=self.cfg.rollout.samples_per_group,
                                concurrency=self.cfg.harness.concurrency, timeout=self.cfg.resolved_timeout(), step=step,
-                               sandbox=self.cfg.sandbox.backend, pids=self.cfg.sandbox.pids)
+                               sandbox=self.cfg.sandbox.backend, pids=self.cfg.sandbox.pids,
+                               allow_internet=self.cfg.sandbox.allow_internet)
         rcfg.capture_dir.mkdir(parents=True, exist_ok=True)
         store = r.ResultStore(rcfg.capture_dir)
         todo, done = r.plan(rcfg, store)

@@ -77,6 +77,9 @@ class TrialConfig:
     registries: tuple[str, ...] = ()
     #: the agent gets the package manager's capabilities and the registries (Harbor's default)
     agent_privileged: bool = True
+    #: the agent phase reaches public hosts too (``allow_internet = true`` and the run's flag; the
+    #: egress proxy's public-address rule, ``sandbox/publicnet.py``)
+    agent_internet: bool = False
     #: the user the agent phase runs as (``[agent] user``; None: the image's USER, else root)
     agent_user: str | None = None
     verifier_user: str | None = None
@@ -351,8 +354,11 @@ class LiveTrial:
         privileged = phase != "agent" or cfg.agent_privileged
         env = dict(spec.env)
         if self.egress is not None:
-            self.egress.allow = tuple(cfg.registries) if privileged else ()
-            if privileged:
+            from polar_runtime.sandbox.publicnet import PUBLIC
+
+            internet = phase == "agent" and cfg.agent_internet
+            self.egress.allow = (tuple(cfg.registries) if privileged else ()) + ((PUBLIC,) if internet else ())
+            if self.egress.allow:
                 env.update(egress_env(self.egress_port))
         user = (cfg.agent_user if phase == "agent" else cfg.verifier_user) or self._image_user or "0"
         rid = uuid.uuid4().hex[:12]
@@ -385,6 +391,8 @@ class LiveTrial:
                      + f", user {user}, {len(caps_for(phase, privileged))} capabilities")
         notes.append(f"pids/memory/cpu limits per trial ({self.backend.limits_by}), shared by its phases")
         if self.egress is not None:
+            if phase == "agent" and cfg.agent_internet:
+                notes.append("public hosts reachable through the filtering proxy (allow_internet and the run's flag)")
             notes.append("package registries reachable through the filtering proxy" if privileged
                          else "no package registry (the run denies the agent privileges)")
         return SandboxResult(rc if not timed_out else -9, timed_out, notes, wall)

@@ -4,7 +4,8 @@ applied to an empty work dir on the host's toolchain, then copied for every samp
 ``COPY``/``ADD`` copy files of the build context into the work dir; ``ENV`` values reach every
 later ``RUN`` and, as in a container, the agent, the oracle and the verifier; each ``RUN`` runs
 inside the sandbox with the work dir (bound at the Dockerfile's WORKDIR) writable, the host
-system read-only, and no network but the package registries (``sandbox/egress.py``). A build is
+system read-only, and no network but public hosts and the package registries through the egress
+proxy (``sandbox/egress.py``; ``POLAR_BUILD_NETWORK=registries``: the registries only). A build is
 done once per task and content (``Environment.digest``) under ``<work root>/.builds`` and reused by
 every sample and later step; a failed build is recorded there too, so the samples of a broken task
 fail at once with the build's error (the line and its output) instead of rebuilding it each time.
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_core.processes import file_lock
-from polar_runtime.sandbox.egress import registries
+from polar_runtime.sandbox.egress import build_egress
 from polar_runtime.sandbox.hostfs import UnsafePath, copy_tree, write_bytes
 from polar_runtime.tasks.model import DEFAULT_BUILD_TIMEOUT, DEFAULT_PATH, BuildError, Task  # noqa: F401
 #: the static reading of a task lives in staticcheck.py (re-exported here, where callers found it)
@@ -147,7 +148,7 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path,
             if step.cwd and step.cwd != task.workdir:  # the Dockerfile's WORKDIR at that line
                 command = f"mkdir -p {shlex.quote(step.cwd)} 2>/dev/null; cd {shlex.quote(step.cwd)} || exit 1\n{command}"
             spec = SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, env=dict(env),
-                               egress=registries(), **task.limits(),
+                               egress=build_egress(), **task.limits(),
                                timeout_s=task.build_timeout or DEFAULT_BUILD_TIMEOUT, image=task.image,
                                userns_caps=True)
             out_path = log_dir / f"build-step{i}.log"

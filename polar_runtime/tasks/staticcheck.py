@@ -13,8 +13,10 @@ Under a container backend only what it cannot do is refused:
 * the oracle's apt installs and downloads are not refused by reading (in an image they are often
   no-ops or fallbacks that never run: `if ! command -v kotlinc; then wget ...`); a note says what
   the oracle phase lacks, and one that does run fails with its own error;
-* build steps and the verifier still reach only the package registries (and the stand-ins'
-  URLs: astral's uv installer, release archives republished on a registry).
+* build steps reach public hosts through the egress proxy, as Harbor's builds have the network,
+  so no build step is refused by reading (``POLAR_BUILD_NETWORK=registries`` restricts them to
+  the registries, and the stand-ins' URLs: astral's uv installer, release archives republished on
+  a registry); the verifier reaches only the package registries.
 
 Reading is best effort: a line the reader cannot parse (a shell line ending in a backslash, an
 unbalanced quote: ``shlex`` raises ``ValueError: No escaped character``) never refuses a task. The
@@ -196,10 +198,14 @@ def _build_step(text: str, variables: dict[str, str], container: bool | str, has
         return None
     # stood in for by a container backend's build (uvstandin.py, releasestandin.py)
     text = strip_known(_ASTRAL_UV.sub("", text), variables) if container else text
+    from polar_runtime.sandbox.egress import BUILD_NETWORK_ENV, builds_reach_public_hosts
+
+    if builds_reach_public_hosts():
+        return None  # public hosts are reached through the egress proxy (a dead one fails in 5 s)
     why = network_refusal(text, registries_reachable=True)
     if why:
         return (f"{why}; under {mode_name(container)}, build steps reach only the package registries "
-                "(POLAR_SANDBOX_REGISTRIES; allow_internet widens nothing)")
+                f"({BUILD_NETWORK_ENV}=registries; POLAR_SANDBOX_REGISTRIES)")
     return None
 
 

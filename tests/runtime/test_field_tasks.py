@@ -85,7 +85,7 @@ RULES = [
     ("ADD an archive", dict(dockerfile="FROM python:3.11-slim\nADD a.tar.gz /app/\n",
                             files={"environment/a.tar.gz": "x"}), True, True),
     ("build step downloads from GitHub", dict(dockerfile="FROM python:3.11-slim\nRUN curl -fsSL "
-                                              "https://github.com/a/b/releases/x.tgz -o /tmp/x\n"), True, True),
+                                              "https://github.com/a/b/releases/x.tgz -o /tmp/x\n"), False, False),
     ("verifier downloads from GitHub", dict(test_sh="curl -fsSL https://github.com/a/b/x -o x\n"), True, True),
     ("oracle downloads from GitHub", dict(solve_sh="curl -fsSL https://github.com/a/b/x -o x\n"), True, False),
     ("FROM a toolchain image", dict(dockerfile="FROM golang:1.22.7-bookworm\n"), True, False),

@@ -282,9 +282,19 @@ def test_links_inside_the_task_are_fine(tmp_path):
     ("FROM ubuntu:24.04\nWORKDIR /app\nRUN apt-get update && apt-get install -y no-such-pkg-polar37\n", "true\n", "",
      "installs apt packages this host lacks (no-such-pkg-polar37)"),
 ])
-def test_local_mode_refusals_name_the_file_and_line(tmp_path, dockerfile, test_sh, toml, why):
+def test_local_mode_refusals_name_the_file_and_line(tmp_path, monkeypatch, dockerfile, test_sh, toml, why):
+    monkeypatch.setenv("POLAR_BUILD_NETWORK", "registries")  # builds restricted to the registries
     t = one(task(tmp_path, dockerfile=dockerfile, test_sh=test_sh, toml=toml))
     assert why in (local_mode_refusal(t) or "")
+
+
+@pytest.mark.parametrize("backend", [False, "docker"])
+def test_no_build_is_refused_by_a_network_rule(tmp_path, backend):
+    """Build steps reach public hosts through the egress proxy (sandbox/egress.py), as Harbor's
+    builds have the network: a fetch from GitHub or get.sdkman.io is not refused by reading."""
+    t = one(task(tmp_path, dockerfile="FROM ubuntu:24.04\nWORKDIR /app\nRUN git clone https://github.com/x/y.git src"
+                 " && curl -s https://get.sdkman.io | bash && cargo install ripgrep\n"))
+    assert local_mode_refusal(t, builds_image=backend) is None
 
 
 def test_registry_installs_are_fine_in_build_steps_and_the_verifier_but_not_the_oracle(tmp_path):
