@@ -13,6 +13,11 @@ removal.
 When every device is held by live runs, :func:`wait_for_device` polls with backoff (the devices are
 the kernel's, so the queue spans processes) and raises :class:`LoopDeviceTimeout`, naming who holds
 the devices, only after ``POLAR_LOOP_WAIT_S`` (default 600 s).
+
+Why not one shared file system with a quota per sample (one device for every sandbox): measured,
+this machine kind's kernel has no quota support at all: an XFS image mounted ``prjquota`` fails
+("quota support not available in this kernel"), an ext4 one too ("not built with CONFIG_QUOTA").
+So each phase keeps an image of its own, and the devices are shared by the queue.
 """
 
 from __future__ import annotations
