@@ -379,5 +379,5 @@ window.addEventListener("DOMContentLoaded", () => {
     return;
   }
   route();
-  if (isLive()) setInterval(poll, 5000);
+  if (isLive()) setInterval(poll, 3000);
 });
