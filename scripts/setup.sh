@@ -66,6 +66,16 @@ if [ "$(id -u)" = 0 ] && { ! command -v patchelf >/dev/null 2>&1 || ! command -v
     || die "cannot install patchelf, fd-find and busybox-static"
 fi
 
+# ---- 0c. chromium: the viewer's browser tests drive Debian's build through playwright (never
+# `playwright install`, which downloads a browser from a CDN; tests/runtime/test_view_browser.py)
+if [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null 2>&1; then
+  phase "browser: installing chromium (Debian package)"
+  export DEBIAN_FRONTEND=noninteractive
+  { quiet apt-get install -y --no-install-recommends chromium \
+    || { quiet apt-get update && quiet apt-get install -y --no-install-recommends chromium; }; } \
+    || die "cannot install chromium"
+fi
+
 # ---- 1. the main venv ---------------------------------------------------------------------------
 MAIN_STAMP_VAL="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$ROOT"
 if [ ! -x "$ROOT/.venv/bin/python" ] || [ "$(cat "$ROOT/.venv/.polar-stamp" 2>/dev/null)" != "$MAIN_STAMP_VAL" ]; then
