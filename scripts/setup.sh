@@ -66,7 +66,7 @@ if [ "$(id -u)" = 0 ] && { ! command -v patchelf >/dev/null 2>&1 || ! command -v
     || die "cannot install patchelf, fd-find and busybox-static"
 fi
 
-# ---- 0c. chromium: the viewer's browser tests drive Debian's build through playwright (never
+# ---- 0d. chromium: the viewer's browser tests drive Debian's build through playwright (never
 # `playwright install`, which downloads a browser from a CDN; tests/runtime/test_view_browser.py)
 if [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null 2>&1; then
   phase "browser: installing chromium (Debian package)"
