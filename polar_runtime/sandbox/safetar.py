@@ -35,7 +35,6 @@ the archive holds (measured in tests/runtime/sandbox/test_safetar.py).
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import posixpath
 import stat
