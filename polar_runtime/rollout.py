@@ -42,7 +42,7 @@ import polars as pl
 
 from polar_core import paths
 from polar_core.schema import SESSIONS_SUBDIR, read_capture_lines, valid_session_id
-from polar_runtime import cancel
+from polar_runtime import cancel, steprun
 from polar_runtime.harnesses import Endpoint, Preset, Session, run_invocation, terminate_all
 from polar_runtime.sandbox.harnessruntime import bring_runtime
 from polar_runtime.tasks import TASKS_DIR, Task, builtin_sets, load_tasks, resolve_tasks_path, task_from_dict  # noqa: F401
@@ -83,6 +83,7 @@ ROLLOUT_SCHEMA: dict[str, pl.DataType] = {
     "sandbox": pl.String,  # the sandbox backend every phase of the sample ran in
     "sandbox_notes": pl.String,  # what the sandbox enforced or contained (one sentence per line)
     "verifier_dir": pl.String,  # /logs/verifier of the sample: reward file, test-output.txt
+    "step_rewards": pl.String,  # a multi-step task's steps, JSON: [{name, reward, status, agent_status}]
 }
 
 
@@ -581,9 +582,12 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
         return row
     home.mkdir(parents=True, exist_ok=True)
     solution = None
-    if cfg.preset.name == "oracle" and task.has_solution:
+    if cfg.preset.name == "oracle" and (task.has_solution or task.steps):
         solution = sample_dir / "solution"
-        task.write_solution(solution)
+        if task.steps:  # each step's is put there before it (steprun.begin_step)
+            solution.mkdir(parents=True, exist_ok=True)
+        else:
+            task.write_solution(solution)
     try:
         key = registry.register(sid, task.id, gid, i, harness=cfg.preset.name)
     except Exception as exc:  # noqa: BLE001 - an unreachable proxy fails this sample, visibly
@@ -594,6 +598,9 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
     wall = 0.0
     # follow-ups are user turns for a model; the oracle and nop act once
     turns = [task.instruction, *(task.followups if getattr(cfg.preset, "needs_model", True) else [])]
+    steps: list[Any] = []  # a multi-step task (polar_runtime/steprun.py): its steps are its turns
+    if task.steps:
+        turns = [st.instruction for st in task.steps]
     task_env = {k: v for k, v in build_env(task).items() if k != "PATH" or "PATH" in task.environment.env}  # type: ignore[union-attr]
     extra_env = {**task_env, **cfg.extra_env, **(task.solution_env if solution else {})}
     if getattr(sandbox, "isolates", True):  # the caller's TMPDIR is not visible inside: the private /tmp is
@@ -604,6 +611,10 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
         name = cfg.preset.name if turn == 0 else f"{cfg.preset.name}.turn{turn}"
         try:
             # a spec the sandbox refuses (a task's WORKDIR at /run/...) fails this sample, not the rollout
+            step = task.steps[turn] if task.steps else None
+            if step is not None:  # each step its own agent timeout, as Harbor's
+                notes += steprun.begin_step(task, step, workdir, solution)
+                limit = wall + (step.agent_timeout or task.timeout or cfg.timeout)
             spec = agent_spec(cfg, task, workdir, home, max(1.0, limit - wall), image)
             session = Session(session_id=sid, task=text, workdir=Path(sandbox.inside(spec, workdir)), home=home,
                               model=cfg.model, endpoint=cfg.endpoint, trim=cfg.trim, extra_env=dict(extra_env),
@@ -614,6 +625,9 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
             if brought:
                 notes.append(brought)
             box = trial.view("agent", passwd_home=not getattr(cfg.preset, "needs_model", True)) if trial else sandbox
+            failed_setup = steprun.run_setup(step, box, spec, workdir, logs) if step is not None else None
+            if failed_setup:
+                raise RuntimeError(failed_setup)
             result = run_invocation(inv, max(1.0, limit - wall), logs, name, sandbox=box, spec=spec)
         except Exception as exc:  # noqa: BLE001 - a preset that cannot start is a failed sample, not a crash
             row["error"] = f"{type(exc).__name__}: {exc}"
@@ -634,6 +648,17 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
         else:
             row["status"] = "failed"
             row["error"] = (result.tail(600).strip()[-600:] or f"exit code {result.returncode}") + at
+        if step is not None:  # the step's tests, in the same environment; min_reward may stop the rest
+            vbox = trial.view("verifier", passwd_home=True) if trial else sandbox
+            res, step_notes = steprun.verify_step(
+                task, step, row["status"], sandbox=vbox, sample_dir=sample_dir, workdir=workdir, logs=logs,
+                image=image, timeout=cfg.eval_timeout, facts={"session": sid, "task_id": task.id,
+                                                              "status": row["status"]})
+            steps.append(res)
+            notes += step_notes
+            if res.stopped:
+                break
+            continue
         if row["status"] != "ok":
             break
     if cancel.is_cancelled():  # its group was dropped (the asynchronous loop): no verifier, no result
@@ -643,6 +668,11 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
         note = "a call still in flight at the end is not in the captures (the upstream has not answered)"
         row["error"] = f"{row['error']}; {note}" if row["error"] else note
     assert result is not None
+    if task.steps:  # the trial's reward, from its steps' (Harbor's multi_step_reward_strategy)
+        steprun.finish(row, task, steps, sample_dir)
+        row["sandbox_notes"] = "\n".join(dict.fromkeys(notes))
+        row["calls"], row["error_calls"], row["prompt_tokens"], row["sampled_tokens"] = capture_stats(cfg.capture_dir, sid)
+        return row
     vbox = trial.view("verifier", passwd_home=True) if trial else sandbox  # the trial's: its environment
     ev = verify(task, sandbox=vbox, sample_dir=sample_dir, workdir_host=workdir, agent_logs=logs, image=image,
                 timeout=task.verifier_timeout or cfg.eval_timeout, facts={

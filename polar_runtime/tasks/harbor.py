@@ -10,11 +10,12 @@ context, ``tests/test.sh`` (writes /logs/verifier/reward.txt or reward.json) and
 ``allow_internet`` or ``network_mode`` (``public`` / ``no-network``), ``workdir`` (the dir the
 agent starts in, over the Dockerfile's WORKDIR), ``env`` (``[environment.env]``: the environment
 of every phase) and top-level ``artifacts`` (paths in the work dir, which the shared verifier
-sees), and its own ``[polar] followups`` (later user turns, which Harbor ignores). What the backend
+sees), ``[[steps]]`` (multi-step tasks: ``tasks/steps.py``), and its own ``[polar] followups``
+(later user turns, which Harbor ignores). What the backend
 that will run the task cannot honour is refused by name, for that task only, and the message
 names that backend (the local mode, or the docker/podman backend: a rule of one never reads as
 another's): a separate verifier environment (``[verifier] environment_mode = "separate"``,
-``[verifier.environment]``), multi-step tasks (``[[steps]]``, ``steps/``), a user other than root,
+``[verifier.environment]``), a user other than root,
 ``network_mode = "allowlist"`` and per-phase network modes, GPUs, ``os = "windows"``,
 ``environment/docker-compose.yaml``, artifacts outside the work dir, and, in the local mode only,
 ``[environment] docker_image`` without a Dockerfile (a container backend pulls it where a registry
@@ -42,6 +43,7 @@ from typing import Any
 
 from polar_runtime.tasks.dockerfile import DockerfileError, escaping_link, leaves, parse
 from polar_runtime.tasks.model import DEFAULT_PATH, DEFAULT_WORKDIR, Environment, Step, Task, mode_name
+from polar_runtime.tasks.steps import read_steps
 
 #: task.toml keys Polar reads (or refuses by value); ``None`` = the whole table is metadata
 KNOWN: dict[str, set[str] | None] = {
@@ -52,7 +54,7 @@ KNOWN: dict[str, set[str] | None] = {
                     "network_mode", "gpus", "gpu_types", "docker_image", "workdir", "env", "os"},
     "metadata": None, "task": None, "polar": {"followups"},
 }
-TOP_LEVEL = {"version", "schema_version", "artifacts", "steps", "source", "multi_step_reward_mode"} | set(KNOWN)
+TOP_LEVEL = {"version", "schema_version", "artifacts", "steps", "source", "multi_step_reward_strategy"} | set(KNOWN)
 ROOT_USERS = ("root", "0")
 
 
@@ -75,7 +77,8 @@ class Refusal:
 
 
 def is_task_dir(path: Path) -> bool:
-    return (path / "task.toml").is_file() and (path / "instruction.md").is_file()
+    """task.toml and instruction.md, or (a multi-step task, whose instructions are its steps') steps/."""
+    return (path / "task.toml").is_file() and ((path / "instruction.md").is_file() or (path / "steps").is_dir())
 
 
 def _size_mb(value: Any, key: str) -> int:
@@ -152,9 +155,8 @@ def _refuse_unsupported(root: Path, cfg: dict[str, Any], envc: dict[str, Any], c
         raise ValueError("a separate verifier environment ([verifier] environment_mode = \"separate\" or "
                          f"[verifier.environment]) is not supported by {mode}: the verifier runs in the "
                          "agent's environment, on its work dir")
-    if "steps" in cfg or (root / "steps").is_dir():
-        raise ValueError("a multi-step task ([[steps]] or steps/) is not supported by Polar yet "
-                         "([polar] followups are its multi-turn tasks)")
+    if "steps" in cfg and cfg.get("polar", {}).get("followups"):
+        raise ValueError("[polar] followups and [[steps]] together: a multi-step task's turns are its steps")
     gpus = envc.get("gpus")
     if gpus not in (None, 0, False):
         raise ValueError(f"[environment] gpus = {gpus!r}: {mode} gives a sandbox no GPU")
@@ -185,7 +187,20 @@ def _load(root: Path, task_id: str, container: bool | str = False) -> Task:
         cfg = tomllib.loads(_read(toml_path, root, "task.toml"))
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{toml_path}: {exc}") from exc
-    instruction = _read(root / "instruction.md", root, "instruction.md").strip()
+    steps, strategy = [], "mean"
+    if "steps" in cfg:  # Harbor's multi-step task (tasks/steps.py): its instructions are the steps'
+        if (root / "steps").exists() or (root / "steps").is_symlink():
+            bad = escaping_link(root / "steps", root)
+            if bad is not None:
+                raise ValueError(f"{bad}: a link in steps/ to {os.path.realpath(bad)}, outside the task directory: "
+                                 "refused, not followed")
+        try:
+            steps, strategy = read_steps(root, cfg, lambda p, what: _read(p, root, what), ROOT_USERS)
+        except ValueError as exc:
+            raise ValueError(f"{toml_path}: {exc}") from None
+        instruction = steps[0].instruction
+    else:
+        instruction = _read(root / "instruction.md", root, "instruction.md").strip()
     if not instruction:
         raise ValueError(f"{root / 'instruction.md'} is empty")
     for sub, what in (("tests", "tests/"), ("solution", "solution/")):
@@ -194,7 +209,7 @@ def _load(root: Path, task_id: str, container: bool | str = False) -> Task:
             if bad is not None:
                 raise ValueError(f"{bad}: a link in {what} to {os.path.realpath(bad)}, outside the task directory: "
                                  "refused, not followed")
-    if not (root / "tests" / "test.sh").is_file():
+    if not (root / "tests" / "test.sh").is_file() and not steps:  # each step has one (read_steps)
         raise ValueError(f"{root}: no tests/test.sh (the verifier)")
     notes: list[str] = []
     for key in sorted(set(cfg) - TOP_LEVEL):
@@ -247,6 +262,8 @@ def _load(root: Path, task_id: str, container: bool | str = False) -> Task:
             verifier_env=_env_table(verifier.get("env"), "[verifier] env"),
             solution_env=_env_table(solution.get("env"), "[solution] env"),
             notes=notes,
+            steps=steps,
+            reward_strategy=strategy,
         )
         task.fit_to_host()
     except ValueError as exc:

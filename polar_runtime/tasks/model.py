@@ -158,6 +158,11 @@ class Task:
     notes: list[str] = field(default_factory=list)  # task.toml keys ignored, stand-ins used
     #: requests above this host's, clamped to it: ``{"cpus": 4.0, "memory_mb": 65536}`` (what was asked)
     clamped: dict[str, float] = field(default_factory=dict)
+    #: a multi-step task's ``[[steps]]`` (``tasks/steps.py``: ``TaskStep``), run in one environment
+    #: in order; ``instruction`` is then the first step's. Empty: a single-step task
+    steps: list = field(default_factory=list)
+    #: how a multi-step trial's reward comes from its steps' (``mean`` or ``final``, as Harbor's)
+    reward_strategy: str = "mean"
 
     def __post_init__(self) -> None:
         if self.environment is None:  # the shorthand: files are COPYs, setup is a RUN
@@ -209,8 +214,9 @@ class Task:
 
     @property
     def has_solution(self) -> bool:
-        if self.root is not None:
-            return (self.root / "solution" / "solve.sh").is_file()
+        if self.root is not None:  # a multi-step task's steps may each have their own
+            return (self.root / "solution" / "solve.sh").is_file() or any(
+                (st.dir / "solution" / "solve.sh").is_file() for st in self.steps)
         return bool(self.reference)
 
     def write_tests(self, dest: Path) -> None:

@@ -189,7 +189,7 @@ def test_network_mode_is_honoured(tmp_path, toml, internet):
     ('artifacts = ["/tmp/answer.json"]\n', "artifacts: '/tmp/answer.json' is outside the work dir /app"),
     ('[verifier]\nenvironment_mode = "separate"\n', "a separate verifier environment"),
     ('[verifier.environment]\ncpus = 2\n', "a separate verifier environment"),
-    ('[[steps]]\nname = "first"\n', "a multi-step task"),
+    ('[[steps]]\nname = "first"\nhealthcheck = { command = "true" }\n', "healthcheck is not supported by Polar's multi-step"),
     ('[agent]\nuser = "agent"\n', "[agent] user = 'agent': running a phase as another user"),
     ('[verifier]\nuser = "tester"\n', "[verifier] user = 'tester'"),
     ('[environment]\ngpus = 1\n', "gpus = 1"),
@@ -208,11 +208,11 @@ def test_environment_env_and_artifacts_in_the_work_dir_are_honoured(tmp_path):
     assert "artifact /app/out.json: in the work dir, which the verifier shares" in t.notes
 
 
-def test_steps_dir_is_refused_by_name(tmp_path):
+def test_a_steps_dir_without_steps_in_task_toml_is_a_single_step_task(tmp_path):
+    """As in Harbor, only task.toml's [[steps]] make a multi-step task (tasks/steps.py)."""
     d = task(tmp_path)
     (d / "steps" / "one").mkdir(parents=True)
-    with pytest.raises(ValueError, match="multi-step task"):
-        load_tasks(d)
+    assert one(d).steps == []
 
 
 def test_docker_compose_environment_is_refused_by_name(tmp_path):
