@@ -30,6 +30,7 @@ import json
 import platform
 import time
 import traceback
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -191,11 +192,13 @@ def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Calla
             if res.updated and res.checkpoint:
                 version = res.policy_version
                 t = time.monotonic()
-                target = _NoRestart(placement.server) if upstream else placement.server
                 try:
-                    pushed = push_weights(res.checkpoint, [target], [placement.proxy.url], version)
-                    report["run"]["push"] = {"method": pushed.method, "reload_s": round(pushed.reload_s, 1),
-                                             "notes": pushed.notes}
+                    if upstream:  # in place or not at all: someone else's server is never restarted
+                        pushed = asdict(push_weights(res.checkpoint, [_NoRestart(placement.server)],
+                                                     [placement.proxy.url], version))
+                    else:  # the loop's own push (a server stopped while training is restarted on the weights)
+                        pushed = placement.push(res.checkpoint, version)
+                    report["run"]["push"] = {k: pushed.get(k) for k in ("method", "reload_s", "paused_s", "notes")}
                 except (PushError, OSError, RuntimeError) as exc:
                     push_error = f"{type(exc).__name__}: {exc}"
                 phase("push", t)
