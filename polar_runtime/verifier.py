@@ -44,6 +44,8 @@ from polar_runtime.tasks.model import DEFAULT_PATH, DEFAULT_VERIFIER_TIMEOUT, Ta
 OUTPUT_TAIL = 4000
 REWARD_FILE_LIMIT = 64 * 1024
 TEST_OUTPUT_LIMIT = 16 * 2**20
+#: how much of a test.sh is read to find the uv installer it fetches (a test.sh is a few KiB)
+TEST_SH_LIMIT = 1 * 2**20
 
 
 @dataclass
@@ -160,7 +162,11 @@ def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, ag
         from polar_runtime.sandbox.uvstandin import MOUNT, UvStandInError, verifier_binds
 
         try:
-            binds, stand_in_notes = verifier_binds((tests / "test.sh").read_text(errors="replace"))
+            from polar_runtime.sandbox.hostfs import read_bytes
+
+            # the task's file: a link or a FIFO there is not followed (hostfs), a huge one not read whole
+            script = read_bytes(tests, tests / "test.sh", limit=TEST_SH_LIMIT).decode(errors="replace")
+            binds, stand_in_notes = verifier_binds(script)
         except (OSError, UvStandInError) as exc:
             stand_in_notes = [f"no local uv installer: {exc}"]
             binds = []

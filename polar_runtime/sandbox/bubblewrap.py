@@ -49,6 +49,7 @@ from pathlib import Path
 from polar_runtime.sandbox.base import (SYSTEM_DIRS, Sandbox, SandboxError, SandboxResult, SandboxSpec, Stream,
                                         supervise)
 from polar_runtime.sandbox.cgroups import Cgroup
+from polar_runtime.sandbox import loopdev
 from polar_runtime.sandbox.diskimage import DiskImage
 from polar_runtime.sandbox.egress import EgressProxy, egress_env, egress_port
 from polar_runtime.sandbox.hostfs import give_to_sandbox
@@ -238,6 +239,8 @@ class BubblewrapSandbox(Sandbox):
                     try:
                         image = DiskImage(spec.disk_mb, uids.base)
                         staged = image.stage(writable)
+                    except loopdev.LoopDeviceTimeout as exc:  # waited its turn and none came: loud, never the watchdog
+                        raise SandboxError(str(exc)) from exc
                     except Exception as exc:  # noqa: BLE001 - any failure: the watchdog, said in the notes
                         notes.append(f"disk image unavailable ({exc}); the disk cap falls back to a watchdog")
                         if image is not None:
@@ -354,10 +357,15 @@ class BubblewrapSandbox(Sandbox):
             shutil.rmtree(private, ignore_errors=True)
 
 
+#: the init's report is a few hundred bytes; more is not a report
+REPORT_LIMIT = 64 * 1024
+
+
 def _read_report(fd: int, wait_s: float = 1.0) -> dict:
-    """The init's JSON report (empty when the sandbox was killed before it wrote one)."""
-    chunks, deadline = [], time.monotonic() + wait_s
-    while True:
+    """The init's JSON report (empty when the sandbox was killed before it wrote one, or when what
+    came is not a report: over REPORT_LIMIT, not a JSON object)."""
+    chunks, deadline, size = [], time.monotonic() + wait_s, 0
+    while size <= REPORT_LIMIT:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
             break
@@ -365,6 +373,11 @@ def _read_report(fd: int, wait_s: float = 1.0) -> dict:
         if not data:
             break
         chunks.append(data)
+        size += len(data)
+    if size > REPORT_LIMIT:
+        return {}
     with contextlib.suppress(ValueError):
-        return json.loads(b"".join(chunks) or b"{}")
+        report = json.loads(b"".join(chunks) or b"{}")
+        if isinstance(report, dict):
+            return report
     return {}

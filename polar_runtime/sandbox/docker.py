@@ -43,6 +43,7 @@ import uuid
 from pathlib import Path
 
 from polar_runtime.sandbox.base import Sandbox, SandboxError, SandboxResult, SandboxSpec, Stream, supervise
+from polar_runtime.sandbox import loopdev
 from polar_runtime.sandbox.diskimage import DiskImage
 from polar_runtime.sandbox.egress import EgressProxy, egress_env, egress_port
 from polar_runtime.sandbox.relay import UnixToTcpRelay
@@ -176,6 +177,8 @@ class DockerSandbox(Sandbox):
                     tmp_dir = image.mnt / "tmp"
                     tmp_dir.mkdir()
                     os.chmod(tmp_dir, 0o1777)
+                except loopdev.LoopDeviceTimeout as exc:  # waited its turn and none came: loud
+                    raise SandboxError(str(exc)) from exc
                 except Exception as exc:  # noqa: BLE001 - any failure: tmpfs and RLIMIT_FSIZE, said
                     notes.append(f"disk image unavailable ({exc}): /tmp a tmpfs, files capped by RLIMIT_FSIZE")
                     if image is not None:

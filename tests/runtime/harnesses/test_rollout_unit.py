@@ -95,7 +95,7 @@ def test_evaluator_failures_are_recorded(tmp_path):
     ev = _verify(r.Task("t", "x", evaluator="no-such-command-polar"), tmp_path / "a")
     assert ev.reward is None and ev.status == "error" and "not found" in ev.output
     ev = _verify(r.Task("t", "x", evaluator="sleep 30"), tmp_path / "b", timeout=1.0)
-    assert ev.reward is None and ev.status == "timeout" and ev.seconds < 10
+    assert ev.reward == 0.0 and ev.status == "timeout" and ev.seconds < 10  # the sample's hang: 0
     ev = _verify(r.Task("t", "x", evaluator="python3 -c 'raise SystemExit(3)'"), tmp_path / "c")
     assert ev.reward == 0.0 and ev.status == "fail"
     assert _verify(r.Task("t", "x"), tmp_path / "d").status == "none"

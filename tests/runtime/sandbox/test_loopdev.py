@@ -139,3 +139,23 @@ def test_no_free_device_refuses_loudly_after_the_timeout(tmp, monkeypatch):
     with pytest.raises(loopdev.LoopDeviceTimeout, match="disk cap cannot be enforced"):
         DiskImage(16, 0, probe=lambda: 0)
     assert not any(p.name.startswith(loopdev.PREFIX) for p in tmp.iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the disk image (and so the wait) is a root caller's")
+@pytest.mark.parametrize("backend", ["bubblewrap", "docker"])
+def test_a_sandbox_with_no_loop_device_refuses_the_phase_instead_of_the_watchdog(tmp_path, monkeypatch, backend):
+    """The backends turn the wait's timeout into a refusal of the phase (SandboxError naming the
+    cause), never the silent watchdog fallback they use for other image failures. ~0.3 s each."""
+    import polar_runtime.sandbox.diskimage as diskimage
+    from polar_runtime.sandbox import SandboxError, SandboxSpec, backend_class
+
+    def no_device(self, *a, **kw):
+        raise loopdev.LoopDeviceTimeout("no free loop device after 0.2 s: the disk cap cannot be enforced")
+
+    monkeypatch.setattr(diskimage.DiskImage, "__init__", no_device)
+    sb = backend_class(backend)()
+    if backend == "docker":
+        monkeypatch.setattr(sb, "image_ready", lambda image: None)
+    spec = SandboxSpec(workdir_host=tmp_path / "w", disk_mb=16, timeout_s=10, image="polar-test/none:1")
+    with pytest.raises(SandboxError, match="no free loop device"):
+        sb.run(spec, ["true"])
