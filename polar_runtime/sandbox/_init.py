@@ -256,7 +256,7 @@ def _spawn_and_wait(argv: list[str], drop: dict | None = None, harden: bool = Fa
             if harden:
                 _no_new_privs_and_seccomp()
             os.execvpe(argv[0], argv, os.environ if env is None else env)
-        except BaseException as e:  # noqa: BLE001 - the child never returns into the init's code (a NUL in the env: ValueError)
+        except BaseException as e:  # noqa: BLE001 - never back into the init's code (a NUL in the env: ValueError)
             os.write(w, f"{e}".encode())
         os._exit(127)
     os.close(w)

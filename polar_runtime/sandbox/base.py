@@ -128,18 +128,20 @@ class SandboxSpec:
         self.workdir = sandbox_path(self.workdir, "the work dir")
         if self.home is not None:
             self.home = sandbox_path(self.home, "HOME")
-        self.ro_binds = [(Path(os.path.abspath(h)), d and sandbox_path(d, f"the bind of {h}")) for h, d in self.ro_binds]
-        self.rw_binds = [(Path(os.path.abspath(h)), d and sandbox_path(d, f"the bind of {h}")) for h, d in self.rw_binds]
+        self.ro_binds = [(Path(os.path.abspath(h)), d and sandbox_path(d, f"the bind of {h}"))
+                         for h, d in self.ro_binds]
+        self.rw_binds = [(Path(os.path.abspath(h)), d and sandbox_path(d, f"the bind of {h}"))
+                         for h, d in self.rw_binds]
 
     def check_mounts(self, *, host_system_dirs: bool) -> None:
         """Every bind's place inside, the work dir's and HOME's included, checked as the backend
         will mount them (:func:`sandbox_path`; raises :class:`SandboxError` naming the first bad
         one). A read-only bind at its own host path changes nothing a system dir shows (bubblewrap
         skips it); a writable one is allowed under /opt only, which holds nothing the sandbox's
-        start runs (a checkout or POLAR_HOME there keeps its run dirs working). And no bind may lie under an earlier *writable*
-        one: the phase can put a link there (its HOME from an earlier turn, a task's build), and a
-        mount follows links in its destination, so a work dir at ``<HOME>/x`` with ``x -> /run/...``
-        would be mounted over the init's private dir."""
+        start runs (a checkout or POLAR_HOME there keeps its run dirs working). And no bind may lie
+        under an earlier *writable* one: the phase can put a link there (its HOME from an earlier
+        turn, a task's build), and a mount follows links in its destination, so a work dir at
+        ``<HOME>/x`` with ``x -> /run/...`` would be mounted over the init's private dir."""
         writable: list[str] = []
         for host, dest, rw in self.mounts():
             what = ("the work dir" if (host, dest) == (self.workdir_host, self.workdir) else

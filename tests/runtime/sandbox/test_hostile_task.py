@@ -35,7 +35,8 @@ from polar_runtime.sandbox import SandboxError, SandboxSpec
 from polar_runtime.sandbox.bubblewrap import HOST_ENV, PRIVATE, PYTHON, BubblewrapSandbox
 from polar_runtime.tasks import load_tasks
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the privileged start exists for a root caller (CI runs as root)")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0,
+                                reason="the privileged start exists for a root caller (CI runs as root)")
 
 EVIL_C = r"""
 #include <stdio.h>
@@ -150,10 +151,14 @@ def _ppid(pid: int) -> int:
 
 
 def _status(pid: int) -> dict[str, str]:
-    return {k: v.strip() for k, _, v in (line.partition(":") for line in Path(f"/proc/{pid}/status").read_text().splitlines())}
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
 
 
-def _while_running(sandbox, spec: SandboxSpec) -> tuple[dict[str, str], list[tuple[int, str, dict[str, str], dict[str, str]]]]:
+Chain = list[tuple[int, str, dict[str, str], dict[str, str]]]
+
+
+def _while_running(sandbox, spec: SandboxSpec) -> tuple[dict[str, str], Chain]:
     """(the phase's environment, [(pid, command, environment, status)] of each process between
     it and this test: the init, bwrap), looked up from the host while the phase sleeps."""
     tag = f"polar-probe-{uuid.uuid4().hex[:8]}"
@@ -335,11 +340,14 @@ def _harbor(root: Path, dockerfile: str, toml: str = "") -> Path:
     return d
 
 
+APP = "FROM python:3.11-slim\nWORKDIR /app\n"
+
+
 @pytest.mark.parametrize("dockerfile,toml,key", [
     ("FROM python:3.11-slim\nWORKDIR /run/polar-sandbox\n", "", "the Dockerfile's WORKDIR"),
     ("FROM python:3.11-slim\nWORKDIR /app\nWORKDIR ../usr/lib/python3.11\n", "", "the Dockerfile's WORKDIR"),
-    ("FROM python:3.11-slim\nWORKDIR /app\n", '[environment]\nworkdir = "/proc/self"\n', "task.toml [environment] workdir"),
-    ("FROM python:3.11-slim\nWORKDIR /app\n", '[environment]\nworkdir = "/etc/cron.d"\n', "task.toml [environment] workdir"),
+    (APP, '[environment]\nworkdir = "/proc/self"\n', "task.toml [environment] workdir"),
+    (APP, '[environment]\nworkdir = "/etc/cron.d"\n', "task.toml [environment] workdir"),
 ], ids=["run", "stdlib-via-dotdot", "proc", "etc"])
 def test_a_hostile_workdir_is_refused_when_the_task_is_loaded(tmp_path, dockerfile, toml, key):
     task_dir = _harbor(tmp_path, dockerfile, toml)
