@@ -44,7 +44,7 @@ ANSWER_HTML = ('Done. </script><script>window.__pwned = "answer"</script> <b>bol
 
 
 def _session(renderer, sid: str, k: int, step: int, policy: int, t0: float, hostile: bool, split: bool,
-             fail: bool, extra_calls: int):
+             fail: bool, extra_calls: int, odd: bool = False):
     from polar_analysis.synthetic import SyntheticSession
 
     s = SyntheticSession(renderer, sid, system=SYSTEM, tools=TOOLS, task_id=TASK, group_id=f"{TASK}.st{step}",
@@ -55,8 +55,11 @@ def _session(renderer, sid: str, k: int, step: int, policy: int, t0: float, host
     if fail:
         s.generate(status="error", echo=False)  # the upstream failed once; the harness retried
     s.generate(content=ANSWER_HTML if hostile else "Done: notes.md written.")
-    for j in range(extra_calls):
+    for j in range(extra_calls):  # more turns: a tool call and its answer each (a last odd one: an answer)
         s.user(f"Add line {j} to notes.md.")
+        if j == extra_calls - 1 and odd:
+            s.generate(content=f"Line {j} is already there.")
+            break
         r = s.generate(tool_calls=[("write", {"path": "notes.md", "content": f"line {j}"})])
         s.tool("wrote notes.md", r.output_tool_calls[0]["id"])
         s.generate(content=f"Added line {j}.")
@@ -99,7 +102,7 @@ def _flows(records, path: Path) -> None:
             w.add(f)
 
 
-def make_run(out: Path, model_dir: Path, samples: int = 2, steps: int = 2, calls: int = 3, train: bool = True,
+def make_run(out: Path, model_dir: Path, samples: int = 2, steps: int = 2, calls: int = 2, train: bool = True,
              flows: bool = True) -> Path:
     import polars as pl
 
@@ -116,13 +119,13 @@ def make_run(out: Path, model_dir: Path, samples: int = 2, steps: int = 2, calls
     renderer = ChatTemplateRenderer(model_dir)
     cfg = demo_config(out=str(out), model="tiny-qwen", samples=samples, iterations=steps - 1, notebooks=False)
     rows, all_records, t = [], [], 1_796_000_000.0
-    extra = max(0, (calls - 3) // 2)
+    extra, odd = max(0, calls - 2) // 2 + max(0, calls - 2) % 2, max(0, calls - 2) % 2 == 1  # 2 calls, then pairs
     for step in range(steps):
         policy = min(step, 1)
         for k in range(samples):
             sid = f"{TASK}.st{step}.s{k}"
             recs = _session(renderer, sid, k, step, policy, t, hostile=(step, k) == (0, 0), split=(step, k) == (0, 0),
-                            fail=(step, k) == (0, 1), extra_calls=extra)
+                            fail=(step, k) == (0, 1), extra_calls=extra, odd=odd)
             t += 30
             all_records += recs
             reward = 1.0 if (k + step) % 2 == 0 else 0.0
@@ -212,7 +215,7 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--samples", type=int, default=2, help="samples per step")
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--calls", type=int, default=3, help="calls per sample (about)")
+    ap.add_argument("--calls", type=int, default=2, help="calls per sample (the fixture's first sample has one more: the split; its second one a failed call)")
     ap.add_argument("--no-train", action="store_true")
     ap.add_argument("--no-flows", action="store_true")
     args = ap.parse_args()

@@ -141,6 +141,9 @@ function runPage(run) {
     [{ label: "loss", values: tr.map((r) => r.loss) }, { label: "mismatch_kl", values: tr.map((r) => r.mismatch_kl) },
      { label: "kl", values: tr.map((r) => r.kl) }], { xlabel: "optimizer step" }));
   m.appendChild(grid);
+  /* the plots are drawn in animation frames queued above; one queued now runs after them */
+  delete document.body.dataset.painted;
+  requestAnimationFrame(() => { document.body.dataset.painted = "run"; });
   const timing = run.timing || {};
   if (timing.wall_s !== undefined)
     m.appendChild(sec("loop", h("p", {}, `wall ${fmt(timing.wall_s, 0)} s · trainer idle ${fmt(timing.trainer_idle_frac)} · vLLM idle ${fmt(timing.vllm_idle_frac)} · both busy ${fmt(timing.overlap_s, 0)} s`)));
