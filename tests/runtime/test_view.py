@@ -137,3 +137,16 @@ def test_serve_answers_its_own_files_only_and_follows_the_run(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_command_writes_the_report_and_names_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from polar_runtime.cli import app
+
+    res = CliRunner().invoke(app, ["view", str(FIXTURE), "--out", str(tmp_path / "v")])
+    assert res.exit_code == 0, res.output
+    assert f"file://{tmp_path / 'v' / 'index.html'}" in res.output.replace("\n", "")
+    assert sorted(p.name for p in (tmp_path / "v" / "data" / "samples").iterdir()) == ["0.js", "1.js", "2.js", "3.js"]
+    assert (tmp_path / "v" / "vendor" / "uplot-1.6.32" / "LICENSE").is_file()
+    assert not (FIXTURE / "view").exists()  # nothing written into the run
