@@ -150,3 +150,17 @@ def test_the_command_writes_the_report_and_names_it(tmp_path):
     assert sorted(p.name for p in (tmp_path / "v" / "data" / "samples").iterdir()) == ["0.js", "1.js", "2.js", "3.js"]
     assert (tmp_path / "v" / "vendor" / "uplot-1.6.32" / "LICENSE").is_file()
     assert not (FIXTURE / "view").exists()  # nothing written into the run
+
+
+def test_raw_calls_from_a_real_runs_flow_file():
+    """tests/fixtures/demo-run's flows.mitm: 9 real streamed calls (Pi through the proxy)."""
+    from polar_runtime.view.flows import FlowIndex
+    from polar_runtime.view.runfiles import RunFiles
+
+    index = FlowIndex(RunFiles(FIXTURE.parent / "demo-run"))
+    index.refresh()
+    assert len(index.offsets) == 9
+    raw = [index.raw(c) for c in index.offsets]
+    assert all(r["request"]["method"] == "POST" and r["request"]["url"].endswith("/v1/chat/completions") for r in raw)
+    assert all(r["response"]["body"]["text"].startswith("data: {") for r in raw if r["response"])  # the SSE the harness got
+    assert all(json.loads(r["request"]["body"]["text"])["messages"] for r in raw)
