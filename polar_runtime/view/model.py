@@ -66,6 +66,7 @@ class RunView:
         self._record: Any = None
         self._left_out: dict[str, str] = {}
         self._traj_sig: Any = None
+        self._trained_steps: set[int] = set()
         self._traj_by_session: dict[str, list[Any]] = {}
 
     # -- what the run holds ---------------------------------------------------------------------
@@ -152,6 +153,7 @@ class RunView:
         self._rollouts = rollouts
         self._load_trajectories()
         self._record, self._left_out = self.token_record()
+        self._trained_steps = self.trained_steps()
         record = self._record
         trained = set(record["session_id"].unique().to_list()) if record is not None and record.height else set()
         self.summary = build_summary(self.files, rollouts, drift, self.sample_ids, trained)
@@ -178,7 +180,7 @@ class RunView:
             for tid, part in mine.group_by("trajectory_id"):
                 tokens[tid[0] if isinstance(tid, tuple) else tid] = part.sort("position").to_dict(as_series=False)
         return build_sample(self.files, sid, row, self.records(sid), trajectories, tokens, self._left_out,
-                            self.trained_steps(), self.flows, self.decode())
+                            self._trained_steps, self.flows, self.decode(), drift=self.drift_rows(sid))
 
     def _load_trajectories(self) -> None:
         """Every step's sequences, grouped by sample (one read of each file per change)."""

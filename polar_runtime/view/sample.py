@@ -162,11 +162,11 @@ def _logs(files: RunFiles, sid: str) -> list[dict[str, Any]]:
 
 def build_sample(files: RunFiles, sid: str, rollout: dict[str, Any] | None, records: list[dict[str, Any]],
                  trajectories: list[dict[str, Any]], tokens: dict[str, Any], left_out: dict[str, str],
-                 trained_steps: set[int], flows: Any, decode: Any) -> dict[str, Any]:
+                 trained_steps: set[int], flows: Any, decode: Any, drift: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The sample page's data. ``tokens``: trajectory id -> that sequence's rows of the trainer's
     record (a dict of lists); ``trained_steps``: rollout steps the loop trained on; ``decode``:
-    ids -> {id: text} (None: show ids)."""
-    drift = session_drift(records)
+    ids -> {id: text} (None: show ids); ``drift``: the session's drift rows when already known."""
+    drift = session_drift(records) if drift is None else drift
     drift_by_call = {d["call_id"]: d for d in drift}
     step = (rollout or {}).get("step")
     calls = [_call(rec, flows.raw(rec.get("call_id") or "") if flows is not None else None) for rec in records]
