@@ -32,6 +32,8 @@ run_phase integration "${PYTEST[@]}" -m "vllm or harness or slow" "$@" || status
 # pushed version on the next step's calls, the notebooks (scripts/check_demo.py).
 run_phase demo .venv/bin/polar demo || status=1
 run_phase demo-check .venv/bin/python scripts/check_demo.py runs/demo || status=1
+# The run viewer's report of that real run (docs/view.md): every sample's page data written
+run_phase demo-view .venv/bin/polar view runs/demo || status=1
 printf '\n\033[1m==== phase times ====\033[0m\n'
 printf '%s\n' "${SUMMARY[@]}"
 echo "total        $(( $(date +%s) - t_all ))s"
