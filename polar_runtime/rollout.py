@@ -691,14 +691,18 @@ def live_trial(cfg: RolloutConfig, task: Task, sandbox: Any, image: str | None, 
     first agent phase, removed when ``stack`` closes); None where phases run in sandboxes of their own."""
     from polar_runtime.sandbox.egress import registries
     from polar_runtime.sandbox.trial import LiveTrial, TrialConfig, task_healthcheck, uses_live_trial
+    from polar_runtime.tasks.compose import service_image
 
     if stack is None or not image or not uses_live_trial(sandbox):
+        if task.compose is not None and task.compose.services:
+            raise RuntimeError(f"a multi-container task needs a live trial (docker or podman), not {sandbox.name}")
         return None
     lim = task.limits(cfg.pids)
     trial = LiveTrial(sandbox, TrialConfig(
         image=image, workdir_host=workdir, workdir=task.workdir, pids=lim["pids"], memory_mb=lim["memory_mb"],
         cpus=lim["cpus"], disk_mb=lim["disk_mb"], registries=registries(), agent_privileged=cfg.agent_privileged,
         agent_internet=bool(task.allow_internet and cfg.allow_internet),
+        services=task.compose, service_image=(lambda svc: service_image(task, svc, sandbox, cfg.work / ".builds")),
         healthcheck=task_healthcheck(task)))
     stack.callback(trial.stop)
     return trial

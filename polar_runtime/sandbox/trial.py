@@ -39,6 +39,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from polar_runtime.sandbox.base import Sandbox, SandboxError, SandboxResult, SandboxSpec, Stream, supervise
 
@@ -86,6 +87,11 @@ class TrialConfig:
     #: Harbor's ``[environment.healthcheck]`` (command, interval_sec, timeout_sec, retries,
     #: start_period_sec), waited on before the agent starts
     healthcheck: dict | None = None
+    #: a multi-container task's services (``tasks/compose.py``'s plan, started by ``services.py`` in
+    #: this container's network namespace) and how each one's image is had (present, pulled, a
+    #: stand-in, or an error naming it)
+    services: Any = None
+    service_image: Any = None
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -113,6 +119,7 @@ class LiveTrial:
         self._lock = threading.Lock()
         self._n = 0
         self._image_user: str | None = None
+        self.services = None  # services.Services of a multi-container task
 
     # ---- lifetime ---------------------------------------------------------------------------
 
@@ -207,6 +214,8 @@ class LiveTrial:
                 chown_tree(host, self.owner)
             a += ["-v", f"{host}:{dest}" + ("" if rw else ":ro")]
             self._agent_binds.add((str(host), dest))
+        for svc in (cfg.services.names if cfg.services else []):
+            a += ["--add-host", f"{svc}:127.0.0.1"]  # its services share this network namespace
         for k, v in cfg.env.items():
             a += ["-e", f"{k}={v}"]
         a += ["--entrypoint", self._python[0], cfg.image, *self._python[1:], json.dumps(boot)]
@@ -236,6 +245,18 @@ class LiveTrial:
         if relays:
             self.docker("exec", "-d", "--user", "0:0", self.name, *self._python,
                         json.dumps({"mode": "relay", "relays": relays}))
+        if cfg.services:  # in this container's network namespace; main's depends_on holds before the agent
+            from polar_runtime.sandbox.services import ServiceError, Services
+
+            self.services = Services(self.runtime, cfg.services, cfg.service_image, caps=list(PACKAGE_CAPS),
+                                     pids=cfg.pids, memory_mb=cfg.memory_mb, cpus=cfg.cpus)
+            try:
+                self.services.start(self.name)
+                self.services.wait(cfg.services.main_depends_on, "the agent")
+            except (ServiceError, SandboxError, ValueError) as exc:  # ValueError: an image unreachable here
+                raise TrialError(str(exc)) from None
+            finally:
+                self.notes += self.services.notes
         if cfg.healthcheck:
             self._healthcheck(cfg.healthcheck)
 
@@ -286,6 +307,8 @@ class LiveTrial:
         return r.returncode
 
     def stop(self) -> None:
+        if self.services is not None:
+            self.services.stop()
         subprocess.run([self.runtime, "rm", "-f", "-v", self.name], capture_output=True, timeout=120,
                        stdin=subprocess.DEVNULL, check=False)
         for r in self._relays:
@@ -360,6 +383,9 @@ class LiveTrial:
             self.egress.allow = (tuple(cfg.registries) if privileged else ()) + ((PUBLIC,) if internet else ())
             if self.egress.allow:
                 env.update(egress_env(self.egress_port))
+                if cfg.services:  # its services are on this loopback, never behind the proxy
+                    for k in ("NO_PROXY", "no_proxy"):
+                        env[k] = ",".join([env[k], *cfg.services.names])
         user = (cfg.agent_user if phase == "agent" else cfg.verifier_user) or self._image_user or "0"
         rid = uuid.uuid4().hex[:12]
         report = self.dir / "reports" / f"{rid}.json"

@@ -17,7 +17,8 @@ names that backend (the local mode, or the docker/podman backend: a rule of one 
 another's): a separate verifier environment (``[verifier] environment_mode = "separate"``,
 ``[verifier.environment]``), a user other than root,
 ``network_mode = "allowlist"`` and per-phase network modes, GPUs, ``os = "windows"``,
-``environment/docker-compose.yaml``, artifacts outside the work dir, and, in the local mode only,
+artifacts outside the work dir, and, in the local mode only, ``environment/docker-compose.yaml``
+(a container backend runs the subset ``tasks/compose.py`` reads), and
 ``[environment] docker_image`` without a Dockerfile (a container backend pulls it where a registry
 answers, else builds the Dockerfile or stands in for the image, and says which in the notes).
 ``cpus`` and memory above the host's are clamped to it with a note (``Task.fit_to_host``). Other
@@ -43,6 +44,7 @@ from typing import Any
 
 from polar_runtime.tasks.dockerfile import DockerfileError, escaping_link, leaves, parse
 from polar_runtime.tasks.model import DEFAULT_PATH, DEFAULT_WORKDIR, Environment, Step, Task, mode_name
+from polar_runtime.tasks.compose import compose_file, read_compose
 from polar_runtime.tasks.steps import read_steps
 
 #: task.toml keys Polar reads (or refuses by value); ``None`` = the whole table is metadata
@@ -268,12 +270,13 @@ def _load(root: Path, task_id: str, container: bool | str = False) -> Task:
         task.fit_to_host()
     except ValueError as exc:
         raise ValueError(f"{toml_path}: {exc}") from exc
-    compose = [p for p in ("docker-compose.yaml", "docker-compose.yml", "compose.yaml") if (root / "environment" / p).exists()]
-    if compose:
-        raise ValueError(f"{root / 'environment' / compose[0]}: a multi-container task (docker compose services) "
-                         + (f"is not supported by {mode_name(container)} yet: it runs one container per phase, "
-                            "and no compose tool" if container else
-                            "needs a container runtime; the local mode runs one sandbox"))
+    compose = compose_file(root / "environment")
+    if compose is not None and not container:
+        raise ValueError(f"{compose}: a multi-container task (docker compose services) needs a container runtime "
+                         "(--sandbox docker or podman); the local mode runs one sandbox")
+    if compose is not None and leaves(compose, root):
+        raise ValueError(f"{compose}: a link to {os.path.realpath(compose)}, outside the task directory: refused, "
+                         "not followed")
     dockerfile = root / "environment" / "Dockerfile"
     for p in (root / "environment", dockerfile):
         if (p.exists() or p.is_symlink()) and leaves(p, root):
@@ -305,6 +308,13 @@ def _load(root: Path, task_id: str, container: bool | str = False) -> Task:
     # [environment.env]: the environment of every phase, as Harbor sets it on the container
     task.environment.steps += [Step("env", dest=k, text=v, source=f"task.toml [environment.env] {k}")
                                for k, v in env_vars.items()]
+    if compose is not None:  # its services run beside the main container (tasks/compose.py)
+        task.compose = read_compose(compose, env_vars)
+        task.environment.steps += [Step("env", dest=k, text=v, source=f"{compose.name} services.main.environment {k}")
+                                   for k, v in task.compose.main_env.items()]
+        notes += task.compose.notes
+        notes.append(f"services {', '.join(task.compose.names) or '(none)'}: started by Polar in the main container's "
+                     f"network namespace under {mode_name(container)} (each name is 127.0.0.1 there)")
     wd = PurePosixPath(task.workdir)
     for a in artifacts:
         p = PurePosixPath(str(a)) if str(a).startswith("/") else wd / str(a)

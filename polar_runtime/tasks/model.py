@@ -163,6 +163,9 @@ class Task:
     steps: list = field(default_factory=list)
     #: how a multi-step trial's reward comes from its steps' (``mean`` or ``final``, as Harbor's)
     reward_strategy: str = "mean"
+    #: a multi-container task's services (``tasks/compose.py``: ``ComposePlan``), run beside the
+    #: live trial's main container in its network namespace; None: one container
+    compose: object = None
 
     def __post_init__(self) -> None:
         if self.environment is None:  # the shorthand: files are COPYs, setup is a RUN
