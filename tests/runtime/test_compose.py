@@ -32,9 +32,6 @@ def test_the_subset_is_read_in_start_order(tmp_path):
             command: ["sh", "-c", "sleep infinity"]
             environment: [DB_URL=postgres://app@db/app]
             depends_on: {db: {condition: service_healthy}, cache: {condition: service_started}}
-          cache:
-            image: redis:7
-            ports: ["6379:6379"]
           db:
             image: "${DB_IMAGE:-postgres:16}"
             environment: {POSTGRES_PASSWORD: pw, POSTGRES_DB: app}
@@ -45,9 +42,12 @@ def test_the_subset_is_read_in_start_order(tmp_path):
             entrypoint: /bin/sh -c
             command: ["echo ready"]
             depends_on: {db: {condition: service_healthy}}
+          cache:
+            image: redis:7
+            ports: ["6379:6379"]
     """)
     plan = read_compose(p, {})
-    assert plan.names == ["cache", "db", "init"]
+    assert plan.names == ["cache", "db", "init"]  # each after what it depends on, whatever the file's order
     db = plan.services[1]
     assert db.image == "postgres:16" and db.environment == {"POSTGRES_PASSWORD": "pw", "POSTGRES_DB": "app"}
     assert db.healthcheck.argv == ["sh", "-c", "pg_isready -U postgres"] and db.healthcheck.start_period_s == 90
