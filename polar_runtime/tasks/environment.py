@@ -159,7 +159,9 @@ def apply_steps(task: Task, workdir_host: Path, sandbox: Any, log_dir: Path,
             if res.timed_out or res.returncode != 0:
                 tail = out_path.read_text(errors="replace")[-1500:]
                 what = f"timed out after {spec.timeout_s:g} s" if res.timed_out else f"exited {res.returncode}"
-                raise BuildError(f"{where} {what}: {tail}")
+                # the hosts the egress proxy refused or that did not answer, by name (curl prints only the status)
+                net = [n for n in res.notes if n.startswith("egress refused:")]
+                raise BuildError(f"{where} {what}: {tail}" + (f"\n{'; '.join(net)}" if net else ""))
     return notes
 
 

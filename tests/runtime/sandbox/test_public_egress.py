@@ -261,3 +261,72 @@ def test_only_pytest_can_set_the_override_and_a_tasks_environment_does_not_reach
     log = (tmp_path / "out.log").read_text(errors="replace")
     assert "seen=public.example" in log and "special-use" in log, (res, log)
     assert public.accepted == 0
+
+
+def _build_task(root: Path, name: str, run: str) -> Path:
+    d = root / name
+    (d / "environment").mkdir(parents=True)
+    (d / "tests").mkdir()
+    (d / "task.toml").write_text('version = "1.0"\n')
+    (d / "instruction.md").write_text("x\n")
+    (d / "environment" / "Dockerfile").write_text(f"FROM debian:bookworm\nWORKDIR /app\nRUN {run}\n")
+    (d / "tests" / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
+    return d
+
+
+def test_a_build_step_reaches_a_public_host_and_a_dead_one_fails_in_seconds_naming_it(sandbox, tmp_path, public,
+                                                                                      monkeypatch):
+    """The local mode's build (bubblewrap) through its egress proxy: a fetch from the (test-
+    declared) public host lands in the work dir; one from a host that drops the SYN fails the
+    step after the connect timeout, not the build's 600 s, and the error names the host."""
+    from polar_runtime.tasks import load_tasks
+    from polar_runtime.tasks.environment import BuildError, prepare_workdir
+
+    monkeypatch.setattr(publicnet, "CONNECT_TIMEOUT_S", 1.0)
+    full = Listener(backlog=0)
+    fillers = []
+    for _ in range(4):
+        c = socket.socket()
+        c.setblocking(False)
+        c.connect_ex(("127.0.0.1", full.port))
+        fillers.append(c)
+    time.sleep(0.2)
+    try:
+        with fake_public_hosts({"dl.example-public.org": ["127.0.0.1"], "dead.example-public.org": ["127.0.0.1"]},
+                               public={"127.0.0.1"}):
+            (ok,) = load_tasks(_build_task(tmp_path, "ok", f"curl -sSf -m 30 http://dl.example-public.org:{public.port}/x -o got"))
+            prepare_workdir(ok, tmp_path / "w-ok", sandbox, tmp_path / "builds")
+            assert (tmp_path / "w-ok" / "got").read_text() == "PUBLIC"
+            (dead,) = load_tasks(_build_task(tmp_path, "dead", f"curl -sSf -m 300 http://dead.example-public.org:{full.port}/x"))
+            t0 = time.monotonic()
+            with pytest.raises(BuildError) as err:
+                prepare_workdir(dead, tmp_path / "w-dead", sandbox, tmp_path / "builds")
+            took = time.monotonic() - t0
+    finally:
+        for c in fillers:
+            c.close()
+        full.close()
+    assert took < 15 and "dead.example-public.org" in str(err.value) and "did not answer within 1 s" in str(err.value), \
+        (took, str(err.value)[-600:])
+
+
+def test_allow_internet_opens_the_agent_phase_only_when_the_run_allows_it(tmp_path):
+    """``allow_internet = true`` gives the agent public hosts (egress ``*``), never the host's
+    network, and only with the run's flag; a harness in proxy mode keeps the model proxy."""
+    from polar_runtime import rollout as r
+    from polar_runtime.harnesses import Endpoint, get_preset
+    from polar_runtime.sandbox.trial import TrialConfig
+    from polar_runtime.tasks.model import Task
+
+    def spec(task, flag, endpoint):
+        cfg = r.RolloutConfig(tasks=[task], preset=get_preset("nop"), capture_dir=tmp_path / "c", model="m",
+                              endpoint=endpoint, allow_internet=flag)
+        return r.agent_spec(cfg, task, tmp_path / "w", tmp_path / "h", 10)
+
+    base = Endpoint("base_url", base_url="http://127.0.0.1:8123")
+    open_task, closed = Task(id="o", instruction="x", allow_internet=True), Task(id="c", instruction="x")
+    assert spec(open_task, True, base).egress == (PUBLIC,) and spec(open_task, True, base).network is False
+    assert spec(open_task, False, base).egress == () and spec(closed, True, base).egress == ()
+    assert r.RolloutConfig(tasks=[], preset=get_preset("nop"), capture_dir=tmp_path / "c", model="m",
+                           endpoint=base).allow_internet is False
+    assert TrialConfig(image="x", workdir_host=tmp_path).agent_internet is False
