@@ -52,6 +52,8 @@ def certify_command(
     upstream: Annotated[Optional[str], typer.Option(help="A running vLLM (started by `polar serve`: dev mode, "
                                                     "--enable-scale-out) to use instead of starting one; its base "
                                                     "weights are reloaded at the end.")] = None,
+    timeout: Annotated[Optional[float], typer.Option(help="Seconds per harness run (default: the config's "
+                                                     "harness.timeout_s, else the loop's: 150 on CPU, 300 on a GPU).")] = None,
     out: Annotated[Path, typer.Option(help="Where the cells' runs and results go.")] = Path("runs/certify"),
     shard: Annotated[Optional[str], typer.Option(help="I/N: run only every N-th cell, from the I-th.")] = None,
     fresh: Annotated[bool, typer.Option(help="Run cells again even when they have a result.")] = False,
@@ -80,6 +82,8 @@ def certify_command(
     except ConfigError as exc:
         con.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None
+    if timeout is not None:
+        base.harness.timeout_s = timeout
     cells = cells_of(harness or [base.harness.name], model or [base.model.name], parse_shard(shard))
     from polar_runtime import harnesses as h
 

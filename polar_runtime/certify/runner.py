@@ -99,6 +99,16 @@ class _NoRestart:
         return self._server.reload_weights(model_dir)
 
 
+def rows_of_step(captures: Path, step: int) -> list[dict[str, Any]]:
+    """The rollout runner's rows of ``step`` (``rollouts.parquet``, written before the loop judges them)."""
+    import polars as pl
+
+    from polar_analysis.rewards import ROLLOUTS_FILE
+
+    path = Path(captures) / ROLLOUTS_FILE
+    return pl.read_parquet(path).filter(pl.col("step") == step).to_dicts() if path.is_file() else []
+
+
 def vllm_version(base_url: str) -> str | None:
     from polar_core.net import http_json
 
@@ -124,6 +134,7 @@ def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Calla
 
     from polar_analysis import frames
     from polar_analysis.steps import versions_of_step
+    from polar_runtime.loop.groups import LoopError
     from polar_runtime.loop.placement import LocalPlacement
     from polar_training.push_probe import PushError
     from polar_training.weights_push import push_weights
@@ -161,7 +172,13 @@ def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Calla
             dtype = served_dtype(base) or "float32"
         ids = placement.task_ids()
         t = time.monotonic()
-        rows = placement.rollout(0, ids, 0)
+        try:
+            rows = placement.rollout(0, ids, 0)
+        except LoopError as exc:  # every sample timed out or failed: the loop has nothing to learn from,
+            rows = rows_of_step(placement.captures, 0)  # but certify judges the calls they made
+            if not sum(int(r.get("calls") or 0) for r in rows):
+                raise
+            report["run"]["rollout_note"] = str(exc)
         phase("rollout", t)
         sessions = [r["session_id"] for r in rows]
         report["run"]["samples"] = {r["session_id"]: {"status": r["status"], "calls": r["calls"], "reward": r["reward"]}
