@@ -420,6 +420,9 @@ class RolloutConfig:
     #: container backends run each sample as one live environment (``sandbox/trial.py``); False
     #: denies the agent phase the package manager's capabilities and the registries there
     agent_privileged: bool = True
+    #: the verifier in a fresh environment of its own for every task, as ``[verifier]
+    #: environment_mode = "separate"`` asks (``sandbox/trial.py: separate_verifier``)
+    separate_verifier: bool = False
     #: a task's ``allow_internet = true`` opens its agent phase to public hosts through the egress
     #: proxy (``sandbox/egress.py``: public addresses only) only when the run sets this; off, the
     #: agent reaches the model (and, in a live trial, the registries) and nothing else
@@ -673,8 +676,18 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
         row["sandbox_notes"] = "\n".join(dict.fromkeys(notes))
         row["calls"], row["error_calls"], row["prompt_tokens"], row["sampled_tokens"] = capture_stats(cfg.capture_dir, sid)
         return row
-    vbox = trial.view("verifier", passwd_home=True) if trial else sandbox  # the trial's: its environment
-    ev = verify(task, sandbox=vbox, sample_dir=sample_dir, workdir_host=workdir, agent_logs=logs, image=image,
+    vbox, vwork = (trial.view("verifier", passwd_home=True) if trial else sandbox), workdir  # the trial's environment
+    if trial and (task.verifier_separate or cfg.separate_verifier):
+        from polar_runtime.sandbox.trial import separate_verifier
+
+        vwork = sample_dir / "verifier-work"
+        vt = separate_verifier(sandbox, trial.cfg, workdir, lambda d: prepare_workdir(task, d, sandbox, cfg.work / ".builds"),
+                               task.artifacts, vwork)
+        stack.callback(vt.stop)
+        vbox = vt.view("verifier", passwd_home=True)
+        notes.append("verifier: an environment of its own from the task's image, "
+                     + (f"with the artifacts {task.artifacts}" if task.artifacts else "with the sample's work dir"))
+    ev = verify(task, sandbox=vbox, sample_dir=sample_dir, workdir_host=vwork, agent_logs=logs, image=image,
                 timeout=task.verifier_timeout or cfg.eval_timeout, facts={
                     "session": sid, "task_id": task.id, "status": row["status"],
                     "harness_stdout": str(result.stdout_path), "harness_stderr": str(result.stderr_path)})
@@ -701,6 +714,7 @@ def live_trial(cfg: RolloutConfig, task: Task, sandbox: Any, image: str | None, 
     trial = LiveTrial(sandbox, TrialConfig(
         image=image, workdir_host=workdir, workdir=task.workdir, pids=lim["pids"], memory_mb=lim["memory_mb"],
         cpus=lim["cpus"], disk_mb=lim["disk_mb"], registries=registries(), agent_privileged=cfg.agent_privileged,
+        agent_user=task.agent_user, verifier_user=task.verifier_user,
         agent_internet=bool(task.allow_internet and cfg.allow_internet),
         services=task.compose, service_image=(lambda svc: service_image(task, svc, sandbox, cfg.work / ".builds")),
         healthcheck=task_healthcheck(task)))

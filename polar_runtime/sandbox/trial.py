@@ -492,6 +492,37 @@ def task_healthcheck(task) -> dict | None:
     return hc if isinstance(hc, dict) and isinstance(hc.get("command"), str) else None
 
 
+def separate_verifier(backend, cfg: TrialConfig, sample_workdir: Path, fresh_workdir, artifacts: list,
+                      vwork: Path) -> LiveTrial:
+    """Harbor's ``[verifier] environment_mode = "separate"``: a fresh environment from the task's
+    image whose work dir ``vwork`` is the task's built one (``fresh_workdir(vwork)`` makes it) with
+    only ``artifacts`` (paths in the work dir) copied in from the sample's; nothing else the agent
+    did reaches the verifier (an image's pytest it replaced, a server it left). With no artifacts
+    (a run that forces separation on a task that declares none) the sample's whole work dir."""
+    import dataclasses
+    import posixpath
+
+    from polar_runtime.sandbox.hostfs import copy_tree
+
+    if vwork.exists():
+        shutil.rmtree(vwork)
+    if artifacts:
+        fresh_workdir(vwork)
+        for a in artifacts:
+            rel = posixpath.relpath(posixpath.normpath(posixpath.join(cfg.workdir, a)), cfg.workdir)
+            src, dst = sample_workdir / rel, vwork / rel
+            if rel.startswith("..") or not (src.exists() or src.is_symlink()):
+                continue
+            if src.is_dir() and not src.is_symlink():
+                copy_tree(src, dst)
+            else:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                copy_tree(src.parent, dst.parent, ignore=lambda r, n=src.name: r.split("/")[0] != n)
+    else:
+        copy_tree(sample_workdir, vwork)
+    return LiveTrial(backend, dataclasses.replace(cfg, workdir_host=vwork, agent_user=None))
+
+
 def uses_live_trial(backend) -> bool:
     """Whether a backend runs a trial as one live environment (docker, podman)."""
     return getattr(backend, "runtime", None) in ("docker", "podman") and getattr(backend, "host_init", False)

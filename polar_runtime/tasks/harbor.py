@@ -150,13 +150,17 @@ def _refuse_unsupported(root: Path, cfg: dict[str, Any], envc: dict[str, Any], c
     agent, verifier = cfg.get("agent") or {}, cfg.get("verifier") or {}
     for section, table in (("agent", agent), ("verifier", verifier)):
         user = table.get("user")
-        if user is not None and str(user) not in ROOT_USERS:
+        if user is not None and str(user) not in ROOT_USERS and not container:  # a live trial runs it as that user
             raise ValueError(f"[{section}] user = {user!r}: running a phase as another user is not supported by "
                              f"{mode} (every phase runs as root {where})")
-    if verifier.get("environment_mode", "shared") != "shared" or "environment" in verifier:
+    if "environment" in verifier or verifier.get("environment_mode", "shared") not in (
+            "shared", "separate") or (verifier.get("environment_mode") == "separate" and not container):
         raise ValueError("a separate verifier environment ([verifier] environment_mode = \"separate\" or "
-                         f"[verifier.environment]) is not supported by {mode}: the verifier runs in the "
-                         "agent's environment, on its work dir")
+                         f"[verifier.environment]) is not supported by {mode}: "
+                         + ("a verifier image of its own ([verifier.environment]) is not built; "
+                            "environment_mode = \"separate\" alone runs one from the task's image" if container else
+                            "the verifier runs in the agent's environment, on its work dir (a container "
+                            "backend runs a separate one)"))
     if "steps" in cfg and cfg.get("polar", {}).get("followups"):
         raise ValueError("[polar] followups and [[steps]] together: a multi-step task's turns are its steps")
     gpus = envc.get("gpus")
@@ -263,6 +267,10 @@ def _load(root: Path, task_id: str, container: bool | str = False) -> Task:
             allow_internet=network,
             verifier_env=_env_table(verifier.get("env"), "[verifier] env"),
             solution_env=_env_table(solution.get("env"), "[solution] env"),
+            agent_user=str(agent["user"]) if agent.get("user") is not None else None,
+            verifier_user=str(verifier["user"]) if verifier.get("user") is not None else None,
+            verifier_separate=verifier.get("environment_mode") == "separate",
+            artifacts=[a if isinstance(a, str) else (a or {}).get("source") for a in artifacts],
             notes=notes,
             steps=steps,
             reward_strategy=strategy,

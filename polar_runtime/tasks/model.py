@@ -166,6 +166,14 @@ class Task:
     #: a multi-container task's services (``tasks/compose.py``: ``ComposePlan``), run beside the
     #: live trial's main container in its network namespace; None: one container
     compose: object = None
+    #: the users the agent and the verifier run as (``[agent] user``, ``[verifier] user``; in a
+    #: container backend's live trial, ``sandbox/trial.py``); None: the image's USER, else root
+    agent_user: str | None = None
+    verifier_user: str | None = None
+    #: ``[verifier] environment_mode = "separate"``: the verifier in a fresh environment of its own
+    #: from the task's image, with only ``artifacts`` (paths in the work dir) copied in
+    verifier_separate: bool = False
+    artifacts: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.environment is None:  # the shorthand: files are COPYs, setup is a RUN
