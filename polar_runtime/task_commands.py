@@ -120,9 +120,11 @@ def build_notes(task: Any, sandbox: str) -> list[str]:
 
 def stand_ins(row: dict[str, Any]) -> list[str]:
     """The stand-ins a phase ran on (images, astral's uv installer: a container backend says so in
-    its notes), once each."""
+    its notes) and whether task.toml's docker_image was pulled or the Dockerfile built instead,
+    once each."""
     notes = (row.get("sandbox_notes") or "").splitlines()
-    return list(dict.fromkeys(n.removeprefix("verifier: ") for n in notes if "STAND-IN" in n))
+    return list(dict.fromkeys(n.removeprefix("verifier: ") for n in notes
+                              if "STAND-IN" in n or n.startswith("[environment] docker_image ")))
 
 
 def refused_row(task: str, reason: str) -> dict[str, Any]:

@@ -74,6 +74,9 @@ BUILD_INPUTS = tuple(Path(__file__).resolve().parents[1] / p for p in (
 #: daemon's own timeouts; a pull that has started may take ``PULL_TOTAL_S`` (a big image)
 PULL_ANSWER_S = 20.0
 PULL_TOTAL_S = 1800.0
+#: the label of a task image that says whether task.toml's docker_image was pulled or the
+#: Dockerfile built instead (said again when the image is reused)
+SOURCE_LABEL = "org.polar.task-image.source"
 #: registry host -> why it did not answer (not asked again in this process)
 _UNREACHABLE: dict[str, str] = {}
 _lock = threading.Lock()
@@ -161,6 +164,13 @@ def _docker(runtime: str, *args: str, check: bool = True, timeout: float = 300, 
     return r
 
 
+def _label(image: str, label: str, runtime: str = "docker") -> str | None:
+    r = _docker(runtime, "image", "inspect", "--format", "{{index .Config.Labels \"%s\"}}" % label, image,
+                check=False, text=True)
+    val = r.stdout.strip() if r.returncode == 0 else ""
+    return val if val and val != "<no value>" else None
+
+
 def image_id(image: str, runtime: str = "docker") -> str | None:
     r = _docker(runtime, "image", "inspect", "--format", "{{.Id}}", image, check=False, text=True)
     return r.stdout.strip() if r.returncode == 0 else None
@@ -172,8 +182,12 @@ def build_task_image(task: Any, sandbox: Any, log_dir: Path, apply_steps: Callab
     in: the environment module calls this one)."""
     global BUILDS
     tag, runtime = image_tag(task), sandbox.runtime
-    if image_id(tag, runtime):
-        return tag, list(task.environment.notes) + [f"image {tag} reused (built before from the same content)"]
+    if image_id(tag, runtime):  # what its build said of docker_image, said again
+        try:
+            said = [str(n) for n in json.loads(_label(tag, SOURCE_LABEL, runtime) or "[]")]
+        except (ValueError, TypeError):
+            said = []
+        return tag, list(task.environment.notes) + said + [f"image {tag} reused (built before from the same content)"]
     base, pulled, said = task.image, False, []
     want = task.environment.pull  # task.toml's docker_image: pulled where a registry answers
     if want:
@@ -228,7 +242,8 @@ def build_task_image(task: Any, sandbox: Any, log_dir: Path, apply_steps: Callab
                         apply_steps(task, stage / "work", sandbox, log_dir, run_step=run_step, copy_in=copy_in))
         notes += list(dict.fromkeys(notes_extra))
         changes = image_changes(base, runtime) + [f"WORKDIR {task.workdir}"] + [
-            f"ENV {k}={v}" for k, v in task.environment.env.items()]
+            f"ENV {k}={v}" for k, v in task.environment.env.items()] + (
+            [f"LABEL {SOURCE_LABEL}={json.dumps(json.dumps(said))}"] if said else [])
         cid = _docker(runtime, "create", "--entrypoint", "true", state["image"], text=True).stdout.strip()
         try:
             # the staging dir's contents at WORKDIR (links added as links, never followed; the

@@ -6,6 +6,7 @@ stand-in is bootstrapped. Measured on the 2-core CI machine kind: ~6 s with the 
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import subprocess
@@ -46,10 +47,14 @@ def daemon(request, tmp_path_factory):
     tar = root / "bb.tar"
     with tarfile.open(tar, "w") as tf:
         tf.add(busybox, arcname="bin/busybox")
-        for applet in ("sh", "echo", "true", "sleep"):
+        for applet in ("sh", "echo", "true", "sleep", "test", "[", "cat", "touch", "mkdir"):
             info = tarfile.TarInfo(f"bin/{applet}")
             info.type, info.linkname = tarfile.SYMTYPE, "busybox"
             tf.addfile(info)
+        bash = b'#!/bin/sh\nexec /bin/sh "$@"\n'  # the phases run `bash script`
+        info = tarfile.TarInfo("bin/bash")
+        info.size, info.mode = len(bash), 0o755
+        tf.addfile(info, io.BytesIO(bash))
         for empty in ("tmp", "app", "proc", "dev", "etc"):
             info = tarfile.TarInfo(empty)
             info.type, info.mode = tarfile.DIRTYPE, 0o755
@@ -103,3 +108,32 @@ def test_a_pull_with_no_registry_fails_at_once_naming_it(daemon, monkeypatch):
     t0 = time.monotonic()
     ok, why = imagebuild.pull_image("ghcr.io/polar-test/none:1")
     assert not ok and "ghcr.io" in why and time.monotonic() - t0 < 10, why
+
+
+def test_a_docker_image_no_registry_answers_is_built_from_its_dockerfile_and_the_row_says_so(daemon, tmp_path,
+                                                                                          monkeypatch):
+    """``polar tasks check --sandbox docker`` on a task whose task.toml names a prebuilt image on an
+    unreachable registry: the Dockerfile is built, the oracle passes, and the row's notes say why the
+    image was built, also when the built image is found again (its label)."""
+    from polar_runtime.task_commands import check_tasks
+    from polar_runtime.tasks import imagebuild, load_tasks
+    from polar_runtime.tasks.environment import apply_steps
+
+    monkeypatch.setattr(imagebuild, "_UNREACHABLE", {})
+    d = tmp_path / "ds" / "prebuilt"
+    for sub in ("environment", "tests", "solution"):
+        (d / sub).mkdir(parents=True)
+    (d / "task.toml").write_text('version = "1.0"\n[environment]\ndocker_image = "ghcr.io/polar-test/none:1"\n')
+    (d / "instruction.md").write_text("do it\n")
+    (d / "environment" / "Dockerfile").write_text(f"FROM {IMAGE}\nWORKDIR /app\nCOPY a.txt a.txt\n")
+    (d / "environment" / "a.txt").write_text("a\n")
+    (d / "solution" / "solve.sh").write_text("touch /app/done\n")
+    (d / "tests" / "test.sh").write_text("test -f /app/done && test -f /app/a.txt && echo 1 > /logs/verifier/reward.txt"
+                                         " || echo 0 > /logs/verifier/reward.txt\n")
+    (task,) = load_tasks(d, "docker")
+    (row,) = check_tasks([task], work=tmp_path / "work", sandbox="docker")
+    assert row["status"] == "passed", row
+    said = [n for n in row["notes"] if n.startswith("[environment] docker_image ghcr.io/polar-test/none:1 not pulled (")]
+    assert len(said) == 1 and "ghcr.io" in said[0] and said[0].endswith("environment/Dockerfile built instead"), row
+    tag, notes = imagebuild.build_task_image(task, DockerSandbox(), tmp_path / "logs", apply_steps)
+    assert said[0] in notes and any("reused" in n for n in notes), notes
