@@ -95,12 +95,9 @@ def _range_base() -> int:
     return BASE
 
 
-def chown_tree(root: Path, uid: int) -> None:
-    """Every file under ``root`` (links themselves, never followed) owned by ``uid``:``uid``."""
-    os.lchown(root, uid, uid)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            try:
-                os.lchown(os.path.join(dirpath, name), uid, uid)
-            except FileNotFoundError:
-                pass
+def chown_tree(root: Path, uid: int, gid: int | None = None) -> None:
+    """Every file under ``root`` owned by ``uid``:``gid`` (default ``uid``), never following a
+    link (``hostfs.chown_tree``: walked with directory fds)."""
+    from polar_runtime.sandbox.hostfs import chown_tree as safe_chown
+
+    safe_chown(root, uid, uid if gid is None else gid)

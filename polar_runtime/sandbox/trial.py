@@ -119,6 +119,7 @@ class LiveTrial:
         self._lock = threading.Lock()
         self._n = 0
         self._image_user: str | None = None
+        self._workdir_given = False
         self.services = None  # services.Services of a multi-container task
 
     # ---- lifetime ---------------------------------------------------------------------------
@@ -387,6 +388,8 @@ class LiveTrial:
                     for k in ("NO_PROXY", "no_proxy"):
                         env[k] = ",".join([env[k], *cfg.services.names])
         user = (cfg.agent_user if phase == "agent" else cfg.verifier_user) or self._image_user or "0"
+        if phase == "agent" and user not in ("0", "root") and not self._workdir_given:
+            self._give_workdir(user)
         rid = uuid.uuid4().hex[:12]
         report = self.dir / "reports" / f"{rid}.json"
         init_cfg = {"mode": phase, "join": self.holder, "binds": binds, "copy_in": copies, "covers": [INSIDE],
@@ -422,6 +425,25 @@ class LiveTrial:
             notes.append("package registries reachable through the filtering proxy" if privileged
                          else "no package registry (the run denies the agent privileges)")
         return SandboxResult(rc if not timed_out else -9, timed_out, notes, wall)
+
+    def _give_workdir(self, user: str) -> None:
+        """The work dir to a non-root agent user (``[agent] user``, the image's USER), once: the
+        task's Dockerfile chowned its WORKDIR to that user, which the copy out of the build does not
+        keep. Its uid and gid are the image's (``id``), shifted into the remapped range."""
+        from polar_runtime.sandbox.remap import chown_tree
+
+        self._workdir_given = True
+        ids = []
+        for flag in ("-u", "-g"):
+            r = subprocess.run([self.runtime, "exec", "--user", "0:0", self.name, "id", flag, user],
+                               capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+            if r.returncode != 0 or not r.stdout.strip().isdigit():
+                self.notes.append(f"work dir left to root: the image does not know user {user!r}")
+                return
+            ids.append(int(r.stdout.strip()))
+        base = self.owner or 0
+        chown_tree(self.cfg.workdir_host, base + ids[0], base + ids[1])
+        self.notes.append(f"work dir owned by {user} ({ids[0]}:{ids[1]}), the agent's user")
 
     def _unmount_phase(self) -> None:
         assert self.dir is not None

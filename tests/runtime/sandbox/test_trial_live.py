@@ -192,3 +192,19 @@ def test_a_replaced_pytest_does_not_reach_a_separate_verifier(dockerd, tmp_path)
     assert rows["sep-honest"]["reward"] == 1.0, _why(list(rows.values()))
     assert rows["sep-hack"]["reward"] == 0.0, _why(list(rows.values()))
     assert "an environment of its own" in rows["sep-hack"]["sandbox_notes"]
+
+
+def test_the_agent_user_runs_the_agent_with_its_passwd_home(dockerd, tmp_path):
+    """``[agent] user = "agent"`` (refused before): the oracle runs as that user of the image, with
+    its HOME from the image's /etc/passwd and the work dir its own; the verifier runs as root."""
+    d = _task(tmp_path, "user", solve="""
+        id -un > /app/who && echo "$HOME" >> /app/who && touch ~/made
+        """, test="""
+        [ "$(cat /app/who)" = "$(printf 'agent\\n/home/agent')" ] && [ -f /home/agent/made ] && [ "$(id -u)" = 0 ] \\
+          && echo 1 > /logs/verifier/reward.txt || { cat /app/who; echo 0 > /logs/verifier/reward.txt; }
+        """)
+    (d / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n[agent]\ntimeout_sec = 120\n'
+                                 'user = "agent"\n')
+    (d / "environment" / "Dockerfile").write_text("FROM debian:bookworm\nRUN useradd -m -u 1000 agent\nWORKDIR /app\n")
+    rows = _oracle(tmp_path, d)
+    assert rows[0]["reward"] == 1.0, _why(rows)
