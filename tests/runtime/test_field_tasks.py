@@ -71,8 +71,9 @@ RULES = [
                                       "/uvx /bin/\n"), None, False),
     ("COPY --from another image", dict(dockerfile="FROM python:3.11-slim\nCOPY --from=ghcr.io/x/tool:1 /polar-no-such "
                                        "/bin/\n"), True, True),
-    ("[agent] user", dict(toml='[agent]\nuser = "agent"\n'), True, True),
-    ("separate verifier", dict(toml='[verifier]\nenvironment_mode = "separate"\n'), True, True),
+    ("[agent] user", dict(toml='[agent]\nuser = "agent"\n'), True, False),  # a live trial runs it as that user
+    ("separate verifier", dict(toml='[verifier]\nenvironment_mode = "separate"\n'), True, False),  # from the task's image
+    ("a verifier image", dict(toml='[verifier.environment]\ncpus = 2\n'), True, True),
     ("gpus", dict(toml="[environment]\ngpus = 1\n"), True, True),
     ("network allowlist", dict(toml='[environment]\nnetwork_mode = "allowlist"\n'), True, True),
     ("per-phase network", dict(toml='[agent]\nnetwork_mode = "public"\n'), True, True),
