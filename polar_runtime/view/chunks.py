@@ -19,6 +19,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
 VENDOR = HERE / "vendor"
@@ -28,8 +30,16 @@ _ESCAPES = {ord("<"): "\\u003c", ord(">"): "\\u003e", ord("&"): "\\u0026", 0x202
 
 
 def js_literal(value: Any) -> str:
-    """``value`` as JSON that is also safe inside a ``<script>``: see the module docstring."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).translate(_ESCAPES)
+    """``value`` as JSON that is also safe inside a ``<script>``: see the module docstring. orjson
+    writes NaN and infinities as null, and is fast: the 1,000-sample benchmark run's chunks took
+    131 s with a Python pass that replaced NaN before ``json.dumps``."""
+    try:
+        text = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    except orjson.JSONEncodeError:  # an integer beyond 64 bits (a harness's seed in a request)
+        from .summary import clean
+
+        text = json.dumps(clean(value), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return text.translate(_ESCAPES)
 
 
 def chunk(name: str, value: Any) -> bytes:

@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Any
 
 from .runfiles import RunFiles
-from .summary import clean
 
 #: why a sequence of a trained step has no token in the trainer's record (token_record.py's names)
 LEFT_OUT = {
@@ -182,8 +181,8 @@ def build_sample(files: RunFiles, sid: str, rollout: dict[str, Any] | None, reco
     if decode is not None:
         used = {i for s in seqs for i in s["ids"]} | {i for c in calls for i in c["sampled"]}
         vocab = decode(sorted(used))
-    return clean({
+    return {
         "session_id": sid, "rollout": rollout or {}, "conversation": conversation,
         "native_request": (last or {}).get("native_request"), "calls": calls, "sequences": seqs,
         "drift": drift, "logs": _logs(files, sid), "vocab": vocab,
-    })
+    }
