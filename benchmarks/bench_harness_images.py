@@ -14,6 +14,7 @@ libc at all (busybox-static, built here)::
 
     python benchmarks/bench_harness_images.py                       # all six harnesses, all tasks
     python benchmarks/bench_harness_images.py --harnesses pi-chat,codex --tasks nolibc --upstream URL
+    python benchmarks/bench_harness_images.py table results/harness_images.json   # the markdown table
 
 A private dockerd is started unless ``DOCKER_HOST`` names one; the 0.5B is served by a vLLM this
 script starts unless ``--upstream`` names one. Start-up and model time come from the capture
@@ -150,7 +151,29 @@ def time_split(row: dict, calls: list[dict], env_start_s: float, agent_t0: float
             "model": round(model, 1), "tools_and_harness": round(rest, 1), "verifier": round(row["eval_s"], 1)}
 
 
+def table(results: list[Path]) -> str:
+    """The markdown table of benchmarks/harness-images.md, from one or more result files."""
+    rows = [row for p in results for row in json.loads(p.read_text())["rows"]]
+    out = ["| harness | task (image) | calls (ok) | exact merges | non-exact causes | reward | wall s "
+           "| env start | start-up | model | tools+harness | verifier | status |", "|" + "---|" * 13]
+    for x in rows:
+        if "task" not in x:
+            out.append(f"| {x['harness']} | - | - | - | - | - | - | - | - | - | - | - | {x.get('error')} |")
+            continue
+        m, t = x["merge"], x["time"]
+        causes = "; ".join(f"{k} x{v}" for k, v in m["causes"].items()) or "-"
+        failed = ", ".join(f"{k} x{v}" for k, v in x["failed_calls"].items())
+        out.append(f"| {x['harness']} | {x['task']} (`{x['image']}`) | {x['calls']} ({x['calls_ok']}) "
+                   f"| {m['exact']}/{m['merges']} | {causes} | {x['reward']} ({x['evaluator_status']}) | {x['wall_s']} "
+                   f"| {t['environment_start']} | {t['harness_startup']} | {t['model']} | {t['tools_and_harness']} "
+                   f"| {t['verifier']} | {x['status']}{' (' + failed + ')' if failed else ''} |")
+    return "\n".join(out)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["table"]:
+        print(table([Path(p) for p in sys.argv[2:]] or [RESULTS]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--harnesses", default=",".join(ALL))
     ap.add_argument("--tasks", default="swe-mini,node18,nolibc")
