@@ -399,6 +399,9 @@ class LiveTrial:
         for k, v in env.items():
             cmd += ["-e", f"{k}={v}"]
         cmd += [self.name, *self._python, json.dumps(init_cfg), "--", *argv]
+        from polar_runtime.sandbox.docker import oom_kills_of
+
+        oom_before = oom_kills_of(self.runtime, self.name) if cfg.memory_mb else None
         try:
             rc, timed_out, _, wall = supervise(cmd, env=None, cwd=None, stdout=stdout, stderr=stderr,
                                                timeout_s=spec.timeout_s)
@@ -414,6 +417,10 @@ class LiveTrial:
                 rc = rep["returncode"] if rep["returncode"] >= 0 else rc
         finally:
             self._unmount_phase()
+        oom_after = oom_kills_of(self.runtime, self.name) if oom_before is not None else None
+        if oom_before is not None and oom_after is not None and oom_after > oom_before:
+            notes.append(f"memory limit hit: the OOM killer ended {oom_after - oom_before} process(es) of the "
+                         f"{phase} phase at the trial's {cfg.memory_mb} MiB")
         notes.append(f"live trial {self.name}: {phase} phase "
                      + ("in the environment's namespaces" if phase == "agent" else
                         "in PID and mount namespaces of its own")

@@ -137,3 +137,29 @@ def test_a_docker_image_no_registry_answers_is_built_from_its_dockerfile_and_the
     assert len(said) == 1 and "ghcr.io" in said[0] and said[0].endswith("environment/Dockerfile built instead"), row
     tag, notes = imagebuild.build_task_image(task, DockerSandbox(), tmp_path / "logs", apply_steps)
     assert said[0] in notes and any("reused" in n for n in notes), notes
+
+
+def test_an_oracle_out_of_memory_at_the_clamped_limit_in_a_live_trial_is_reported_as_such(daemon, tmp_path,
+                                                                                          monkeypatch):
+    """The task asks for 4 GiB; this "host" has 128 MiB (patched): clamped, and the oracle, run by
+    ``docker exec`` in the trial's live container, eats memory until the OOM killer ends it. The
+    daemon's OOMKilled stays false for an exec; the container's cgroup counts the kill, and the
+    row says "out of memory at the clamped limit", not "oracle failed"."""
+    from polar_runtime.task_commands import check_tasks
+    from polar_runtime.tasks import load_tasks, model
+
+    monkeypatch.setattr(model, "host_memory_mb", lambda: 128)
+    d = tmp_path / "ds" / "hungry"
+    for sub in ("environment", "tests", "solution"):
+        (d / sub).mkdir(parents=True)
+    (d / "task.toml").write_text('version = "1.0"\n[environment]\nmemory_mb = 4096\n')
+    (d / "instruction.md").write_text("do it\n")
+    (d / "environment" / "Dockerfile").write_text(f"FROM {IMAGE}\nWORKDIR /app\n")
+    (d / "solution" / "solve.sh").write_text("sh -c 'x=a; while true; do x=$x$x; done' && touch /app/done\n")
+    (d / "tests" / "test.sh").write_text("test -f /app/done && echo 1 > /logs/verifier/reward.txt"
+                                         " || echo 0 > /logs/verifier/reward.txt\n")
+    (task,) = load_tasks(d, "docker")
+    assert task.clamped == {"memory_mb": 4096}
+    (row,) = check_tasks([task], work=tmp_path / "work", sandbox="docker")
+    assert (row["status"], row["verdict"]) == ("refused", "out of memory at the clamped limit: the oracle was "
+                                               "OOM-killed at 128 MiB, this host's memory; the task asks for 4096 MiB"), row
