@@ -12,8 +12,8 @@
 5. whole table rows off a terminal;
 6. task image tags carry a digest of our own build inputs' code.
 
-Measured on the 2-core CI machine kind: the module in ~15 s (the three that run oracle and nop in
-bubblewrap ~3-5 s each, the rest well under a second).
+Measured on the 2-core CI machine kind, shared with other test runs: the module in 13-21 s (the four
+that run oracle and nop in bubblewrap 3-5 s each, the rest well under a second each).
 """
 
 from __future__ import annotations
