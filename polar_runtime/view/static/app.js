@@ -82,7 +82,8 @@ function plot(title, xs, series, opts) {
   const data = [xs, ...series.map((s) => s.values)];
   const u = {
     width: 400, height: 200,
-    scales: { x: { time: false } },
+    scales: { x: { time: false, range: (u, lo, hi) => (lo === hi ? [lo - 1, hi + 1] : [lo, hi]) },
+      y: opts.share ? { range: [0, 1] } : {} },
     axes: [{ label: opts.xlabel || "step", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000] }, { label: opts.ylabel || "" }],
     series: [{ label: opts.xlabel || "step" }, ...series.map((s, i) => ({
       label: s.label, stroke: COLORS[i % COLORS.length], width: 2,
@@ -119,13 +120,13 @@ function runPage(run) {
     [{ label: "mean", values: rw.map((r) => r.mean) },
      ...(run.tasks || []).map((t) => ({ label: t, values: rw.map((r) => r.per_task[t]) }))],
     { ylabel: "reward", onclick: go }));
-  grid.appendChild(plot("pass rate (reward > 0)", steps, [{ label: "pass rate", values: rw.map((r) => r.pass_rate) }], { ylabel: "share", onclick: go }));
+  grid.appendChild(plot("pass rate (reward > 0)", steps, [{ label: "pass rate", values: rw.map((r) => r.pass_rate) }], { ylabel: "share", onclick: go, share: true }));
   const st = run.staleness || [];
   grid.appendChild(plot("staleness of trained tokens", st.map((s) => s.age), [{ label: "tokens", values: st.map((s) => s.tokens) }],
     { xlabel: "versions behind", bars: true }));
   const idle = run.idle || [];
   grid.appendChild(plot("idle fraction (so far)", idle.map((r) => r.step),
-    [{ label: "trainer", values: idle.map((r) => r.trainer) }, { label: "vLLM", values: idle.map((r) => r.vllm) }], { ylabel: "fraction" }));
+    [{ label: "trainer", values: idle.map((r) => r.trainer) }, { label: "vLLM", values: idle.map((r) => r.vllm) }], { ylabel: "fraction", share: true }));
   const ph = (run.phases || {}).per_step || [];
   grid.appendChild(plot("phase times per step", ph.map((p) => p.step),
     [{ label: "rollout s", values: ph.map((p) => p.rollout_s) }, { label: "train s", values: ph.map((p) => p.train_s) },
@@ -135,7 +136,7 @@ function runPage(run) {
     (dr.causes || []).map((c) => ({ label: c, values: dr.steps.map((s) => s.counts[c] || 0) })), { ylabel: "calls" }));
   const mg = run.merges || [];
   grid.appendChild(plot("merge rate", mg.map((r) => r.step),
-    [{ label: "merged", values: mg.map((r) => r.merge_rate) }, { label: "exact", values: mg.map((r) => r.exact_rate) }], { ylabel: "share" }));
+    [{ label: "merged", values: mg.map((r) => r.merge_rate) }, { label: "exact", values: mg.map((r) => r.exact_rate) }], { ylabel: "share", share: true }));
   const tr = run.train || [];
   grid.appendChild(plot("training", tr.map((r) => r.step),
     [{ label: "loss", values: tr.map((r) => r.loss) }, { label: "mismatch_kl", values: tr.map((r) => r.mismatch_kl) },
