@@ -115,6 +115,10 @@ class DockerSandbox(Sandbox):
             a += ["--memory", f"{spec.memory_mb}m", "--memory-swap", f"{spec.memory_mb}m"]
         if spec.cpus:
             a += ["--cpus", f"{spec.cpus:g}"]
+        from polar_runtime.sandbox.quotaroot import size_for, storage_opt_supported
+
+        if spec.disk_mb and storage_opt_supported(self.runtime):  # its writable layer (quotaroot.py)
+            a += ["--storage-opt", size_for(spec.image, spec.disk_mb, self.runtime)]
         # exec: docker's --tmpfs is noexec unless told, and a test that builds a program into /tmp
         # and runs it (public Go tasks: `go build -o /tmp/bin`) failed with EACCES; in the real
         # image /tmp is on the image's file system, executable

@@ -14,8 +14,10 @@ or interfaces, and a container gets no network but ``--network none`` (the sandb
 host's. Clients find it by ``DOCKER_HOST=unix://<root>/docker.sock`` (``polar docker env``).
 
 Hardening: ``--userns-remap`` (``remap.py``: container uid 0 is host uid 1,500,000,000, owning
-nothing here; the data root is then ``data/<uid>.<gid>``), and ``--log-driver none`` (no json log
-of a container's output grows on the host's disk).
+nothing here; the data root is then ``data/<uid>.<gid>``), ``--log-driver none`` (no json log
+of a container's output grows on the host's disk), and the data root on a loop-mounted btrfs with
+the btrfs storage driver (``quotaroot.py``), where ``--storage-opt size=`` caps each container's
+writes.
 
 ``start`` is idempotent (a daemon already answering on the socket is reused) and installs
 ``docker.io`` with apt when ``dockerd`` is missing; ``stop`` ends the daemon it finds in the pid
@@ -75,6 +77,10 @@ class PrivateDockerd:
     storage_driver: str = "overlay2"
     #: containers in a user namespace of their own (``remap.py``): their root is not the host's
     userns_remap: bool = True
+    #: the data root on a loop-mounted btrfs of this many GiB, the ``btrfs`` storage driver, so that
+    #: ``--storage-opt size=`` caps what a container writes outside its binds (``quotaroot.py``);
+    #: None: overlay2 on the host's disk
+    data_quota_gb: int | None = 32
 
     def __post_init__(self) -> None:
         self.root = Path(os.path.abspath(self.root))
@@ -148,6 +154,14 @@ class PrivateDockerd:
                 return False
             if install:
                 ensure_installed()
+            if self.data_quota_gb:
+                from polar_runtime.sandbox.quotaroot import DRIVER, QuotaRootError, mount_data_root
+
+                self.storage_driver = DRIVER
+                try:
+                    mount_data_root(self.root, self.data_quota_gb)
+                except QuotaRootError as e:
+                    raise DaemonError(f"the data root's storage quota: {e}") from None
             if self.userns_remap:
                 _traversable(self.root / "data")
             if len(str(self.root / "exec" / "containerd" / "containerd.sock")) > 100:
@@ -177,6 +191,10 @@ class PrivateDockerd:
             return False
         self._end(pid, grace_s)
         self.socket.unlink(missing_ok=True)
+        if self.data_quota_gb:
+            from polar_runtime.sandbox.quotaroot import unmount_data_root
+
+            unmount_data_root(self.root)
         return True
 
     def _end(self, pid: int, grace_s: float = 30.0) -> None:

@@ -199,6 +199,11 @@ class LiveTrial:
         if cfg.cpus:
             a += ["--cpus", f"{cfg.cpus:g}"]
         a += ["--tmpfs", f"/tmp:size={cfg.disk_mb or 1024}m,exec,nosuid,nodev"]
+        from polar_runtime.sandbox.quotaroot import size_for, storage_opt_supported
+
+        if cfg.disk_mb and storage_opt_supported(self.runtime):  # what it writes outside its binds
+            a += ["--storage-opt", size_for(cfg.image, cfg.disk_mb, self.runtime)]
+            self.notes.append(f"disk: the environment's own writes capped at {cfg.disk_mb} MiB (a btrfs quota group)")
         # our dir read-only (its scripts run privileged), the reports' dir writable by our init
         a += ["-v", f"{cfg.workdir_host}:{cfg.workdir}", "-v", f"{d}:{INSIDE}:ro,rslave",
               "-v", f"{d / 'reports'}:{INSIDE}/reports"]

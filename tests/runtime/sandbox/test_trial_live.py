@@ -208,3 +208,34 @@ def test_the_agent_user_runs_the_agent_with_its_passwd_home(dockerd, tmp_path):
     (d / "environment" / "Dockerfile").write_text("FROM debian:bookworm\nRUN useradd -m -u 1000 agent\nWORKDIR /app\n")
     rows = _oracle(tmp_path, d)
     assert rows[0]["reward"] == 1.0, _why(rows)
+
+
+def test_the_storage_cap_covers_what_a_trial_writes_outside_its_binds(dockerd, tmp_path):
+    """``storage_mb = 64``: the oracle writes 200 MiB of real data to /var (the container's own
+    file system). On the host's disk that was uncapped (300 MiB went through); on the daemon's
+    btrfs data root (``quotaroot.py``: a quota group per container) the write fails at the cap."""
+    d = _task(tmp_path, "fill", solve="""
+        dd if=/dev/zero of=/var/big bs=1M count=200 2>/dev/null; echo $? > /app/dd_rc
+        du -sm /var/big | cut -f1 > /app/size_mb
+        """, test="echo 1 > /logs/verifier/reward.txt\n")
+    (d / "task.toml").write_text('version = "1.0"\n[environment]\nstorage_mb = 64\n[verifier]\ntimeout_sec = 60\n'
+                                 '[agent]\ntimeout_sec = 120\n')
+    rows = _oracle(tmp_path, d)
+    work = Path(rows[0]["workdir"])
+    assert (work / "dd_rc").read_text().strip() != "0", _why(rows)
+    assert int((work / "size_mb").read_text()) <= 64, _why(rows)
+    assert "btrfs quota group" in rows[0]["sandbox_notes"]
+
+
+def test_a_build_step_cannot_commit_past_the_storage_cap(dockerd, tmp_path):
+    """A RUN step writing 200 MiB outside the work dir under ``storage_mb = 64``: the step fails at
+    the cap (its writable layer is quota'd), so nothing of it is committed."""
+    from polar_runtime.task_commands import check_tasks, load_for_check
+
+    d = _task(tmp_path / "set", "bigstep", solve="true\n", test="echo 1 > /logs/verifier/reward.txt\n")
+    (d / "task.toml").write_text('version = "1.0"\n[environment]\nstorage_mb = 64\n')
+    (d / "environment" / "Dockerfile").write_text(
+        "FROM debian:bookworm\nRUN dd if=/dev/zero of=/opt/big bs=1M count=200\nWORKDIR /app\n")
+    tasks, refused = load_for_check(str(d), container="docker")
+    rows = check_tasks(tasks, work=tmp_path / "check", sandbox="docker", concurrency=1)
+    assert rows[0]["status"] != "passed" and "dd if=/dev/zero" in rows[0]["verdict"], rows
