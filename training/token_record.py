@@ -158,3 +158,16 @@ def read_tokens(train_dir: str | os.PathLike, step: int | None = None) -> Any:
     pattern = f"{file_stem(step)}*.parquet" if step is not None else "step-*.parquet"
     files = sorted(d.glob(pattern)) if d.is_dir() else []
     return pl.concat([pl.read_parquet(f) for f in files]) if files else pl.DataFrame()
+
+
+def gap_of(tokens: Any) -> dict[str, float]:
+    """``behaviour_gap``'s figures from a recorded batch (``tokens``: :func:`read_tokens`' frame):
+    ``tokens``, ``mismatch_kl`` (mean of vLLM's logprob minus the trainer's) and ``max_abs_gap``,
+    over the trained tokens (zero-variance groups are not trained, so not in the record)."""
+    import polars as pl
+
+    if tokens is None or not tokens.height:
+        return {"tokens": 0.0, "mismatch_kl": float("nan"), "max_abs_gap": float("nan")}
+    gap = (pl.col("behaviour_logprob").cast(pl.Float64) - pl.col("trainer_logprob").cast(pl.Float64))
+    row = tokens.select(gap.mean().alias("m"), gap.abs().max().alias("x")).row(0)
+    return {"tokens": float(tokens.height), "mismatch_kl": float(row[0]), "max_abs_gap": float(row[1])}

@@ -8,7 +8,7 @@ import json
 import polars as pl
 import torch
 
-from polar_training.token_record import TokenRecorder, read_tokens
+from polar_training.token_record import TokenRecorder, gap_of, read_tokens
 from polar_training.trainer import GRPOTrainer, TrainConfig
 
 from .conftest import SMALL_VOCAB
@@ -60,6 +60,11 @@ def test_every_trained_token_is_recorded_with_the_trainers_logprob_before_the_up
     gap = max(abs(expect[(tid, pos)] - lp) for tid, pos, lp in
               zip(tokens["trajectory_id"], tokens["position"], tokens["trainer_logprob"]))
     assert gap < 1e-4, gap
+    # the figures certify's logprob check grades, from the record alone
+    gaps = [b - expect[(tid, pos)] for tid, pos, b in zip(tokens["trajectory_id"], tokens["position"], tokens["behaviour_logprob"])]
+    g = gap_of(tokens)
+    assert g["tokens"] == len(gaps) and abs(g["mismatch_kl"] - sum(gaps) / len(gaps)) < 1e-4
+    assert abs(g["max_abs_gap"] - max(abs(x) for x in gaps)) < 1e-4
     after = {}
     ref2 = GRPOTrainer(trainer.model, _cfg(1e-3))
     mbs2 = [mb for part in ref2.prepare(frame).minibatches for mb in part]
