@@ -351,6 +351,12 @@ def main() -> int:
         import shutil
 
         try:
+            # the phase's copy replaces what an earlier phase left there (Harbor empties /tests
+            # before each step's verifier); a link planted at dest is removed, never followed
+            if os.path.islink(dest):
+                os.unlink(dest)
+            elif os.path.isdir(dest):
+                shutil.rmtree(dest)
             shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True)
         except OSError as e:
             print(f"sandbox: copying {src} to {dest} failed: {e}", file=sys.stderr)
