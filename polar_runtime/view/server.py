@@ -6,7 +6,9 @@ package, never from the run directory), ``data/run.js`` (rebuilt when a file it 
 :meth:`RunView.refresh`) and ``data/samples/<i>.js`` (built when asked). The run directory is read
 only through :class:`RunFiles` (no link followed, sizes capped), and no path of a URL is ever
 joined to a directory: the names are matched against that fixed list. It listens on the loopback
-only; the responses carry the page's content security policy as a header too.
+only and answers only requests addressed to it by that name (``Host: 127.0.0.1:PORT`` or
+``localhost:PORT``: a page of another site whose name was made to resolve to 127.0.0.1 gets 403);
+the responses carry the page's content security policy as a header too.
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ def make_server(view: Any, port: int = 0) -> ThreadingHTTPServer:
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             path = self.path.split("?", 1)[0]
+            port = self.server.server_address[1]
+            if self.headers.get("Host") not in (f"127.0.0.1:{port}", f"localhost:{port}"):
+                # DNS rebinding: a web page whose name resolves to 127.0.0.1 would read the run
+                return self._send(403, b"forbidden host", TYPES[""])
             try:
                 if path in files:
                     p = files[path]

@@ -104,9 +104,10 @@ def test_a_link_planted_in_a_samples_directory_is_not_followed(tmp_path):
     assert s["logs"] == []  # links are not even listed
 
 
-def _get(url: str) -> tuple[int, bytes]:
+def _get(url: str, host: str | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers={"Host": host} if host else {})
     try:
-        with urllib.request.urlopen(url, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, b""
@@ -124,6 +125,7 @@ def test_serve_answers_its_own_files_only_and_follows_the_run(tmp_path):
         status, body = _get(base + "/data/run.js")
         assert status == 200 and body.startswith(b'polarData("run",')
         assert _get(base + "/data/samples/0.js")[0] == 200
+        assert _get(base + "/data/run.js", host=f"evil.example:{server.server_address[1]}")[0] == 403  # DNS rebinding
         assert _get(base + "/vendor/uplot-1.6.32/uPlot.iife.min.js")[0] == 200
         for bad in ("/../outside.txt", "/data/../loop-state.json", "/loop-state.json", "/data/samples/99.js",
                     "/captures/sessions/make-note.st0.s0.jsonl", "/%2e%2e/outside.txt"):
