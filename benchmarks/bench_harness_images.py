@@ -181,6 +181,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=420.0, help="agent phase limit per sample (s)")
     ap.add_argument("--max-tokens", type=int, default=384, help="polar_max_tokens_cap per call")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--first-step", type=int, default=0, help="step of the first harness's sessions (ids)")
     args = ap.parse_args()
 
     from polar_proxy.process import ProxyProcess
@@ -217,13 +218,14 @@ def main() -> None:
             try:
                 return real_start(self, *a, **kw)
             finally:
-                timing["env"] = time.monotonic() - t0
-                timing["agent_t0"] = time.time()
+                if "agent_t0" not in timing:  # the sample's environment (a later start is not the agent's)
+                    timing["env"] = time.monotonic() - t0
+                    timing["agent_t0"] = time.time()
 
         trial_mod.LiveTrial.start = timed_start
         tasks = task_sets(args.tasks.split(","), tmp)
         rows = []
-        for name in args.harnesses.split(","):
+        for step, name in enumerate(args.harnesses.split(",")):
             preset = h.get_preset(name)
             if not preset.installed():
                 rows.append({"harness": name, "error": "not installed"})
@@ -234,7 +236,8 @@ def main() -> None:
                 timing.clear()
                 cfg = r.RolloutConfig(tasks=[task], preset=preset, endpoint=h.Endpoint("base_url", base_url=px.url),
                                       capture_dir=tmp / "captures", model=models.QWEN05, samples=1, timeout=args.timeout,
-                                      eval_timeout=120, sandbox="docker", work_root=tmp / "work" / name)
+                                      eval_timeout=120, sandbox="docker", work_root=tmp / "work" / name,
+                                      step=args.first_step + step)  # a session (and result) of its own per harness
                 t0 = time.monotonic()
                 row = r.run_rollout(cfg, control=px.control).row(0, named=True)
                 wall = time.monotonic() - t0
