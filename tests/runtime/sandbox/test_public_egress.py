@@ -166,7 +166,8 @@ def test_special_use_names_are_refused_without_a_lookup(tmp_path):
 
 def test_a_host_that_does_not_answer_fails_fast_naming_it(tmp_path):
     """A refused port answers 502 at once; a host that drops the SYN (a listener whose backlog is
-    full) 504 after the connect timeout, not the build step's whole timeout; both name the host."""
+    full) 403 after the connect timeout (a status clients do not retry), not the build step's whole
+    timeout, and at once when asked again; both name the host."""
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))
     closed_port = dead.getsockname()[1]
@@ -191,8 +192,11 @@ def test_a_host_that_does_not_answer_fails_fast_naming_it(tmp_path):
                 t0 = time.monotonic()
                 got = ask(tmp_path / "e.sock", f"CONNECT slow.example-public.org:{full.port} HTTP/1.1\r\n\r\n".encode())
                 took = time.monotonic() - t0
-                assert got.startswith(b"HTTP/1.1 504") and b"slow.example-public.org" in got, got
+                assert got.startswith(b"HTTP/1.1 403") and b"slow.example-public.org" in got, got
                 assert 0.9 < took < 3.0, took
+                t0 = time.monotonic()
+                got = ask(tmp_path / "e.sock", f"CONNECT slow.example-public.org:{full.port} HTTP/1.1\r\n\r\n".encode())
+                assert got.startswith(b"HTTP/1.1 403") and b"answered at once" in got and time.monotonic() - t0 < 0.5
                 assert any("did not answer within 1 s" in r for r in proxy.refused), proxy.refused
             finally:
                 proxy.close()
