@@ -111,6 +111,8 @@ def test_from_the_reward_plot_to_a_split_sequence_with_tokens_mask_and_both_logp
     pg.wait_for_selector(".callview details.raw")
     raw = pg.text_content(".callview")
     assert "POST http://127.0.0.1:8080/v1/chat/completions" in raw and "authorization: [redacted]" in raw
+    assert pg.locator(".callview .answer pre").count() == 1 and "write" in pg.text_content(".callview .toolcall")
+    assert pg.locator(".callview .tok.m1").count() > 5  # its sampled tokens, coloured
     page.shot("call")
     assert page.errors == []
 

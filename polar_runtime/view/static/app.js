@@ -336,7 +336,7 @@ function callView(s, c) {
   });
   box.appendChild(line);
   if (c.output_reasoning) box.appendChild(h("div", {}, h("h3", { text: "reasoning" }), pre(c.output_reasoning)));
-  box.appendChild(h("h3", { text: "answer" }), pre(c.output_text || "(empty)", "text"));
+  box.appendChild(h("div", { class: "answer" }, h("h3", { text: "answer" }), pre(c.output_text || "(empty)", "text")));
   (c.output_tool_calls || []).forEach((tc) => box.appendChild(h("div", { class: "toolcall" }, h("b", { text: "tool call " }), tc.name || "?", pre(tc.arguments))));
   box.appendChild(h("h3", { text: "raw request and response (saved flow)" }));
   if (!c.raw) box.appendChild(h("p", { class: "muted", text: "no saved flow of this call (captures/flows.mitm)" }));
