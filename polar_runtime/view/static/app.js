@@ -204,7 +204,8 @@ async function samplePage(i, sub) {
     return;
   }
   m.replaceChildren();
-  const r = s.rollout || {};
+  const r = Object.assign({}, s.rollout || {});
+  if (typeof r.started_at === "number") r.started_at = new Date(r.started_at * 1000).toISOString();
   setWhere(`${s.session_id} · step ${fmt(r.step)}`);
   m.appendChild(h("p", {}, h("a", { href: "#/step/" + r.step, text: "← step " + r.step })));
   m.appendChild(sec("verdict", kv(r, ["task_id", "status", "reward", "evaluator_status", "error", "exit_code", "turns"]),
