@@ -224,23 +224,37 @@ def check_capture(ev: Evidence) -> CheckResult:
 
 
 def check_exact_history(ev: Evidence) -> CheckResult:
-    """Of the answers the harness re-sent (every call that continues an earlier one), >= 99% spliced
-    exactly: the next prompt is the previous prompt + the sampled ids (drift cause ``none``), or the
-    proxy followed the template's own rule (it drops earlier reasoning: ``TEMPLATE_RERENDERED``).
-    Every other one has a named cause (``other`` is no name), and a call the proxy recorded as
-    ``history: exact`` must be exact in its ids (the proxy's claim is checked, not believed)."""
+    """Of the answers the harness re-sent as it received them, >= 99% spliced exactly: the next prompt
+    is the previous prompt + the sampled ids (drift cause ``none``), or the proxy followed the
+    template's own rule (it drops earlier reasoning: ``TEMPLATE_RERENDERED``). A call that continues
+    a conversation whose history the harness itself edited (the drift report's ``harness`` origin:
+    an answer dropped, a compaction, another system prompt; no engine can undo these, and the proxy
+    splices up to them) is counted and named, not graded: Pi drops an answer cut by the length limit
+    with no text (tiny-r1's reasoning runs to the cap), and the loop then trains each call in its
+    own context. Every other non-exact one has a named cause (``other`` is no name), and a call the
+    proxy recorded as ``history: exact`` must be exact in its ids (its claim is checked, not believed)."""
+    from polar_analysis.drift import ORIGIN
     from polar_analysis.trajectories.common import TEMPLATE_RERENDERED
 
     by_id = ev.by_id
     resent = exact = template = 0
     causes: dict[str, int] = {}
+    edited: dict[str, int] = {}
     failures: list[str] = []
     for row in ev.drift():
         cause = row["cause"]
         if cause == "new_conversation":
             continue
-        resent += 1
         rec = by_id.get(row["call_id"], {})
+        where = f"{row['session_id']}#{row['call_index']}"
+        if rec.get("history") == "exact" and cause != "none" and cause not in TEMPLATE_RERENDERED:
+            failures.append(f"{where}: recorded as history=exact but its prompt is not the previous prompt + sampled ids "
+                            f"(cause {cause}, prompt diverges at {row.get('prompt_divergence')}, answer at "
+                            f"{row.get('answer_divergence')})")
+        if ORIGIN.get(cause) == "harness":
+            edited[cause] = edited.get(cause, 0) + 1
+            continue
+        resent += 1
         if cause == "none":
             exact += 1
             continue
@@ -248,13 +262,8 @@ def check_exact_history(ev: Evidence) -> CheckResult:
             template += 1
             continue
         causes[cause] = causes.get(cause, 0) + 1
-        where = f"{row['session_id']}#{row['call_index']}"
         if cause == "other":
             failures.append(f"{where}: re-sent answer changed without a named cause ({row.get('detail') or 'no detail'})")
-        if rec.get("history") == "exact":
-            failures.append(f"{where}: recorded as history=exact but its prompt is not the previous prompt + sampled ids "
-                            f"(cause {cause}, prompt diverges at {row.get('prompt_divergence')}, answer at "
-                            f"{row.get('answer_divergence')})")
     rate = (exact + template) / resent if resent else None
     if rate is not None and rate < EXACT_RATE:
         failures.insert(0, f"{rate:.1%} of {resent} re-sent answers spliced exactly (< {EXACT_RATE:.0%}); "
@@ -262,7 +271,9 @@ def check_exact_history(ev: Evidence) -> CheckResult:
     measured = (f"{exact + template}/{resent} re-sent answers spliced exactly"
                 + (f" ({rate:.1%})" if rate is not None else "")
                 + (f", {template} of them as the template drops reasoning" if template else "")
-                + (f"; others: {', '.join(f'{k} {v}' for k, v in sorted(causes.items()))}" if causes else ""))
+                + (f"; others: {', '.join(f'{k} {v}' for k, v in sorted(causes.items()))}" if causes else "")
+                + (f"; not graded, the harness edited its history: {', '.join(f'{k} {v}' for k, v in sorted(edited.items()))}"
+                   if edited else ""))
     return judge("exact history", resent, failures, measured, value=rate)
 
 

@@ -57,6 +57,8 @@ def certify_command(
     out: Annotated[Path, typer.Option(help="Where the cells' runs and results go.")] = Path("runs/certify"),
     shard: Annotated[Optional[str], typer.Option(help="I/N: run only every N-th cell, from the I-th.")] = None,
     fresh: Annotated[bool, typer.Option(help="Run cells again even when they have a result.")] = False,
+    regrade: Annotated[bool, typer.Option(help="Grade finished cells again from their directories (after a change "
+                                          "to a check) instead of skipping them; nothing runs.")] = False,
     publish: Annotated[bool, typer.Option(help="Copy each cell's result to benchmarks/results/certify/ and "
                                           "regenerate the matrix in docs/certify.md.")] = False,
     matrix: Annotated[bool, typer.Option(help="Only regenerate docs/certify.md's matrix from the committed "
@@ -71,6 +73,7 @@ def certify_command(
     from . import matrix as mx
     from .report import console, exit_code, print_cell
     from .runner import CELL_FILE, cell_name, certify_config, run_cell
+    from .runner import regrade as regrade_cell
 
     con = console()
     if matrix:
@@ -99,7 +102,13 @@ def certify_command(
     for h, m in cells:
         cell_dir = root / cell_name(h, m)
         done = cell_dir / CELL_FILE
-        if done.is_file() and not fresh:
+        if done.is_file() and regrade:
+            rep = regrade_cell(cell_dir)
+            con.print(f"[dim]{h} x {m}: graded again from {cell_dir}[/dim]")
+        elif regrade:
+            con.print(f"[yellow]{h} x {m}: no finished cell in {cell_dir} to grade[/yellow]")
+            continue
+        elif done.is_file() and not fresh:
             rep = json.loads(done.read_text())
             con.print(f"[dim]{h} x {m}: done before ({done}), skipped[/dim]")
         else:

@@ -150,6 +150,8 @@ def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Calla
         "vllm_version": None, "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {'GPU' if cfg.on_gpu else 'CPU'}", "upstream": upstream,
         "tasks": TASKS, "samples_per_task": cfg.rollout.samples_per_group, "error": None, "phases": {}, "run": {},
+        "sampling": {"temperature": cfg.sampling.temperature, "seed": cfg.sampling.seed,
+                     "max_tokens": cfg.resolved_max_tokens()}, "timeout_s": cfg.resolved_timeout(),
     }
     results: dict[str, C.CheckResult] = {}
     frame = None
@@ -242,13 +244,7 @@ def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Calla
 
     t = time.monotonic()
     if sessions:
-        ev = C.Evidence.load(placement.captures, placement.model_dir, sessions=sessions, trajectories=frame)
-        results["capture"] = C.check_capture(ev)
-        results["exact history"] = C.check_exact_history(ev)
-        results["mask"] = C.check_mask(ev)
-        results["sampling"] = C.check_sampling(ev, cfg.sampling.temperature)
-        results["tool calls"] = C.check_tool_calls(ev)
-        results["reasoning"] = C.check_reasoning(ev)
+        results.update(offline_checks(placement.captures, placement.model_dir, sessions, frame, cfg.sampling.temperature))
     results["logprob agreement"] = check_logprob_agreement(gap, dtype, gap_error)
     results["policy delivery"] = check_policy_delivery(version, push_error, verdict, later, train_note)
     if verdict:
@@ -257,8 +253,47 @@ def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Calla
     for name in ORDER:
         results.setdefault(name, C.judge(name, 0, [], "the run did not get this far"))
     report["checks"] = [results[n].to_dict() for n in ORDER]
-    report["verdict"] = verdict_of(report)
     report["wall_s"] = round(time.monotonic() - t0, 1)
+    return _write(out, report)
+
+
+def offline_checks(captures: Path, model_dir: Path, sessions: list[str], frame: Any,
+                   temperature: float) -> dict[str, C.CheckResult]:
+    """The checks read from what rollout 0 left on disk (its sessions' captures and flows, its
+    trajectories)."""
+    ev = C.Evidence.load(captures, model_dir, sessions=sessions, trajectories=frame)
+    return {"capture": C.check_capture(ev), "exact history": C.check_exact_history(ev), "mask": C.check_mask(ev),
+            "sampling": C.check_sampling(ev, temperature), "tool calls": C.check_tool_calls(ev),
+            "reasoning": C.check_reasoning(ev)}
+
+
+def regrade(out: Path) -> dict[str, Any]:
+    """Grade a finished cell again from its directory (after a change to a check): the offline checks
+    are recomputed from its captures and trajectories; logprob agreement and policy delivery, which
+    needed the trainer and the server of the run, are kept as measured."""
+    import polars as pl
+
+    from polar_runtime.serve import resolve_model
+
+    out = Path(out)
+    report = json.loads((out / CELL_FILE).read_text())
+    sessions = list((report.get("run") or {}).get("samples") or {})
+    traj = out / "trajectories" / "step-0.parquet"
+    frame = pl.read_parquet(traj) if traj.is_file() else None
+    temperature = float((report.get("sampling") or {}).get("temperature", 1.0))
+    results = {c["name"]: c for c in report["checks"]}
+    if sessions:
+        model_dir, _ = resolve_model(report["model"])
+        for name, res in offline_checks(out / "captures", model_dir, sessions, frame, temperature).items():
+            results[name] = res.to_dict()
+    report["checks"] = [results[n] for n in ORDER]
+    report["regraded"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    return _write(out, report)
+
+
+def _write(out: Path, report: dict[str, Any]) -> dict[str, Any]:
+    """Set the verdict and write ``certify.json`` atomically (last: a cell with one is done)."""
+    report["verdict"] = verdict_of(report)
     tmp = out / f".{CELL_FILE}.tmp"
     tmp.write_text(json.dumps(report, indent=2, default=str))
     tmp.replace(out / CELL_FILE)

@@ -254,3 +254,20 @@ def test_certify_takes_the_loops_model_harness_sandbox_and_sampling_keys(tmp_pat
     assert cfg.trainer.lr == DELIVERY_LR and cfg.harness.exact_history
     assert certify_config(base, "pi-chat", "tiny-qwen", tmp_path).harness.name == "pi-chat"
     assert base.rollout.samples_per_group == 8  # the caller's configuration is left alone
+
+
+def test_a_history_the_harness_edited_is_named_not_graded(tmp_path, qwen05_dir):
+    """A call whose harness sent another system prompt (recorded by the proxy as rendered, with its
+    cause) is no splice failure: it is named and left out of the rate; the rest still pass."""
+
+    def edit(sessions):
+        rec = sessions["hello-file.st0.s1"][5]
+        rec["normalized_request"]["messages"][0]["content"] += " Be brief."
+        rec["prompt_token_ids"][5] = (rec["prompt_token_ids"][5] + 1) % 150000
+        rec["history"], rec["history_cause"] = "rendered", "history_edited"
+
+    out = _copy_run(tmp_path, edit)
+    r = C.check_exact_history(_evidence(out, qwen05_dir, None))
+    print(r.measured, r.details)
+    assert r.state == "PASS" and r.value == 1.0 and r.count == 73
+    assert "the harness edited its history: system_changed 1" in r.measured
