@@ -33,6 +33,7 @@ import contextlib
 import ipaddress
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -121,7 +122,7 @@ def special_name(host: str) -> bool:
     return any(host == d or host.endswith("." + d) for d in SPECIAL_DOMAINS)
 
 
-def resolve(host: str, port: int) -> list[tuple[int, tuple]]:
+def resolve(host: str, port: int, timeout_s: float | None = None) -> list[tuple[int, tuple]]:
     """(family, sockaddr) for each address of ``host``: the test override's when a test set one,
     the literal itself for an IP, else the system resolver's. Raises :class:`Refused` for a
     special-use name (no lookup at all)."""
@@ -138,10 +139,31 @@ def resolve(host: str, port: int) -> list[tuple[int, tuple]]:
     if special_name(host):
         raise Refused(f"{host} is a special-use name (RFC 6761), never a public host")
     out = []
-    for fam, _, _, _, sa in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+    for fam, _, _, _, sa in _lookup(host, port, timeout_s if timeout_s is not None else CONNECT_TIMEOUT_S):
         if (fam, sa) not in out:
             out.append((fam, sa))
     return out
+
+
+def _lookup(host: str, port: int, timeout_s: float) -> list:
+    """``getaddrinfo`` within ``timeout_s`` (a resolver that does not answer would hold the phase for
+    its own timeouts and attempts: 10 s and more), in a daemon thread left to finish on its own."""
+    box: dict = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["r"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            box["e"] = exc
+        done.set()
+
+    threading.Thread(target=run, name="egress-dns", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"{host}: no DNS answer within {timeout_s:g} s")
+    if "e" in box:
+        raise OSError(f"{host}: {box['e']}")
+    return box["r"]
 
 
 def _sockaddr(addr: str, port: int) -> tuple[int, tuple]:
@@ -169,9 +191,9 @@ def connect_checked(host: str, port: int, *, registry: bool,
     timeout_s = CONNECT_TIMEOUT_S if timeout_s is None else timeout_s
     if not registry and port in REFUSED_PUBLIC_PORTS:
         raise Refused(f"{host}:{port}: mail ports are not reachable from a sandbox")
-    addrs = resolve(host, port)
-    refused, last = [], None
     deadline = time.monotonic() + timeout_s
+    addrs = resolve(host, port, timeout_s)
+    refused, last = [], None
     for fam, sa in addrs:
         why = check(sa[0], registry=registry)
         if why:

@@ -242,6 +242,10 @@ def test_hostile_heads_and_connection_floods_are_bounded(tmp_path, public):
                 s.close()
         finally:
             proxy.close()
+    for _ in range(40):  # the listener's thread counts it after the proxy's connect returned
+        if public.accepted:
+            break
+        time.sleep(0.05)
     assert public.accepted == 1
 
 
@@ -334,3 +338,17 @@ def test_allow_internet_opens_the_agent_phase_only_when_the_run_allows_it(tmp_pa
     assert r.RolloutConfig(tasks=[], preset=get_preset("nop"), capture_dir=tmp_path / "c", model="m",
                            endpoint=base).allow_internet is False
     assert TrialConfig(image="x", workdir_host=tmp_path).agent_internet is False
+
+
+def test_a_resolver_that_does_not_answer_costs_the_connect_timeout_only(monkeypatch):
+    """A name whose DNS never answers (here: a getaddrinfo that hangs, no query sent) fails within
+    the connect timeout, naming it, instead of the resolver's own timeouts times its attempts."""
+    def hang(*a, **k):
+        time.sleep(5)
+        raise socket.gaierror("late")
+
+    monkeypatch.setattr(publicnet.socket, "getaddrinfo", hang)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="quiet.example-public.org: no DNS answer within 0.5 s"):
+        publicnet.connect_checked("quiet.example-public.org", 443, registry=False, timeout_s=0.5)
+    assert time.monotonic() - t0 < 1.5
