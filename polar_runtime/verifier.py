@@ -202,8 +202,16 @@ def verify(task: Task, *, sandbox: Any, sample_dir: Path, workdir_host: Path, ag
         with_notes = with_notes + failure_notes(vdir, output)
     if reward is None:
         signal = _killed_by(res.returncode)
+        oom = any(n.startswith("memory limit hit") for n in res.notes)
+        if signal and oom and getattr(task, "clamped", {}).get("memory_mb"):
+            # the host has less memory than the task asks for: the machine's failure, not the sample's
+            why = (f"test.sh was killed at the memory limit clamped to this host "
+                   f"({task.memory_mb} MiB; the task asks {task.clamped['memory_mb']} MiB): no verdict")
+            return Evaluation(None, "error", (output + f"\n[polar] {why}")[-OUTPUT_TAIL:], secs, with_notes + [why])
         if tampered or signal:
             why = f"verdict tampered: {problem}" if tampered else (
+                f"no verdict: test.sh was killed at the task's memory limit ({task.memory_mb} MiB) and wrote "
+                f"no reward (the tests ran the sample's work)" if oom else
                 f"verdict tampered: test.sh was killed by signal {signal} (not by the verifier's timeout) "
                 f"and wrote no reward")
             return Evaluation(0.0, "fail", (output + f"\n[polar] {why}; scored 0")[-OUTPUT_TAIL:], secs,
