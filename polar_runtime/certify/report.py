@@ -6,12 +6,13 @@ A check that did not judge its minimum count of cases says NOT EXERCISED, never 
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from polar_core.console import make_console
 
 from .checks import FAIL, MEASURED, NOT_EXERCISED, PASS
 
@@ -19,7 +20,8 @@ STYLE = {PASS: "green", FAIL: "bold red", NOT_EXERCISED: "yellow", MEASURED: "cy
 
 
 def console() -> Console:
-    return Console(width=None if sys.stdout.isatty() else 140)
+    """Whole rows off a terminal (a log file, CI, a pipe): polar_core.console's width."""
+    return make_console()
 
 
 def cell_table(report: dict[str, Any]) -> Table:

@@ -519,7 +519,12 @@ def test_every_command_that_prints_a_table_prints_it_through_the_log_wide_consol
 
     from polar_core.console import LOG_WIDTH, make_console
 
-    offenders = [m for m in TABLE_MODULES if re.search(r"(?<![\w.])Console\(", (REPO / m).read_text())]
+    # and every module that builds a rich table, found rather than listed (a new command is covered)
+    found = {str(p.relative_to(REPO)) for d in ("polar_runtime", "addon", "polar_analysis", "training")
+             for p in (REPO / d).rglob("*.py") if "rich.table" in p.read_text()}
+    assert "polar_runtime/certify/report.py" in found
+    offenders = [m for m in sorted(set(TABLE_MODULES) | found)
+                 if re.search(r"(?<![\w.])Console\(", (REPO / m).read_text())]
     assert offenders == []
     assert all("make_console(" in (REPO / m).read_text() or "import Timeline, console" in (REPO / m).read_text()
                for m in TABLE_MODULES)
