@@ -490,5 +490,9 @@ def check_reasoning(ev: Evidence) -> CheckResult:
         elif row["cause"] in ("reasoning_removed", "reasoning_changed"):
             failures.append(f"{_label(rec)}: the next prompt {row['cause'].replace('_', ' ')} its reasoning, which the "
                             "template keeps")
-    measured = f"{n} answers with reasoning; in the next prompt {kept} kept, {dropped} dropped by the template"
-    return judge("reasoning", n, failures, measured, value=float(n))
+    # judged: answers whose next prompt shows what the history did with their reasoning (an answer the
+    # harness dropped whole, or the last of a session, shows nothing: delivered, but the history not seen)
+    judged = kept + dropped + sum(1 for f in failures if "which the template keeps" in f)
+    measured = (f"{n} answers with reasoning, delivered as reasoning; in the next prompt {kept} kept, "
+                f"{dropped} dropped by the template")
+    return judge("reasoning", judged, failures, measured, value=float(judged))
