@@ -12,6 +12,7 @@ committed document against the committed results.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,8 @@ _NUMBER = {
     "capture": lambda c: _pct(c["value"]) + f" of {c['count']}",
     "exact history": lambda c: _pct(c["value"]) + f" of {c['count']}",
     "mask": lambda c: f"{c['failures']} wrong of {c['count']} tok",
-    "logprob agreement": lambda c: c["measured"].split(" over ")[0].replace("mismatch_kl ", "kl "),
+    "logprob agreement": lambda c: "kl {}, max {}".format(*re.search(r"mismatch_kl (\S+) over .*?\|diff\| (\S+)",
+                                                                    c["measured"]).groups()),
     "sampling": lambda c: _pct(c["value"]) + f" of {c['count']}",
     "tool calls": lambda c: _pct(c["value"]) + f" of {c['count']}",
     "reasoning": lambda c: f"{c['count']} calls",
@@ -68,7 +70,7 @@ def render(results: dict[tuple[str, str], dict[str, Any]]) -> str:
     """The matrix as Markdown: one row per harness x model, then the cause of every failing cell."""
     head = ["harness", "model", "verdict", *CHECKS, "versions (harness, vLLM), date"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    causes = []
+    causes, unseen = [], []
     keys = [(h, m) for h in HARNESSES for m in MODELS]
     keys += sorted(k for k in results if k not in keys)
     for h, m in keys:
@@ -80,6 +82,9 @@ def render(results: dict[tuple[str, str], dict[str, Any]]) -> str:
         cells = [_cell(rep, n) for n in CHECKS]
         ver = f"{rep.get('harness_version') or '-'}, vLLM {rep.get('vllm_version') or '-'}, {rep.get('date')}"
         lines.append("| " + " | ".join([h, m, verdict, *cells, ver]) + " |")
+        unexercised = [f"{c['name']}: {c['measured']}" for c in rep.get("checks") or [] if c["state"] == "NOT EXERCISED"]
+        if unexercised:
+            unseen.append(f"- {h} x {m}: " + "; ".join(w.replace("|", "/") for w in unexercised))
         if rep.get("verdict") == "FAIL":
             why = [rep["error"]] if rep.get("error") else []
             why += [f"{c['name']}: {(c.get('details') or [c['measured']])[0]}" for c in rep.get("checks") or []
@@ -88,6 +93,8 @@ def render(results: dict[tuple[str, str], dict[str, Any]]) -> str:
     text = "\n".join(lines) + "\n"
     if causes:
         text += "\nWhy the failing cells fail:\n\n" + "\n".join(causes) + "\n"
+    if unseen:
+        text += "\nWhat each cell did not exercise (n/e), and what it saw instead:\n\n" + "\n".join(unseen) + "\n"
     text += ("\nn/e: not exercised (cases judged / the minimum the check needs). Each cell's JSON, with every "
              "check's full measurement: `benchmarks/results/certify/<harness>__<model>.json`.\n")
     return text
