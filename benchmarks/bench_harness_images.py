@@ -63,6 +63,7 @@ def build_nolibc_image() -> None:
         (root / "bin" / "bash").write_text('#!/bin/sh\nexec /bin/sh "$@"\n')
         os.chmod(root / "bin" / "bash", 0o755)
         os.chmod(root / "tmp", 0o1777)
+        os.chmod(root, 0o755)  # mkdtemp's 0700 would be the image's /: a remapped root could not enter it
         (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
         subprocess.run(["docker", "import", "-c", "ENV PATH=/usr/local/bin:/usr/bin:/bin", "-", NOLIBC],

@@ -60,6 +60,7 @@ def nolibc_image(dockerd):
         (root / "bin" / "bash").write_text('#!/bin/sh\nexec /bin/sh "$@"\n')  # the verifier runs `bash test.sh`
         os.chmod(root / "bin" / "bash", 0o755)
         os.chmod(root / "tmp", 0o1777)
+        os.chmod(root, 0o755)  # mkdtemp's 0700 would be the image's /: a remapped root could not enter it
         (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
         (root / "etc" / "group").write_text("root:x:0:\n")
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
