@@ -271,3 +271,31 @@ def test_a_history_the_harness_edited_is_named_not_graded(tmp_path, qwen05_dir):
     print(r.measured, r.details)
     assert r.state == "PASS" and r.value == 1.0 and r.count == 73
     assert "the harness edited its history: system_changed 1" in r.measured
+
+
+def _fake_cell(root: Path, state: str) -> Path:
+    from polar_runtime.certify.runner import CELL_FILE, ORDER, cell_name
+
+    cell = root / cell_name("pi-chat", "tiny-qwen")
+    cell.mkdir(parents=True)
+    checks = [dict(C.judge(n, 100, [], "x").to_dict(), state=state if n == "mask" else "PASS") for n in ORDER]
+    rep = {"harness": "pi-chat", "model": "tiny-qwen", "verdict": "FAIL" if state == "FAIL" else "PASS", "error": None,
+           "checks": checks, "date": "2026-12-07", "run": {}}
+    (cell / CELL_FILE).write_text(json.dumps(rep))
+    return cell
+
+
+@pytest.mark.parametrize("state,code", [("PASS", 0), ("FAIL", 1)])
+def test_a_finished_cell_is_skipped_and_its_verdict_is_the_exit_status(tmp_path, state, code):
+    """Resumption: a cell with its certify.json is not run again (nothing could run here: no server
+    is reachable, and the run would take minutes); the exit status is 1 when a cell FAILed."""
+    from typer.testing import CliRunner
+
+    from polar_runtime.cli import app
+
+    _fake_cell(tmp_path, state)
+    res = CliRunner().invoke(app, ["certify", "--harness", "pi-chat", "--model", "tiny-qwen", "--out", str(tmp_path)])
+    assert res.exit_code == code, res.output
+    assert "done before" in res.output and "skipped" in res.output
+    summary = json.loads((tmp_path / "certify-report.json").read_text())
+    assert [c["verdict"] for c in summary["cells"]] == [state]
