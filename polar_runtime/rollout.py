@@ -682,7 +682,7 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
 
         vwork = sample_dir / "verifier-work"
         vt = separate_verifier(sandbox, trial.cfg, workdir, lambda d: prepare_workdir(task, d, sandbox, cfg.work / ".builds"),
-                               task.artifacts, vwork)
+                               task.artifacts, vwork, trial)
         stack.callback(vt.stop)
         vbox = vt.view("verifier", passwd_home=True)
         notes.append("verifier: an environment of its own from the task's image, "

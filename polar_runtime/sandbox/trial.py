@@ -120,6 +120,8 @@ class LiveTrial:
         self._n = 0
         self._image_user: str | None = None
         self._workdir_given = False
+        self._disk = None  # the work dir's disk image (``diskimage.py``), for the trial's life
+        self._workdir_src: Path | None = None  # what is bound at the work dir: the image's copy
         self.services = None  # services.Services of a multi-container task
 
     # ---- lifetime ---------------------------------------------------------------------------
@@ -175,6 +177,7 @@ class LiveTrial:
         if self.owner is not None:
             chown_tree(cfg.workdir_host, self.owner)
             os.chown(d / "reports", self.owner, self.owner)
+        self._workdir_src = self._stage_workdir()
         self._python = [*hp.argv(), f"{INSIDE}/trialinit.py"]
         inspect = self.docker("image", "inspect", "--format", "{{json .Config}}", cfg.image)
         conf = json.loads(inspect.stdout or "{}") or {}
@@ -205,7 +208,7 @@ class LiveTrial:
             a += ["--storage-opt", size_for(cfg.image, cfg.disk_mb, self.runtime)]
             self.notes.append(f"disk: the environment's own writes capped at {cfg.disk_mb} MiB (a btrfs quota group)")
         # our dir read-only (its scripts run privileged), the reports' dir writable by our init
-        a += ["-v", f"{cfg.workdir_host}:{cfg.workdir}", "-v", f"{d}:{INSIDE}:ro,rslave",
+        a += ["-v", f"{self._workdir_src}:{cfg.workdir}", "-v", f"{d}:{INSIDE}:ro,rslave",
               "-v", f"{d / 'reports'}:{INSIDE}/reports"]
         for host, dest in hp.binds():
             a += ["-v", f"{host}:{dest}:ro"]
@@ -312,11 +315,42 @@ class LiveTrial:
             return -9
         return r.returncode
 
+    def _stage_workdir(self) -> Path:
+        """The work dir on a disk image of ``disk_mb`` for the trial's life (root only; as the
+        per-phase backends cap it): a write past the cap fails with ENOSPC. Copied back to the
+        host by :meth:`sync_workdir` and at the end."""
+        from polar_runtime.sandbox.diskimage import DiskImage
+
+        cfg = self.cfg
+        if not cfg.disk_mb or os.geteuid() != 0:
+            return cfg.workdir_host
+        try:
+            self._disk = DiskImage(cfg.disk_mb, self.owner if self.owner is not None else os.getuid())
+            src = self._disk.stage([cfg.workdir_host])[cfg.workdir_host]
+        except Exception as exc:  # noqa: BLE001 - any failure: the host dir, uncapped, said
+            if self._disk is not None:
+                self._disk.close()
+            self._disk = None
+            self.notes.append(f"work dir uncapped: its disk image is unavailable ({exc})")
+            return cfg.workdir_host
+        self.notes.append(f"disk: the work dir capped at {cfg.disk_mb} MiB (a disk image, for the trial)")
+        return src
+
+    def sync_workdir(self) -> None:
+        """The work dir as the phases left it, copied back to the host (before the host reads it
+        while the trial still runs: a separate verifier's artifacts)."""
+        if self._disk is not None:
+            self._disk.unstage()
+            self._disk.unstaged = False  # copied back again at the end
+
     def stop(self) -> None:
         if self.services is not None:
             self.services.stop()
         subprocess.run([self.runtime, "rm", "-f", "-v", self.name], capture_output=True, timeout=120,
                        stdin=subprocess.DEVNULL, check=False)
+        if self._disk is not None:  # every process gone: the work dir copied back, the image removed
+            self._disk.release()
+            self._disk = None
         for r in self._relays:
             r.close()
         self._relays.clear()
@@ -454,7 +488,7 @@ class LiveTrial:
                 return
             ids.append(int(r.stdout.strip()))
         base = self.owner or 0
-        chown_tree(self.cfg.workdir_host, base + ids[0], base + ids[1])
+        chown_tree(self._workdir_src or self.cfg.workdir_host, base + ids[0], base + ids[1])
         self.notes.append(f"work dir owned by {user} ({ids[0]}:{ids[1]}), the agent's user")
 
     def _unmount_phase(self) -> None:
@@ -527,7 +561,7 @@ def task_healthcheck(task) -> dict | None:
 
 
 def separate_verifier(backend, cfg: TrialConfig, sample_workdir: Path, fresh_workdir, artifacts: list,
-                      vwork: Path) -> LiveTrial:
+                      vwork: Path, trial: LiveTrial | None = None) -> LiveTrial:
     """Harbor's ``[verifier] environment_mode = "separate"``: a fresh environment from the task's
     image whose work dir ``vwork`` is the task's built one (``fresh_workdir(vwork)`` makes it) with
     only ``artifacts`` (paths in the work dir) copied in from the sample's; nothing else the agent
@@ -540,6 +574,8 @@ def separate_verifier(backend, cfg: TrialConfig, sample_workdir: Path, fresh_wor
 
     if vwork.exists():
         shutil.rmtree(vwork)
+    if trial is not None:
+        trial.sync_workdir()
     if artifacts:
         fresh_workdir(vwork)
         for a in artifacts:

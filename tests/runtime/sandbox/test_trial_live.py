@@ -212,11 +212,13 @@ def test_the_agent_user_runs_the_agent_with_its_passwd_home(dockerd, tmp_path):
 
 def test_the_storage_cap_covers_what_a_trial_writes_outside_its_binds(dockerd, tmp_path):
     """``storage_mb = 64``: the oracle writes 200 MiB of real data to /var (the container's own
-    file system). On the host's disk that was uncapped (300 MiB went through); on the daemon's
+    file system), then to the work dir (a disk image of the trial's). On the host's disk that was uncapped (300 MiB went through); on the daemon's
     btrfs data root (``quotaroot.py``: a quota group per container) the write fails at the cap."""
     d = _task(tmp_path, "fill", solve="""
-        dd if=/dev/zero of=/var/big bs=1M count=200 2>/dev/null; echo $? > /app/dd_rc
-        du -sm /var/big | cut -f1 > /app/size_mb
+        dd if=/dev/zero of=/var/big bs=1M count=200 2>/dev/null; echo $? > /tmp/dd_rc
+        du -sm /var/big | cut -f1 > /tmp/size_mb
+        dd if=/dev/zero of=/app/big bs=1M count=200 2>/dev/null; echo $? > /tmp/app_rc
+        rm -f /app/big; cp /tmp/dd_rc /tmp/size_mb /tmp/app_rc /app/
         """, test="echo 1 > /logs/verifier/reward.txt\n")
     (d / "task.toml").write_text('version = "1.0"\n[environment]\nstorage_mb = 64\n[verifier]\ntimeout_sec = 60\n'
                                  '[agent]\ntimeout_sec = 120\n')
@@ -224,6 +226,7 @@ def test_the_storage_cap_covers_what_a_trial_writes_outside_its_binds(dockerd, t
     work = Path(rows[0]["workdir"])
     assert (work / "dd_rc").read_text().strip() != "0", _why(rows)
     assert int((work / "size_mb").read_text()) <= 64, _why(rows)
+    assert (work / "app_rc").read_text().strip() != "0", _why(rows)  # the work dir: its disk image
     assert "btrfs quota group" in rows[0]["sandbox_notes"]
 
 
