@@ -19,11 +19,11 @@ from polar_runtime.harnesses import Endpoint, get_preset
 
 pytestmark = pytest.mark.docker
 
-SERVER = ("mkdir -p /tmp/w && echo up > /tmp/w/ping && cd /tmp/w && sleep 1 && "
+SERVER = ("mkdir -p /tmp/w && cat /srv/origin > /tmp/w/origin && echo up > /tmp/w/ping && cd /tmp/w && sleep 1 && "
           "exec python3 -m http.server 8080 --bind 127.0.0.1")
 
 
-def _task(root: Path, compose: str, solve: str, test: str) -> Path:
+def _task(root: Path, compose: str, solve: str, test: str, files: dict[str, str] | None = None) -> Path:
     d = root / "multi"
     (d / "environment").mkdir(parents=True)
     (d / "solution").mkdir()
@@ -34,6 +34,9 @@ def _task(root: Path, compose: str, solve: str, test: str) -> Path:
     (d / "environment" / "docker-compose.yaml").write_text(textwrap.dedent(compose))
     (d / "solution" / "solve.sh").write_text("#!/bin/bash\n" + textwrap.dedent(solve))
     (d / "tests" / "test.sh").write_text("#!/bin/bash\n" + textwrap.dedent(test))
+    for rel, text in (files or {}).items():
+        (d / "environment" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / "environment" / rel).write_text(textwrap.dedent(text))
     return d
 
 
@@ -50,10 +53,11 @@ def _oracle(tmp_path: Path, task_dir: Path) -> dict:
 
 
 def test_a_service_is_reached_by_its_name_after_its_healthcheck_and_runs_hardened(dockerd, tmp_path, monkeypatch):
-    """``web`` serves on 127.0.0.1:8080 in the main container's network namespace (a server bound
-    to loopback: only a shared namespace reaches it); main depends on it being healthy; the oracle
-    and the verifier reach it as http://web:8080. From the host, before it is removed: no network
-    of its own, every capability dropped but the package set, no new privileges, no log kept."""
+    """``web`` (built from ``environment/web/Dockerfile``) serves on 127.0.0.1:8080 in the main
+    container's network namespace (a server bound to loopback: only a shared namespace reaches it);
+    main depends on it being healthy; the oracle and the verifier reach it as http://web:8080.
+    From the host, before it is removed: no network of its own, every capability dropped but the
+    package set, no new privileges, no log kept."""
     from polar_runtime.sandbox.services import Services
 
     seen: list[dict] = []
@@ -72,7 +76,7 @@ def test_a_service_is_reached_by_its_name_after_its_healthcheck_and_runs_hardene
             depends_on:
               web: {{condition: service_healthy}}
           web:
-            image: python:3.11-slim
+            build: ./web
             command: ["sh", "-c", "{SERVER}"]
             healthcheck:
               test: ["CMD", "python3", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:8080/ping')"]
@@ -80,12 +84,17 @@ def test_a_service_is_reached_by_its_name_after_its_healthcheck_and_runs_hardene
               retries: 30
         """, solve="""
         getent hosts web > /app/hosts
+        python3 -c "import urllib.request as u; open('/app/origin', 'wb').write(u.urlopen('http://web:8080/origin').read())"
         python3 -c "import urllib.request as u; open('/app/got', 'wb').write(u.urlopen('http://web:8080/ping').read())"
         """, test="""
-        grep -q '^127.0.0.1' /app/hosts && [ "$(cat /app/got)" = up ] \\
+        grep -q '^127.0.0.1' /app/hosts && [ "$(cat /app/got)" = up ] && [ "$(cat /app/origin)" = built ] \\
           && python3 -c "import urllib.request as u; assert u.urlopen('http://web:8080/ping').read() == b'up\\\\n'" \\
           && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
-        """)
+        """, files={"web/Dockerfile": """
+            FROM python:3.11-slim
+            WORKDIR /srv
+            RUN echo built > /srv/origin
+            """})
     t0 = time.monotonic()
     row = _oracle(tmp_path, d)
     assert row["reward"] == 1.0, (row["error"], row["evaluator_output"][-600:], row["sandbox_notes"])
