@@ -12,7 +12,13 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import threading
 from pathlib import Path
+
+#: CPython 3.11 keeps the AST converter's recursion depth per interpreter, not per thread: two
+#: rollout threads parsing at once raised "AST constructor recursion depth mismatch (before=48,
+#: after=46)" in a docker `polar tasks check` under load (CPython gh-106905). One parse at a time.
+_AST_LOCK = threading.Lock()
 
 
 def _strip_docstrings(tree: ast.AST) -> ast.AST:
@@ -27,8 +33,11 @@ def _strip_docstrings(tree: ast.AST) -> ast.AST:
 
 @functools.lru_cache(maxsize=None)
 def _one(path: str, mtime_ns: int, size: int) -> str:
-    tree = _strip_docstrings(ast.parse(Path(path).read_text(), filename=path))
-    return hashlib.sha256(ast.dump(tree, annotate_fields=False).encode()).hexdigest()
+    source = Path(path).read_text()
+    with _AST_LOCK:
+        tree = _strip_docstrings(ast.parse(source, filename=path))
+        dumped = ast.dump(tree, annotate_fields=False)
+    return hashlib.sha256(dumped.encode()).hexdigest()
 
 
 def code_digest(*paths: Path, length: int = 12) -> str:
