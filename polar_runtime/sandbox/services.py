@@ -57,6 +57,8 @@ class Services:
 
     def run_args(self, svc: Any, main: str, image: str) -> list[str]:
         """The ``docker run`` of one service (its hardened path, in ``main``'s network namespace)."""
+        if not image or image.startswith("-"):  # an argument read as an option (``--privileged``)
+            raise ServiceError(f"service {svc.name}: {image!r} is not an image reference")
         a = ["run", "-d", "--name", f"{main}-{svc.name}", "--network", f"container:{main}", "--cap-drop", "ALL",
              "--security-opt", "no-new-privileges", "--log-driver", "none",
              "--tmpfs", f"/tmp:size={self.tmp_mb}m,nosuid,nodev",

@@ -42,6 +42,9 @@ IGNORED_KEYS = {"ports", "expose", "restart", "container_name", "hostname"}
 MAIN_KEYS = {"environment", "depends_on", "build", "image", "command"}
 CONDITIONS = ("service_started", "service_healthy", "service_completed_successfully")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
+#: an image reference (registry/repo:tag@digest): it is an argument of ``docker run``/``pull``, so
+#: one starting with ``-`` (``--privileged``) would be read as an option
+_IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,254}$")
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
 
@@ -231,8 +234,9 @@ def read_compose(path: Path, env: dict[str, str] | None = None) -> ComposePlan:
         svc = Service(name=str(name), environment=_env(spec.get("environment"), f"{where}.environment"),
                       depends_on=_depends(spec.get("depends_on"), f"{where}.depends_on"))
         if "image" in spec:
-            if not isinstance(spec["image"], str) or not spec["image"].strip():
-                raise ComposeError(f"{where}.image must be an image name")
+            if not isinstance(spec["image"], str) or not _IMAGE.match(spec["image"].strip()):
+                raise ComposeError(f"{where}.image must be an image reference (registry/name:tag), "
+                                   f"not {str(spec['image'])[:80]!r}")
             svc.image = spec["image"].strip()
         if "build" in spec:
             svc.build, svc.dockerfile = _build(spec["build"], f"{where}.build", env_dir)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from polar_runtime.sandbox.services import Services
+from polar_runtime.sandbox.services import ServiceError, Services
 from polar_runtime.sandbox.servicestandin import service_plan
 from polar_runtime.tasks import load_tasks
 from polar_runtime.tasks.compose import ComposeError, duration_s, read_compose
@@ -69,6 +69,8 @@ def test_the_subset_is_read_in_start_order(tmp_path):
     ("services:\n  web:\n    image: nginx\n    environment: [HOME_KEY]\n", "takes its value from the host's environment"),
     ("services:\n  a:\n    image: x\n    depends_on: [b]\n  b:\n    image: x\n    depends_on: [a]\n", "depends_on cycle"),
     ("services:\n  web:\n    image: ${NOPE}\n", "${NOPE} is not set"),
+    ("services:\n  web:\n    image: --privileged\n", "must be an image reference"),
+    ("services:\n  web:\n    image: \"-v /:/host\"\n", "must be an image reference"),
     ("services:\n  web:\n    image: nginx\n    depends_on: {x: {condition: service_ok}}\n", "condition = 'service_ok'"),
 ])
 def test_what_is_outside_the_subset_is_refused_naming_the_key(tmp_path, text, why):
@@ -102,6 +104,8 @@ def test_a_service_runs_through_the_hardened_path_in_mains_network_namespace(tmp
     assert "--pids-limit 64" in joined and "--memory 256m" in joined and "-e A=b" in joined
     assert args[-3:] == ["nginx", "-c", "exec nginx"]  # the entrypoint's rest, then the command
     assert "--entrypoint /bin/sh" in joined and "--privileged" not in joined and "-p" not in args
+    with pytest.raises(ServiceError, match="not an image reference"):  # an image read as an option
+        Services("docker", None, None, caps=[]).run_args(svc, "polar-trial-x", "--privileged")
 
 
 def test_service_stand_ins_cover_the_common_images():
