@@ -135,9 +135,10 @@ class Services:
             status, code = self._state(svc.name)
             if status != "running":
                 raise ServiceError(f"{who} waits for service {svc.name} to be healthy; it is {status} (exit {code})")
+            left = max(0.1, WAIT_LIMIT_S - (time.monotonic() - t0))
             try:
                 r = subprocess.run([self.runtime, "exec", self.containers[svc.name], *hc.argv], capture_output=True,
-                                   timeout=hc.timeout_s, stdin=subprocess.DEVNULL)
+                                   timeout=min(hc.timeout_s, left), stdin=subprocess.DEVNULL)
                 ok = r.returncode == 0
             except subprocess.TimeoutExpired:
                 ok = False
@@ -150,7 +151,8 @@ class Services:
                 if failures >= hc.retries:
                     raise ServiceError(f"{who} waits for service {svc.name}, whose healthcheck failed {failures} "
                                        f"time(s) (`{' '.join(hc.argv)[:120]}`)")
-            time.sleep(min(hc.interval_s, 1.0) if time.monotonic() < grace else hc.interval_s)
+            pause = min(hc.interval_s, 1.0) if time.monotonic() < grace else hc.interval_s
+            time.sleep(max(0.0, min(pause, WAIT_LIMIT_S - (time.monotonic() - t0))))  # a task's interval: bounded
         raise ServiceError(f"{who}: service {svc.name} was not healthy within {WAIT_LIMIT_S:g} s")
 
     def stop(self) -> None:

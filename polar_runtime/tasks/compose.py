@@ -10,7 +10,8 @@ host address is made.
 
 The subset (anything else is refused naming the key, ``ComposeError``):
 
-* top level: ``services`` (``version`` and ``name`` are ignored, as Compose v2 ignores them);
+* top level: ``services`` (``version``, ``name`` and ``x-`` extension fields, the anchors a file
+  merges from with ``<<: *anchor``, are ignored, as Compose v2 ignores them);
 * a sidecar service: ``image`` or ``build`` (a context dir under ``environment/`` with its
   ``Dockerfile``, or ``{context, dockerfile}``), ``environment`` (a table or ``K=V`` list),
   ``command`` and ``entrypoint`` (a list, or a string split as Compose splits it), ``depends_on``
@@ -41,6 +42,11 @@ SERVICE_KEYS = {"image", "build", "environment", "command", "entrypoint", "depen
 IGNORED_KEYS = {"ports", "expose", "restart", "container_name", "hostname"}
 MAIN_KEYS = {"environment", "depends_on", "build", "image", "command"}
 CONDITIONS = ("service_started", "service_healthy", "service_completed_successfully")
+#: a compose file is read only this big, with this many values (YAML aliases expand: nine levels of
+#: ten references each are 10^9 values to walk), and at most this many services (each a container)
+FILE_LIMIT = 256 * 1024
+NODE_LIMIT = 20_000
+MAX_SERVICES = 16
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 #: an image reference (registry/repo:tag@digest): it is an argument of ``docker run``/``pull``, so
 #: one starting with ``-`` (``--privileged``) would be read as an option
@@ -104,11 +110,15 @@ def duration_s(v: Any, where: str) -> float:
     return sum(float(n) * scale[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(h|ms|us|m|s)", m[1]))
 
 
-def interpolate(value: Any, env: dict[str, str], where: str) -> Any:
+def interpolate(value: Any, env: dict[str, str], where: str, budget: list[int] | None = None) -> Any:
+    budget = [NODE_LIMIT] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ComposeError(f"{where}: more than {NODE_LIMIT} values (YAML aliases expanded?)")
     if isinstance(value, dict):
-        return {k: interpolate(v, env, f"{where}.{k}") for k, v in value.items()}
+        return {k: interpolate(v, env, f"{where}.{k}", budget) for k, v in value.items()}
     if isinstance(value, list):
-        return [interpolate(v, env, where) for v in value]
+        return [interpolate(v, env, where, budget) for v in value]
     if not isinstance(value, str):
         return value
 
@@ -201,13 +211,18 @@ def read_compose(path: Path, env: dict[str, str] | None = None) -> ComposePlan:
     import yaml
 
     try:
+        if path.stat().st_size > FILE_LIMIT:
+            raise ComposeError(f"{path}: over {FILE_LIMIT // 1024} KiB")
         data = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ComposeError(f"{path}: cannot read: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("services"), dict):
         raise ComposeError(f"{path}: no services table")
+    if len(data["services"]) > MAX_SERVICES + 1:
+        raise ComposeError(f"{path}: {len(data['services'])} services; Polar runs at most {MAX_SERVICES} beside main")
     for k in sorted(set(data) - {"services", "version", "name"}):
-        raise ComposeError(f"{path}: top-level {k!r} is not supported (Polar runs services, version, name)")
+        if not str(k).startswith("x-"):  # extension fields (anchors to merge from) are Compose's to ignore
+            raise ComposeError(f"{path}: top-level {k!r} is not supported (Polar runs services, version, name)")
     data = interpolate(data, dict(env or {}), path.name)
     plan = ComposePlan(services=[])
     env_dir = path.parent
@@ -227,7 +242,8 @@ def read_compose(path: Path, env: dict[str, str] | None = None) -> ComposePlan:
         if not _NAME.match(str(name)):
             raise ComposeError(f"{where}: a service name is lowercase letters, digits, '.', '_' and '-'")
         for k in sorted(set(spec) - SERVICE_KEYS - IGNORED_KEYS):
-            raise ComposeError(f"{where}.{k} is not supported (Polar runs {', '.join(sorted(SERVICE_KEYS))})")
+            if not str(k).startswith("x-"):
+                raise ComposeError(f"{where}.{k} is not supported (Polar runs {', '.join(sorted(SERVICE_KEYS))})")
         for k in sorted(set(spec) & IGNORED_KEYS):
             plan.notes.append(f"{where}.{k} ignored: the services share the main container's network "
                               "namespace (each name is 127.0.0.1 there), nothing is published on the host")

@@ -26,6 +26,8 @@ def compose(tmp_path: Path, text: str) -> Path:
 
 def test_the_subset_is_read_in_start_order(tmp_path):
     p = compose(tmp_path, """
+        x-common: &common
+          environment: {TZ: UTC}
         services:
           main:
             build: .
@@ -43,6 +45,7 @@ def test_the_subset_is_read_in_start_order(tmp_path):
             command: ["echo ready"]
             depends_on: {db: {condition: service_healthy}}
           cache:
+            <<: *common
             image: redis:7
             ports: ["6379:6379"]
     """)
@@ -54,6 +57,7 @@ def test_the_subset_is_read_in_start_order(tmp_path):
     assert plan.main_env == {"DB_URL": "postgres://app@db/app"}
     assert plan.main_depends_on == {"db": "service_healthy", "cache": "service_started"}
     assert any("services.cache.ports ignored" in n for n in plan.notes)
+    assert plan.services[0].environment == {"TZ": "UTC"}  # merged from the x- anchor
     assert read_compose(p, {"DB_IMAGE": "postgres:15"}).services[1].image == "postgres:15"
     assert duration_s("1m30s", "x") == 90 and duration_s("500ms", "x") == 0.5
 
@@ -70,6 +74,11 @@ def test_the_subset_is_read_in_start_order(tmp_path):
     ("services:\n  a:\n    image: x\n    depends_on: [b]\n  b:\n    image: x\n    depends_on: [a]\n", "depends_on cycle"),
     ("services:\n  web:\n    image: ${NOPE}\n", "${NOPE} is not set"),
     ("services:\n  web:\n    image: --privileged\n", "must be an image reference"),
+    ("x-0: &a [1,1,1,1,1,1,1,1,1,1]\nx-1: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a]\nx-2: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b]\n"
+     "x-3: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c]\nx-4: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d,*d]\nx-5: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e,*e]\n"
+     "x-6: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f,*f]\nx-7: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g,*g]\n"
+     "services:\n  web:\n    image: nginx\n    x-bomb: [*h,*h,*h,*h,*h,*h,*h,*h,*h,*h]\n", "more than 20000 values"),
+    ("services:\n" + "".join(f"  s{i}:\n    image: nginx\n" for i in range(20)), "Polar runs at most 16"),
     ("services:\n  web:\n    image: \"-v /:/host\"\n", "must be an image reference"),
     ("services:\n  web:\n    image: nginx\n    depends_on: {x: {condition: service_ok}}\n", "condition = 'service_ok'"),
 ])
