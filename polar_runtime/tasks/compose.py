@@ -353,9 +353,9 @@ def service_image(task: Any, svc: Service, backend: Any, builds: Path) -> tuple[
         said = ensure_service_image(image, runtime)
         if said is None:
             said = ensure_image(image, runtime=runtime)["stand_in"]
-    except StandInError as exc:
-        raise ComposeError(f"service {svc.name}: image {image} cannot be pulled here ({why}) and has no stand-in: "
-                           f"the task is unreachable here ({exc})") from None
+    except StandInError as exc:  # one line, the image first: what `polar tasks check` shows of it
+        raise ComposeError(f"service {svc.name}: image {image} is unreachable here: it cannot be pulled "
+                           f"({' '.join(why.split())[:200]}) and has no stand-in ({' '.join(str(exc).split())[:300]})") from None
     return image, said
 
 
