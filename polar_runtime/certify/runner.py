@@ -128,8 +128,24 @@ def harness_version(name: str) -> str | None:
     return None
 
 
-def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run one cell in ``out`` and write ``out/certify.json``; returns the report."""
+def calls_after_push(proxy_url: str, model: str, n: int = 3) -> None:
+    """``n`` plain chat calls through the proxy under a rollout-step-1 session of their own: the
+    quick stand-in for the harness's rollout after the push (the tests' cell; a real cell runs the
+    harness)."""
+    from polar_core.net import http_request
+
+    for i in range(n):
+        body = {"model": model, "messages": [{"role": "user", "content": f"Say ok ({i})."}], "max_tokens": 4}
+        status, raw = http_request(f"{proxy_url}/v1/chat/completions", body, timeout=300,
+                                   headers={"x-polar-session": "certify-after-push.st1.s0"})
+        if status != 200:
+            raise RuntimeError(f"a call after the push answered {status}: {raw[:200]!r}")
+
+
+def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Callable[[str], None] = print,
+             harness_after_push: bool = True) -> dict[str, Any]:
+    """Run one cell in ``out`` and write ``out/certify.json``; returns the report. ``harness_after_push``
+    False: the calls after the push are plain chat calls through the proxy, not a harness run (tests)."""
     import polars as pl
 
     from polar_analysis import frames
@@ -225,12 +241,16 @@ def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Calla
                     verdict = served_verdict(placement.server.base_url, res.checkpoint)
                 if push_error is None:  # a failed push may leave the gate closed: nothing more to serve
                     t = time.monotonic()
-                    cfg.rollout.samples_per_group = 1
-                    rows1 = placement.rollout(1, ids[:1], version)
+                    if harness_after_push:
+                        cfg.rollout.samples_per_group = 1
+                        rows1 = placement.rollout(1, ids[:1], version)
+                        report["run"]["after_push"] = {r["session_id"]: r["calls"] for r in rows1}
+                    else:
+                        calls_after_push(placement.proxy.url, placement.served)
+                        time.sleep(1.0)  # the proxy writes a record before it answers; let the file settle
                     phase("rollout after push", t)
                     calls = frames.calls(placement.captures, rewards=None).collect()
                     later = versions_of_step(calls, 1)
-                    report["run"]["after_push"] = {r["session_id"]: r["calls"] for r in rows1}
     except Exception as exc:  # noqa: BLE001 - any break of the run is the cell's failure, named in its report
         report["error"] = f"{type(exc).__name__}: {exc}"
         log(f"certify: {report['error']}")

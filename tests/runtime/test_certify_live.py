@@ -2,7 +2,7 @@
 
 The cell is the fastest pair (Pi's chat wire format on tiny-qwen, answers capped short): the real
 harness in its sandbox through the real proxy, trajectories, the trainer's logprob pass, one GRPO
-step, a push into the shared server, a rollout after it, every check. tiny-qwen has random weights,
+step, a push into the shared server, three plain calls through the proxy after it, every check. tiny-qwen has random weights,
 so it makes no tool calls and does not reason: those checks must say NOT EXERCISED, never PASS.
 The server is shared by the session: certify reloads its base weights at the end (checked).
 
@@ -36,7 +36,8 @@ def cell(vllm_tiny, tmp_path_factory):
     # one task, two samples: the quickest cell whose GRPO group has a reward spread (6 calls, 4 re-sent
     # answers: exact history is NOT EXERCISED here; the full cell's 12 are in benchmarks/results/certify)
     cfg = certify_config(base, "pi-chat", "tiny-qwen", out, samples=2, task_ids=["dir-then-file"])
-    report = run_cell(cfg, out, upstream=vllm_tiny.base_url)
+    # the calls after the push: three plain chat calls through the proxy (a second Pi run cost 50-100 s)
+    report = run_cell(cfg, out, upstream=vllm_tiny.base_url, harness_after_push=False)
     print(json.dumps({c["name"]: [c["state"], c["measured"]] for c in report["checks"]}, indent=1))
     print("phases", report["phases"], "error", report["error"])
     return out, report
