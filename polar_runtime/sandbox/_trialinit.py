@@ -122,12 +122,25 @@ def _fresh_proc(ctypes, libc) -> None:
             _mount(ctypes, libc, None, p, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
 
 
-def _new_namespaces(ctypes, libc, binds: list, covers: list[str]) -> None:
+def _new_namespaces(ctypes, libc, binds: list, covers: list[str], own: list | None = None) -> None:
     """In the new PID namespace's PID 1: a mount namespace of its own (host mounts still
-    propagate in: slave), a fresh /proc, the phase's binds, then our dirs covered."""
+    propagate in: slave), a fresh /proc, the phase's binds, then our dirs covered. ``own``: dirs
+    given a tmpfs of their own first, ([dir, src]: with src's files copied in): the verifier's
+    /logs (its mount points are then never made on the shared disk, which the sample may have
+    filled), and /tests where uploading it to the shared disk failed (full)."""
     base._check(ctypes, libc.unshare(CLONE_NEWNS), "unshare(mount)")
     _mount(ctypes, libc, None, "/", None, MS_REC | MS_SLAVE)
     _fresh_proc(ctypes, libc)
+    for path, src in own or []:
+        fd = _dir_fd(path)
+        try:
+            _mount(ctypes, libc, "tmpfs", f"/proc/self/fd/{fd}", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
+        finally:
+            os.close(fd)
+        if src:
+            import shutil
+
+            shutil.copytree(src, path, symlinks=True, dirs_exist_ok=True)
     for src, dest in binds:
         _bind(ctypes, libc, src, dest)
     for path in covers:
@@ -269,7 +282,8 @@ def _verifier_ns(cfg: dict, argv: list[str], env: dict[str, str], status_w: int,
     """PID 1 of the verifier's own PID namespace: its mount namespace (binds, covers), the phase,
     its status sent up; then it exits, and every process of the namespace ends with it."""
     ctypes, libc = base._libc()
-    _new_namespaces(ctypes, libc, cfg.get("binds", []), cfg.get("covers", []))
+    logs = [["/logs", None]] if any(d == "/logs" or d.startswith("/logs/") for _, d in cfg.get("binds", [])) else []
+    _new_namespaces(ctypes, libc, cfg.get("binds", []), cfg.get("covers", []), logs + cfg.get("own", []))
     child = _phase_child(cfg, argv, env, err_w)
     os.close(err_w)
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
@@ -355,11 +369,19 @@ def main() -> int:
             # before each step's verifier); a link planted at dest is removed, never followed
             if os.path.islink(dest):
                 os.unlink(dest)
-            elif os.path.isdir(dest):
-                shutil.rmtree(dest)
+            elif os.path.isdir(dest):  # emptied, the dir itself kept: a mount point a full disk cannot remake
+                for name in os.listdir(dest):
+                    p = os.path.join(dest, name)
+                    if os.path.isdir(p) and not os.path.islink(p):
+                        shutil.rmtree(p)
+                    else:
+                        os.unlink(p)
             shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True)
         except OSError as e:
-            print(f"sandbox: copying {src} to {dest} failed: {e}", file=sys.stderr)
+            if mode == "verifier":  # a disk the sample filled: the tests on a tmpfs of the verifier's own
+                cfg.setdefault("own", []).append([dest, src])
+            else:
+                print(f"sandbox: copying {src} to {dest} failed: {e}", file=sys.stderr)
     err_r, err_w = os.pipe()
     os.set_inheritable(err_w, False)
     ctypes, libc = base._libc()
@@ -396,9 +418,10 @@ def main() -> int:
             if not chunk:
                 break
             got += chunk
-        # no status: the namespace's PID 1 was killed before its command ended (nothing of ours
-        # does that but the timeout's sweep): as killed by SIGKILL, so the verdict is the sample's 0
-        rc = -9
+        # no status and no setup error (below): the namespace's PID 1 was killed before its command
+        # ended (nothing of ours does that but the timeout's sweep): as killed by SIGKILL, so the
+        # verdict is the sample's 0; a setup error of ours stays an error (126: no signal)
+        rc = None
         for line in got.splitlines():
             try:
                 rc = int(json.loads(line)["rc"])
@@ -410,6 +433,8 @@ def main() -> int:
         os.close(err_w)
         rc = _wait(child)
     err = os.read(err_r, 4096)
+    if rc is None:
+        rc = 126 if err else -9
     if err:
         print(f"sandbox: cannot run {argv[:1]}: {err.decode(errors='replace')}", file=sys.stderr)
     report["returncode"] = rc

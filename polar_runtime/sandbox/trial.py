@@ -52,9 +52,12 @@ PACKAGE_CAPS = {"CHOWN": 0, "DAC_OVERRIDE": 1, "FOWNER": 3, "FSETID": 4, "KILL":
 #: what our init alone holds in the container: SYS_ADMIN (a phase's namespaces and mounts) and
 #: SYS_PTRACE (opening the namespaces of the environment's holder, which no phase can trace)
 INIT_CAPS = ("SYS_ADMIN", "SYS_PTRACE")
-#: covered in the agent's mount namespace: our dir (the verifier's output, the phase binds) and
-#: where the tests will be copied
-AGENT_COVERS = (INSIDE, "/tests")
+#: covered in the environment's mount namespace (empty read-only tmpfs mounts, made at boot while
+#: the disk is empty): our dir (the verifier's output, the phase binds), where the tests will be
+#: copied, and /logs. A mount point cannot be removed where it is one, so /tests and /logs stay on
+#: the shared disk for the verifier's own mounts even when the sample deleted what it could and
+#: filled the rest (an rm -rf /logs and a full disk left the verifier no mount point: no verdict)
+AGENT_COVERS = (INSIDE, "/tests", "/logs")
 HEALTHCHECK_LIMIT_S = 300.0
 
 

@@ -242,3 +242,19 @@ def test_a_build_step_cannot_commit_past_the_storage_cap(dockerd, tmp_path):
     tasks, refused = load_for_check(str(d), container="docker")
     rows = check_tasks(tasks, work=tmp_path / "check", sandbox="docker", concurrency=1)
     assert rows[0]["status"] != "passed" and "dd if=/dev/zero" in rows[0]["verdict"], rows
+
+
+def test_a_sample_that_fills_the_disk_still_gets_its_verdict(dockerd, tmp_path):
+    """The oracle fills the environment's disk to its cap (``storage_mb = 64``). Uploading /tests
+    and making /logs/verifier on that disk then fails with EDQUOT, and the verdict was None (no
+    signal: a zero advantage the sample bought by filling the disk); the verifier's /logs and, when
+    the upload fails, its /tests are tmpfs mounts of its own, so test.sh runs and says 0."""
+    d = _task(tmp_path, "filler", solve="""
+        dd if=/dev/zero of=/var/fill bs=1M count=500 2>/dev/null; rm -rf /logs; true
+        """, test="""
+        [ -f /app/answer ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+        """)
+    (d / "task.toml").write_text('version = "1.0"\n[environment]\nstorage_mb = 64\n[verifier]\ntimeout_sec = 60\n'
+                                 '[agent]\ntimeout_sec = 120\n')
+    rows = _oracle(tmp_path, d)
+    assert rows[0]["reward"] == 0.0 and rows[0]["evaluator_status"] == "fail", _why(rows)
