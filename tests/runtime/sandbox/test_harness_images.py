@@ -75,8 +75,8 @@ def nolibc_image(dockerd):
     return IMAGE
 
 
-def harbor_task(root: Path) -> Path:
-    t = root / "hello-nolibc"
+def harbor_task(root: Path, harness: str) -> Path:
+    t = root / f"hello-nolibc-{harness}"  # its own task id: the module's rollouts share one capture dir
     (t / "environment").mkdir(parents=True)
     (t / "tests").mkdir()
     (t / "instruction.md").write_text("Write the word hello to /app/hello.txt.\n")
@@ -178,13 +178,13 @@ def test_harness_runs_in_an_image_without_node_or_libc(name, nolibc_image, proxy
     if not preset.installed():
         pytest.fail(f"{name} is not installed: run `polar harness install {preset.package}` (setup does)")
     capture_dir, px = proxy
-    (task,) = load_tasks(harbor_task(tmp_path), container=True)
+    (task,) = load_tasks(harbor_task(tmp_path, name), container=True)
     cfg = r.RolloutConfig(tasks=[task], preset=preset, endpoint=h.Endpoint("base_url", base_url=px.url),
                           capture_dir=capture_dir, model=vllm_tiny.served_model_name, samples=1, timeout=200,
                           eval_timeout=60, sandbox="docker", work_root=tmp_path / "work")
     row = r.run_rollout(cfg, control=px.control).row(0, named=True)
     calls = read_calls(capture_dir, row["session_id"])
-    assert row["status"] == "ok" and row["turns"] == 3, log_tail(row)
+    assert row["harness"] == name and row["status"] == "ok" and row["turns"] == 3, log_tail(row)
     assert f"harness runtime bound read-only at {INSIDE}" in row["sandbox_notes"], row["sandbox_notes"]
     assert len(calls) >= 3 and row["calls"] == len(calls)
     for c in calls:
