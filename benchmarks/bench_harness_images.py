@@ -240,7 +240,8 @@ def main() -> None:
                                       eval_timeout=120, sandbox="docker", work_root=tmp / "work" / name,
                                       step=args.first_step + step)  # a session (and result) of its own per harness
                 t0 = time.monotonic()
-                row = r.run_rollout(cfg, control=px.control).row(0, named=True)
+                df = r.run_rollout(cfg, control=px.control)  # every row of the capture dir: this sample's
+                row = df.filter((df["task_id"] == task.id) & (df["step"] == cfg.step)).row(0, named=True)
                 wall = time.monotonic() - t0
                 path = tmp / "captures" / SESSIONS_SUBDIR / f"{row['session_id']}.jsonl"
                 calls = sorted(read_capture_lines(path), key=lambda c: c["call_index"]) if path.exists() else []

@@ -182,7 +182,8 @@ def test_harness_runs_in_an_image_without_node_or_libc(name, nolibc_image, proxy
     cfg = r.RolloutConfig(tasks=[task], preset=preset, endpoint=h.Endpoint("base_url", base_url=px.url),
                           capture_dir=capture_dir, model=vllm_tiny.served_model_name, samples=1, timeout=200,
                           eval_timeout=60, sandbox="docker", work_root=tmp_path / "work")
-    row = r.run_rollout(cfg, control=px.control).row(0, named=True)
+    df = r.run_rollout(cfg, control=px.control)  # every row of the shared capture dir: this task's
+    row = df.filter(df["task_id"] == task.id).row(0, named=True)
     calls = read_calls(capture_dir, row["session_id"])
     assert row["harness"] == name and row["status"] == "ok" and row["turns"] == 3, log_tail(row)
     assert f"harness runtime bound read-only at {INSIDE}" in row["sandbox_notes"], row["sandbox_notes"]
