@@ -226,6 +226,12 @@ def rollout_command(
     allow_internet: Annotated[bool, typer.Option(
         help="Tasks with allow_internet = true reach public hosts in the agent phase (through the egress "
              "proxy: public addresses only). Off: the agent reaches the model and nothing else.")] = False,
+    agent_privileges: Annotated[bool, typer.Option(
+        help="docker/podman: the agent holds the package manager's capabilities and reaches the package "
+             "registries, as Harbor's agents do (--no-agent-privileges: neither).")] = True,
+    separate_verifier: Annotated[bool, typer.Option(
+        help="docker/podman: every task's verifier in a fresh environment of its own, as [verifier] "
+             "environment_mode = \"separate\" asks (nothing the agent did outside its artifacts reaches it).")] = False,
 ) -> None:
     """Run a harness N times per task through the proxy; evaluate; write <capture_dir>/rollouts.parquet.
 
@@ -258,7 +264,8 @@ def rollout_command(
                     tasks=task_list, preset=preset, endpoint=stack.endpoint, capture_dir=stack.capture_dir,
                     model=model_name or stack.served_model, samples=samples, concurrency=concurrency, timeout=timeout,
                     eval_timeout=eval_timeout, step=step, trim=trim, rerun=_statuses(rerun), sandbox=sandbox,
-                    allow_internet=allow_internet,
+                    allow_internet=allow_internet, agent_privileged=agent_privileges,
+                    separate_verifier=separate_verifier,
                 )
                 console.print(f"{len(task_list)} tasks x {samples} samples, harness {preset.name} ({mode}), "
                               f"model {cfg.model}, captures in {stack.capture_dir}"

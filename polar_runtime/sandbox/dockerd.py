@@ -159,7 +159,7 @@ class PrivateDockerd:
 
                 self.storage_driver = DRIVER
                 try:
-                    mount_data_root(self.root, self.data_quota_gb)
+                    mount_data_root(self.root, self.data_quota_gb, ensure_installed)
                 except QuotaRootError as e:
                     raise DaemonError(f"the data root's storage quota: {e}") from None
             if self.userns_remap:

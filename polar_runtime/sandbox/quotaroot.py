@@ -49,15 +49,15 @@ def is_mounted(path: Path) -> bool:
         return False
 
 
-def mount_data_root(root: Path, size_gb: int = 32) -> Path:
-    """``<root>/data`` as a btrfs of ``size_gb`` (made and mounted where it is not); returns it."""
-    from polar_runtime.sandbox.dockerd import ensure_installed
-
+def mount_data_root(root: Path, size_gb: int = 32, install=None) -> Path:
+    """``<root>/data`` as a btrfs of ``size_gb`` (made and mounted where it is not); returns it.
+    ``install(packages, command)``: apt-installs a missing tool (``dockerd.ensure_installed``)."""
     data, image = root / "data", root / "data.img"
     data.mkdir(parents=True, exist_ok=True)
     if is_mounted(data):
         return data
-    ensure_installed(("btrfs-progs",), "mkfs.btrfs")
+    if install is not None:
+        install(("btrfs-progs",), "mkfs.btrfs")
     if not image.exists():
         with open(image, "wb") as fh:
             fh.truncate(size_gb * 2**30)
