@@ -46,14 +46,15 @@ if ! command -v bwrap >/dev/null 2>&1; then
 fi
 
 # ---- 0b. docker.io + debootstrap: the docker backend's tests start a private dockerd of their own
-# and build stand-in base images from Debian packages (no image registry answers here; docs/sandbox.md)
+# and build stand-in base images from Debian packages (no image registry answers here; docs/sandbox.md);
+# btrfs-progs: that daemon's data root is a btrfs with quotas (sandbox/quotaroot.py)
 if [ "$(id -u)" = 0 ] && { ! command -v dockerd >/dev/null 2>&1 || ! command -v debootstrap >/dev/null 2>&1 \
-     || ! command -v docker-init >/dev/null 2>&1; }; then
-  phase "sandbox: installing docker.io, tini and debootstrap (Debian packages)"
+     || ! command -v docker-init >/dev/null 2>&1 || ! command -v mkfs.btrfs >/dev/null 2>&1; }; then
+  phase "sandbox: installing docker.io, tini, debootstrap and btrfs-progs (Debian packages)"
   export DEBIAN_FRONTEND=noninteractive
-  { quiet apt-get install -y --no-install-recommends docker.io tini debootstrap \
-    || { quiet apt-get update && quiet apt-get install -y --no-install-recommends docker.io tini debootstrap; }; } \
-    || die "cannot install docker.io, tini and debootstrap"
+  { quiet apt-get install -y --no-install-recommends docker.io tini debootstrap btrfs-progs \
+    || { quiet apt-get update && quiet apt-get install -y --no-install-recommends docker.io tini debootstrap btrfs-progs; }; } \
+    || die "cannot install docker.io, tini, debootstrap and btrfs-progs"
 fi
 # ---- 0c. what a harness brings into a task's image (sandbox/harnessruntime.py): patchelf for its
 # copy of node, fd-find for Pi's fd; busybox-static builds the no-libc test image
