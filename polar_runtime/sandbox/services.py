@@ -12,7 +12,8 @@ Each service runs through the same hardened path as the main container: every ca
 but the package manager's set (Docker's default, as Harbor's containers have: a database's
 entrypoint chowns its data dir and drops to its own user), no new privileges, the daemon's user
 namespace remap, no container log kept, the trial's pids/memory/cpu limits (per service: each
-is a container of its own), a tmpfs /tmp. Its image is resolved by the caller (``image_of``:
+is a container of its own), the trial's storage cap on its writable layer where the daemon caps
+one (``quotaroot.py``), a tmpfs /tmp. Its image is resolved by the caller (``image_of``:
 present, pulled where a registry answers, a stand-in, or the task is unreachable here, naming it).
 
 Compose's start order: a service starts once what it ``depends_on`` has started, is healthy
@@ -41,9 +42,10 @@ class Services:
 
     def __init__(self, runtime: str, plan: Any, image_of: Callable[[Any], tuple[str, str | None]], *,
                  caps: list[str], pids: int | None = None, memory_mb: int | None = None,
-                 cpus: float | None = None, tmp_mb: int = 256):
+                 cpus: float | None = None, tmp_mb: int = 256, disk_mb: int | None = None):
         self.runtime, self.plan, self.image_of = runtime, plan, image_of
         self.caps, self.pids, self.memory_mb, self.cpus, self.tmp_mb = caps, pids, memory_mb, cpus, tmp_mb
+        self.disk_mb = disk_mb
         self.containers: dict[str, str] = {}  # service -> container name
         self.healthy: set[str] = set()
         self.notes: list[str] = []
@@ -71,6 +73,11 @@ class Services:
             a += ["--memory", f"{self.memory_mb}m", "--memory-swap", f"{self.memory_mb}m"]
         if self.cpus:
             a += ["--cpus", f"{self.cpus:g}"]
+        if self.disk_mb:  # what it writes outside its binds, as the main container (quotaroot.py)
+            from polar_runtime.sandbox.quotaroot import size_for, storage_opt_supported
+
+            if storage_opt_supported(self.runtime):
+                a += ["--storage-opt", size_for(image, self.disk_mb, self.runtime)]
         for k, v in svc.environment.items():
             a += ["-e", f"{k}={v}"]
         args: list[str] = []

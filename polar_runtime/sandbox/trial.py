@@ -261,7 +261,7 @@ class LiveTrial:
             from polar_runtime.sandbox.services import ServiceError, Services
 
             self.services = Services(self.runtime, cfg.services, cfg.service_image, caps=list(PACKAGE_CAPS),
-                                     pids=cfg.pids, memory_mb=cfg.memory_mb, cpus=cfg.cpus)
+                                     pids=cfg.pids, memory_mb=cfg.memory_mb, cpus=cfg.cpus, disk_mb=cfg.disk_mb)
             try:
                 self.services.start(self.name)
                 self.services.wait(cfg.services.main_depends_on, "the agent")

@@ -104,6 +104,10 @@ def test_a_service_is_reached_by_its_name_after_its_healthcheck_and_runs_hardene
     assert hc["NetworkMode"].startswith("container:") and hc["CapDrop"] == ["ALL"], hc
     assert "SYS_ADMIN" not in (hc["CapAdd"] or []) and hc["LogConfig"]["Type"] == "none"
     assert "no-new-privileges" in hc["SecurityOpt"] and not hc["Privileged"]
+    from polar_runtime.sandbox.quotaroot import storage_opt_supported
+
+    if storage_opt_supported():  # the session daemon's writable layers are capped (btrfs quotas)
+        assert (hc.get("StorageOpt") or {}).get("size"), hc.get("StorageOpt")
     print(f"multi-container oracle trial: {time.monotonic() - t0:.1f} s")
 
 
