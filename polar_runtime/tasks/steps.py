@@ -27,7 +27,7 @@ trial, each step's reward recorded beside it (``step_rewards`` in rollouts.parqu
 
 Polar reads rewards as one number, so a ``min_reward`` table may name only ``reward``. What a step
 sets that Polar does not run (a per-step ``healthcheck``, ``artifacts``, a separate verifier
-environment, a step user other than root) is refused naming the key.
+environment, for a step or the whole task, a step user other than root) is refused naming the key.
 """
 
 from __future__ import annotations
@@ -117,6 +117,9 @@ def read_steps(root: Path, cfg: dict[str, Any], read_text, root_users: tuple[str
     raw = cfg.get("steps")
     if not isinstance(raw, list) or not raw or not all(isinstance(s, dict) for s in raw):
         raise ValueError("steps must be a non-empty array of tables ([[steps]])")
+    if (cfg.get("verifier") or {}).get("environment_mode") == "separate":
+        raise ValueError("[verifier] environment_mode = \"separate\" with [[steps]]: Polar runs each step's tests "
+                         "in the trial's environment (a separate environment per step is not supported)")
     strategy = cfg.get("multi_step_reward_strategy") or "mean"
     if strategy not in STRATEGIES:
         raise ValueError(f"multi_step_reward_strategy must be one of {STRATEGIES}, not {strategy!r}")

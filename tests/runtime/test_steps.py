@@ -80,8 +80,11 @@ def test_steps_load_with_their_instructions_and_refusals_name_the_key(tmp_path):
         ('[[steps]]\nname = "../x"\n', "one portable directory name"),
         ('[[steps]]\nname = "three"\n', "steps/three/instruction.md"),
         ('multi_step_reward_strategy = "max"\n[[steps]]\nname = "one"\n', "multi_step_reward_strategy"),
+        ('[[steps]]\nname = "one"\n[verifier]\nenvironment_mode = "separate"\n', "a separate environment per step"),
     ]:
         bad = make_task(tmp_path / f"b{abs(hash(toml))}", toml)
+        if "[verifier]" in toml:  # make_task's own [verifier] table would be a second one
+            (bad / "task.toml").write_text('version = "1.0"\n' + toml)
         _step(bad, "one", "x\n")
         with pytest.raises(ValueError, match=None) as err:
             load_tasks(bad)
