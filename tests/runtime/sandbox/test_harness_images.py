@@ -9,8 +9,9 @@ with two follow-up turns: every call captured with its token ids, every follow-u
 exactly from the model's own ids, and the reward written by the task's own test.sh, run by busybox
 in the same image.
 
-Wall time on the 2-core CI machine kind (warm: harnesses, stand-in caches and the runtime built):
-the image ~1 s, Pi ~25 s, Codex ~35 s (the shared dockerd and vLLM are started once per session).
+Wall time on the 2-core CI machine kind (harnesses installed, the runtime built once, 1.3 s): the
+image ~2 s, the relaunch/payload/library checks 12-19 s, Pi 32 s (81 s with the machine's load
+average at 20), Codex 25-68 s; the shared dockerd and vLLM are started once per session.
 """
 
 from __future__ import annotations
