@@ -19,8 +19,8 @@ choice: they may resolve to a private address (a mirror on the user's network), 
 loopback, link-local, unspecified, multicast or this host's own.
 
 Names of RFC 6761's special-use domains (``.example``, ``.test``, ``.invalid``, ``.localhost``,
-and ``.local``/``.internal``/``.home.arpa``) are refused without a lookup: none is a public host,
-and no query about them leaves this machine.
+and ``.local``/``.internal``/``.home.arpa``) are refused without a lookup as public hosts: none is
+one, and no query about them leaves this machine (a registry the operator names may be one).
 
 Tests reach a fake "public" host through :func:`fake_public_hosts`, an in-process override that only
 a pytest process can set (it raises elsewhere). Nothing a task controls reaches it: the proxy runs
@@ -122,7 +122,7 @@ def special_name(host: str) -> bool:
     return any(host == d or host.endswith("." + d) for d in SPECIAL_DOMAINS)
 
 
-def resolve(host: str, port: int, timeout_s: float | None = None) -> list[tuple[int, tuple]]:
+def resolve(host: str, port: int, timeout_s: float | None = None, *, registry: bool = False) -> list[tuple[int, tuple]]:
     """(family, sockaddr) for each address of ``host``: the test override's when a test set one,
     the literal itself for an IP, else the system resolver's. Raises :class:`Refused` for a
     special-use name (no lookup at all)."""
@@ -136,7 +136,7 @@ def resolve(host: str, port: int, timeout_s: float | None = None) -> list[tuple[
         return [_sockaddr(host, port)]
     except ValueError:
         pass
-    if special_name(host):
+    if special_name(host) and not registry:  # a registry mirror the operator names may be mirror.internal
         raise Refused(f"{host} is a special-use name (RFC 6761), never a public host")
     out = []
     for fam, _, _, _, sa in _lookup(host, port, timeout_s if timeout_s is not None else CONNECT_TIMEOUT_S):
@@ -192,7 +192,7 @@ def connect_checked(host: str, port: int, *, registry: bool,
     if not registry and port in REFUSED_PUBLIC_PORTS:
         raise Refused(f"{host}:{port}: mail ports are not reachable from a sandbox")
     deadline = time.monotonic() + timeout_s
-    addrs = resolve(host, port, timeout_s)
+    addrs = resolve(host, port, timeout_s, registry=registry)
     refused, last = [], None
     for fam, sa in addrs:
         why = check(sa[0], registry=registry)

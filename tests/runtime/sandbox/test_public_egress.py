@@ -162,6 +162,10 @@ def test_special_use_names_are_refused_without_a_lookup(tmp_path):
             assert got.startswith(b"HTTP/1.1 403") and b"special-use" in got, (host, got)
     finally:
         proxy.close()
+    # a registry mirror the operator configures may have such a name: it is resolved (here by the
+    # test's override), not refused by name
+    with fake_public_hosts({"mirror.internal": ["10.9.8.7"]}):
+        assert publicnet.resolve("mirror.internal", 443, registry=True) == [(socket.AF_INET, ("10.9.8.7", 443))]
 
 
 def test_a_host_that_does_not_answer_fails_fast_naming_it(tmp_path):
