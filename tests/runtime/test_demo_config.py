@@ -29,7 +29,7 @@ DOCUMENTED = {
     "sampling": {"temperature": 1.0, "seed": 0, "max_tokens": None},
     "trainer": {"lr": 1e-6, "kl_coef": None, "lora_rank": 0, "server_during_train": "auto", "keep_checkpoints": 2},
     "eval": {"every": 0, "samples": 4, "tasks": "", "ids": []},
-    "sandbox": {"backend": "auto", "pids": 4096},
+    "sandbox": {"backend": "auto", "pids": 4096, "allow_internet": False},
     "placement": {"kind": "local", "address": "", "node_dir": "", "node_resource": "", "replicas": [],
                   "trainer_cpus": 1, "trainer_gpus": 0, "max_retries": 2},
     "schedule": {"max_off_policy_steps": 0, "groups_in_flight": 0},
