@@ -44,7 +44,10 @@ DEFAULT_GENERATION_CONFIG = "vllm"
 DEFAULT_LOGPROBS_MODE = "processed_logprobs"
 
 _ERROR_LINE = re.compile(
-    r"^(?:\(\S+ pid=\d+\) ERROR [^\]]*\] )?((?:[\w.]+(?:Error|Exception)): .+|.*died unexpectedly.*)$", re.M
+    r"^(?:\(\S+ pid=\d+\) ERROR [^\]]*\] )?((?:[\w.]+(?:Error|Exception)): .+|.*died unexpectedly.*)$"
+    # pydantic puts the message of a ValidationError on an indented line below it (vLLM's config
+    # checks: "Value error, User-specified max_model_len (16384) is greater than the derived ...").
+    r"|^  (Value error, .+?)(?: \[type=.*)?$", re.M
 )
 
 class ServeError(RuntimeError):
@@ -335,7 +338,7 @@ class VLLMServer:
         text = self._log_text()
         seen: list[str] = []
         for m in _ERROR_LINE.finditer(text):
-            line = m.group(1).strip()
+            line = (m.group(1) or m.group(2)).strip()
             if "exit code: -9" in line:
                 line += " [SIGKILL: on a shared CPU box usually the kernel's OOM killer; lower --kv-cache-gib]"
             if line not in seen:

@@ -185,6 +185,24 @@ def test_failure_report_finds_root_causes_of_this_run_only(tiny_qwen_dir, tmp_pa
     assert "earlier run" not in report and report.rstrip().endswith("[shutdown] done")
 
 
+def test_failure_report_names_a_config_check_message(tiny_qwen_dir, tmp_path):
+    """vLLM refuses a config through pydantic, whose ValidationError line names no cause; the
+    message is on the indented line below it (a max_model_len above the model's, as a user who
+    picks SmolLM2 under the demo's 16,384 gets). The summary must carry that message."""
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+        "  Value error, User-specified max_model_len (16384) is greater than the derived max_model_len"
+        " (max_position_embeddings=8192.0 or model_max_length=None in model's config.json)."
+        " [type=value_error, input_value=ArgsKwargs((), {'model': '/m'}), input_type=ArgsKwargs]\n"
+        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n"
+    )
+    server = VLLMServer(tiny_qwen_dir, port=free_port(), log_path=log)
+    lines = server.error_lines()
+    assert lines[0].startswith("pydantic_core._pydantic_core.ValidationError")
+    assert lines[1].startswith("Value error, User-specified max_model_len (16384)") and lines[1].endswith("config.json).")
+
+
 @pytest.mark.vllm
 def test_seeded_long_prompts_do_not_take_the_cpu_server_down(vllm_tiny):
     """Polar seeds every call (polar_sampling). On CPU, vLLM 0.32 kills its engine when a seeded
