@@ -128,16 +128,19 @@ def harness_version(name: str) -> str | None:
     return None
 
 
-def calls_after_push(proxy_url: str, model: str, n: int = 3) -> None:
-    """``n`` plain chat calls through the proxy under a rollout-step-1 session of their own: the
-    quick stand-in for the harness's rollout after the push (the tests' cell; a real cell runs the
-    harness)."""
+def calls_after_push(proxy_url: str, control: Any, model: str, n: int = 3) -> None:
+    """``n`` plain chat calls through the proxy under a rollout-step-1 session of their own (registered
+    with the proxy, which serves registered sessions only): the quick stand-in for the harness's
+    rollout after the push (the tests' cell; a real cell runs the harness)."""
     from polar_core.net import http_request
+    from polar_runtime.rollout import SessionRegistry
 
+    sid = "certify-after-push.st1.s0"
+    key = SessionRegistry(control).register(sid, "certify-after-push", "certify-after-push.st1", 0)
     for i in range(n):
         body = {"model": model, "messages": [{"role": "user", "content": f"Say ok ({i})."}], "max_tokens": 4}
         status, raw = http_request(f"{proxy_url}/v1/chat/completions", body, timeout=300,
-                                   headers={"x-polar-session": "certify-after-push.st1.s0"})
+                                   headers={"authorization": f"Bearer {key}", "x-polar-session": sid})
         if status != 200:
             raise RuntimeError(f"a call after the push answered {status}: {raw[:200]!r}")
 
@@ -246,7 +249,7 @@ def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Calla
                         rows1 = placement.rollout(1, ids[:1], version)
                         report["run"]["after_push"] = {r["session_id"]: r["calls"] for r in rows1}
                     else:
-                        calls_after_push(placement.proxy.url, placement.served)
+                        calls_after_push(placement.proxy.url, placement.proxy.control, placement.served)
                         time.sleep(1.0)  # the proxy writes a record before it answers; let the file settle
                     phase("rollout after push", t)
                     calls = frames.calls(placement.captures, rewards=None).collect()
