@@ -175,23 +175,24 @@ def test_the_daemon_keeps_no_container_log_and_remaps_root(dockerd):
 
 def test_a_replaced_pytest_does_not_reach_a_separate_verifier(dockerd, tmp_path):
     """``[verifier] environment_mode = "separate"`` with ``artifacts``: the verifier runs in a fresh
-    environment from the task's image with only the artifacts copied in. One sample swaps the
+    environment from the task's image with only the artifacts copied in. Sample 1 swaps the
     image's pytest for a script that always passes and writes a wrong answer (in the shared
-    environment that scores 1); the honest one writes the right answer."""
-    for name, answer, hack in (("sep-honest", 42, ""), ("sep-hack", 41, """
-            printf '#!/bin/sh\\nexit 0\\n' > "$(command -v pytest)"
-            """)):
-        d = _task(tmp_path / "set", name, solve=f"echo {answer} > /app/answer\n" + textwrap.dedent(hack), test="""
-            pytest -q /tests/test_answer.py && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
-            """, base="python:3.11-slim")
-        (d / "task.toml").write_text('version = "1.0"\nartifacts = ["/app/answer"]\n[verifier]\ntimeout_sec = 60\n'
-                                     'environment_mode = "separate"\n[agent]\ntimeout_sec = 120\n')
-        (d / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nRUN pip install -q pytest\nWORKDIR /app\n")
-        (d / "tests" / "test_answer.py").write_text("def test_answer():\n    assert open('/app/answer').read().strip() == '42'\n")
-    rows = {r["task_id"]: r for r in _oracle(tmp_path, tmp_path / "set", samples=1)}
-    assert rows["sep-honest"]["reward"] == 1.0, _why(list(rows.values()))
-    assert rows["sep-hack"]["reward"] == 0.0, _why(list(rows.values()))
-    assert "an environment of its own" in rows["sep-hack"]["sandbox_notes"]
+    environment that scores 1); sample 0 writes the right answer."""
+    d = _task(tmp_path, "sep", solve="""
+        case "$POLAR_SESSION" in
+          *.s0) echo 42 > /app/answer ;;
+          *) echo 41 > /app/answer; printf '#!/bin/sh\\nexit 0\\n' > "$(command -v pytest)" ;;
+        esac
+        """, test="""
+        pytest -q /tests/test_answer.py && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+        """, base="python:3.11-slim")
+    (d / "task.toml").write_text('version = "1.0"\nartifacts = ["/app/answer"]\n[verifier]\ntimeout_sec = 60\n'
+                                 'environment_mode = "separate"\n[agent]\ntimeout_sec = 120\n')
+    (d / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nRUN pip install -q pytest\nWORKDIR /app\n")
+    (d / "tests" / "test_answer.py").write_text("def test_answer():\n    assert open('/app/answer').read().strip() == '42'\n")
+    rows = sorted(_oracle(tmp_path, d, samples=2), key=lambda r: r["sample_index"])
+    assert [r["reward"] for r in rows] == [1.0, 0.0], _why(rows)
+    assert "an environment of its own" in rows[1]["sandbox_notes"]
 
 
 def test_the_agent_user_runs_the_agent_with_its_passwd_home(dockerd, tmp_path):
