@@ -4,8 +4,11 @@ oracle playing the sample. Each attack here is what a real task or sample does; 
 watched failing with its defence taken away (the per-phase model of before, or the verifier's
 namespaces removed): see the report in the commit that added it.
 
-Times (2-core CI machine kind, warm stand-ins, the daemon already up): each test ~3-25 s, the
-module ~75 s; the apt test dominates (apt-get update + install through the egress filter).
+Times (2-core CI machine kind, stand-ins cached, the session's daemon already up; measured in one
+run beside the other docker modules): the separate verifier 47-54 s (its image's pip build), apt +
+ssh-keygen 46 s (apt-get update and install through the egress filter), the server 21 s, the full
+disk 15 s, the others 3-12 s each; the module ~3.4 min. The session-scoped daemon's btrfs teardown
+(~4 s, was 16-80 s for overlay2's removal) pays back part of it.
 """
 
 from __future__ import annotations
