@@ -310,7 +310,10 @@ class LiveTrial:
         raise TrialError(f"the environment's healthcheck did not pass within {HEALTHCHECK_LIMIT_S:g} s")
 
     def _exec_plain(self, argv: list[str], timeout: float) -> int:
-        cfg = {"mode": "plain", "caps": caps_for("verifier", True), "user": "0", "workdir": self.cfg.workdir}
+        # in the environment's namespaces, as Harbor execs it into the main container: what it
+        # starts lives beside the ENTRYPOINT's processes, never in our init's namespace
+        cfg = {"mode": "agent", "join": self.holder, "caps": caps_for("verifier", True), "user": "0",
+               "workdir": self.cfg.workdir}
         try:
             r = subprocess.run([self.runtime, "exec", "--user", "0:0", self.name, *self._python, json.dumps(cfg),
                                 "--", *argv], capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)

@@ -262,3 +262,23 @@ def test_a_sample_that_fills_the_disk_still_gets_its_verdict(dockerd, tmp_path):
                                  '[agent]\ntimeout_sec = 120\n')
     rows = _oracle(tmp_path, d)
     assert rows[0]["reward"] == 0.0 and rows[0]["evaluator_status"] == "fail", _why(rows)
+
+
+def test_the_healthcheck_is_waited_on_before_the_agent(dockerd, tmp_path):
+    """``[environment.healthcheck]``: run until it passes (Harbor's rule) before the agent starts.
+    Here it fails twice, starting a server the second time, then passes; the oracle finds the
+    server up at once. Without the wait the oracle ran first and found nothing."""
+    d = _task(tmp_path, "health", solve="""
+        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/')" && echo up > /app/seen
+        """, test="""
+        [ -f /app/seen ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+        """, base="python:3.11-slim")
+    check = ('n=$(cat /tmp/n 2>/dev/null || echo 0); echo $((n+1)) > /tmp/n; [ $n -ge 1 ] && '
+             '(setsid python3 -m http.server 8000 -d /tmp >/dev/null 2>&1 < /dev/null &); sleep 0.3; '
+             'python3 -c "import urllib.request as u; u.urlopen(\\"http://127.0.0.1:8000/\\")"')
+    (d / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n[agent]\ntimeout_sec = 120\n'
+                                 f"[environment.healthcheck]\ncommand = '{check}'\ninterval_sec = 0.5\n"
+                                 'start_period_sec = 5\nstart_interval_sec = 0.5\nretries = 5\n')
+    rows = _oracle(tmp_path, d)
+    assert rows[0]["reward"] == 1.0, _why(rows)
+    assert "healthcheck passed" in rows[0]["sandbox_notes"]
