@@ -339,6 +339,20 @@ def harbor_docker(get: Reader):
     return ", ".join(parts), get(f, "date"), CPU_BOX
 
 
+@figure("Multi-container tasks: service stand-ins built from Debian packages, and one task with redis, "
+        "postgres and nginx run by the oracle in a live trial",
+        command="`benchmarks/bench_service_standins.py`", page="service-standins")
+def service_standins(get: Reader):
+    f = "service_standins.json"
+    firsts = get(f, "first_build.seconds")
+    value = (f"trial reward {get(f, 'warm.trial.reward'):g} in {get(f, 'warm.trial.wall_s'):.0f} s; stand-ins "
+             f"{min(firsts.values()):.0f}-{max(firsts.values()):.0f} s built cold, "
+             + ", ".join(f"{i.split(':')[0]} {get(f, ('warm', 'images', i, 'seconds')):.0f} s"
+                         for i in ("redis:7", "postgres:16", "nginx:1.27"))
+             + " from the cache")
+    return value, get(f, "first_build.date"), f"{CPU_BOX}, load ~20"
+
+
 @figure("Public Harbor tasks in the local mode: tasks that load / tasks",
         command="`benchmarks/bench_harbor_tasks.py`", page="harbor-tasks")
 def harbor_tasks(get: Reader):
@@ -385,6 +399,16 @@ PAGES = {
     "front-page": "The front page's former \"Measured\" table (set-up, test suite and demo times among them)",
     "scripts": "The former script index (prefix sharing, the loop's schedule, Ray placement, docker: their write-ups)",
 }
+
+
+@figure("Run viewer: first paint of the run page in headless Chromium, 1,000 samples and 20,002 calls",
+        command="`benchmarks/bench_view.py`", page="view")
+def view(get: Reader):
+    f = "view.json"
+    value = (f"first contentful paint median {get(f, 'page.median_first_contentful_paint_ms'):.0f} ms "
+             f"(max {get(f, 'page.max_first_contentful_paint_ms'):.0f} ms of 5), every plot drawn "
+             f"{get(f, 'page.median_plots_drawn_ms'):.0f} ms; run.js {get(f, 'report.run_js_bytes') / 1e3:.0f} kB")
+    return value, get(f, "date"), f"{CPU_BOX}, load {get(f, 'load_average_1m.before'):.0f}"
 
 
 def _cell(s: str) -> str:
