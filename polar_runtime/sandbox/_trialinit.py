@@ -315,9 +315,31 @@ def _session_of(pid: str) -> int | None:
         return None
 
 
+def _parent_of(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _phase_processes(pid: int) -> list[int]:
+    """The session ``pid`` leads, and every descendant of its processes: a harness that starts its
+    tools in sessions of their own (setsid, detached spawns) still has them as its children while
+    it lives (a timed-out agent's tool ran on after the sweep of its session alone)."""
+    procs = {int(n): (_session_of(n), _parent_of(n)) for n in os.listdir("/proc") if n.isdigit()}
+    out = {p for p, (sid, _) in procs.items() if sid == pid}
+    grew = True
+    while grew:
+        more = {p for p, (_, ppid) in procs.items() if ppid in out and p not in out}
+        out |= more
+        grew = bool(more)
+    return sorted(out)
+
+
 def _sweep(pid: int, everything: bool = False) -> int:
-    """SIGKILL the session ``pid`` leads (a phase's command and what it started without leaving
-    the session), or with ``everything`` every process in the PID namespace ``pid`` is PID 1 of
+    """SIGKILL the session ``pid`` leads (a phase's command and what it started, in that session or
+    as its descendants; a server it left by daemonizing, reparented, stays), or with ``everything`` every process in the PID namespace ``pid`` is PID 1 of
     (the verifier's: it ends with it); how many."""
     if everything:
         try:
@@ -327,7 +349,7 @@ def _sweep(pid: int, everything: bool = False) -> int:
             return 0
     n = 0
     for _ in range(50):
-        left = [int(name) for name in os.listdir("/proc") if name.isdigit() and _session_of(name) == pid]
+        left = _phase_processes(pid)
         if not left:
             break
         for p in left:  # noqa: B007
