@@ -4,7 +4,7 @@ Per harness and task: the model calls, the exact-merge rate with every non-exact
 named, the reward from the task's own verifier, the wall time, and where the time goes
 (environment start, harness start-up, model, the rest of the agent phase: tools and the
 harness's own work, verifier). The 0.5B rarely solves anything: this measures the path, not the
-model. Writes ``results/harness_images.json``; ``benchmarks/harness-images.md`` holds the table.
+model. Writes ``results/harness_images.json``; ``benchmarks/history/harness-images.md`` holds the table.
 
 Tasks (Harbor format, public sources, all in the repository or generated): the swe-mini examples
 (``FROM python:3.11-slim``: the image where Pi ended with ``env: 'node': No such file or
@@ -153,7 +153,7 @@ def time_split(row: dict, calls: list[dict], env_start_s: float, agent_t0: float
 
 
 def table(results: list[Path]) -> str:
-    """The markdown table of benchmarks/harness-images.md, from one or more result files."""
+    """The markdown table of benchmarks/history/harness-images.md, from one or more result files."""
     rows = [row for p in results for row in json.loads(p.read_text())["rows"]]
     out = ["| harness | task (image) | calls (ok) | exact merges | non-exact causes | reward | wall s "
            "| env start | start-up | model | tools+harness | verifier | status |", "|" + "---|" * 13]

@@ -339,6 +339,21 @@ def harbor_docker(get: Reader):
     return ", ".join(parts), get(f, "date"), CPU_BOX
 
 
+@figure("Real harnesses inside task images (the 0.5B through docker; one sample a harness and image): "
+        "samples that reached the model, and exact merges",
+        command="`benchmarks/bench_harness_images.py`", page="harness-images")
+def harness_images(get: Reader):
+    f = "harness_images.json"
+    rows = get(f, "rows")
+    reached = [r for r in rows if r["calls"] > 0]
+    merges = sum(r["merge"]["merges"] for r in rows)
+    exact = sum(r["merge"]["exact"] for r in rows)
+    names = sorted({r["harness"] for r in reached})
+    value = (f"{len(reached)}/{len(rows)} samples reached the model ({', '.join(names)}); "
+             f"{exact}/{merges} merges exact; incomplete (see the page)")
+    return value, get.committed(f, "2026-12-07 06:54", "6119fa093a64"), CPU_BOX
+
+
 @figure("Multi-container tasks: service stand-ins built from Debian packages, and one task with redis, "
         "postgres and nginx run by the oracle in a live trial",
         command="`benchmarks/bench_service_standins.py`", page="service-standins")

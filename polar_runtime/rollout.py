@@ -471,6 +471,18 @@ def plan(cfg: RolloutConfig, store: ResultStore) -> tuple[list[Job], list[dict[s
     return todo, done
 
 
+def rerun_if_nothing_to_learn(cfg: RolloutConfig, store: ResultStore) -> frozenset[str]:
+    """``cfg.rerun`` widened to failed and timed-out samples when the step's stored results are
+    what ``failure_summary`` refuses (every one failed or timed out, no model call captured: a vLLM
+    that died, a harness that could not start). Reused, they failed the resumed loop again in 0.3 s
+    and only ``--fresh`` got past them (the walk of docs/getting-started.md)."""
+    stored = [row for task in cfg.tasks for i in range(cfg.samples)
+              if (row := store.done(sample_key(task.id, cfg.step, i))) is not None]
+    if stored and failure_summary(stored, cfg.preset.name):
+        return cfg.rerun | {"failed", "timeout"}
+    return cfg.rerun
+
+
 def next_attempt(cfg: RolloutConfig, task_id: str, sample: int) -> int:
     attempt = cfg.first_attempt
     while session_capture_files(cfg.capture_dir, session_id_for(task_id, cfg.step, sample, attempt)):

@@ -252,6 +252,7 @@ class LocalPlacement:
                                concurrency=self.cfg.harness.concurrency, timeout=self.cfg.resolved_timeout(), step=step,
                                sandbox=self.cfg.sandbox.backend, pids=self.cfg.sandbox.pids,
                                allow_internet=self.cfg.sandbox.allow_internet)
+        rcfg.rerun = r.rerun_if_nothing_to_learn(rcfg, r.ResultStore(rcfg.capture_dir))  # a resumed failed step
         with self.tl.phase(f"rollout {step}", f"{self.preset.name} x {len(task_ids)} groups x {rcfg.samples} samples, "
                            f"policy v{policy_version}") as ph:
             rows = phases.run_rollouts(rcfg, self.proxy.control, self.stop_event, f"rollout {step}").to_dicts()

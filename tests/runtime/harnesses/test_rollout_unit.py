@@ -330,3 +330,21 @@ def test_result_stores_of_concurrent_groups_gather_at_once(tmp_path):
     for t in threads:
         t.join()
     assert not errors and pl.read_parquet(tmp_path / r.ROLLOUTS_FILE).height == 1
+
+
+def test_a_step_with_nothing_to_learn_from_runs_again_on_resume(tmp_path):
+    """A loop step whose samples all failed with no model call (a vLLM that died) stops the loop;
+    its stored results must not be reused by the resumed loop (they failed it again in 0.3 s, and
+    only --fresh got past them). A step with a sample that reached the model keeps its results."""
+    crashy = make_cfg(tmp_path / "a", [TASKS[3]], samples=2)
+    r.run_rollout(crashy)
+    store = r.ResultStore(crashy.capture_dir)
+    assert r.failure_summary(store.rows(), "generic") and r.plan(crashy, store)[0] == []
+    crashy.rerun = r.rerun_if_nothing_to_learn(crashy, store)
+    assert [j.sample for j in r.plan(crashy, store)[0]] == [0, 1]
+
+    good = make_cfg(tmp_path / "b", [TASKS[0]], samples=2)
+    r.run_rollout(good)
+    store = r.ResultStore(good.capture_dir)
+    assert r.failure_summary(store.rows(), "generic") is None
+    assert r.rerun_if_nothing_to_learn(good, store) == frozenset()
