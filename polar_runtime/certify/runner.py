@@ -187,10 +187,17 @@ def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Calla
         phase("start", t)
         base = placement.server.base_url
         report["vllm_version"] = vllm_version(base)
-        with contextlib.suppress(Exception):
-            from polar_training.push_probe import served_dtype
+        # the dtype vLLM computes in: the one `polar serve` starts it with (float32 on CPU, bf16 on a
+        # GPU); a server someone else runs is asked (dev mode's /server_info, else its model's config,
+        # which for a bf16 checkpoint served in float32 says bf16: measured, not graded)
+        if upstream:
+            with contextlib.suppress(Exception):
+                from polar_training.push_probe import served_dtype
 
-            dtype = served_dtype(base) or "float32"
+                dtype = served_dtype(base) or "float32"
+        else:
+            dtype = "bfloat16" if placement.server.gpu else "float32"
+        report["served_dtype"] = dtype
         ids = placement.task_ids()
         t = time.monotonic()
         try:
