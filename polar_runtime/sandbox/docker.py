@@ -109,12 +109,7 @@ class DockerSandbox(Sandbox):
         if spec.userns_caps:
             for cap in USERNS_CAPS:
                 a += ["--cap-add", cap]
-        if spec.pids:
-            a += ["--pids-limit", str(spec.pids)]
-        if spec.memory_mb:
-            a += ["--memory", f"{spec.memory_mb}m", "--memory-swap", f"{spec.memory_mb}m"]
-        if spec.cpus:
-            a += ["--cpus", f"{spec.cpus:g}"]
+        a += limit_flags(spec.pids, spec.memory_mb, spec.cpus)
         from polar_runtime.sandbox.quotaroot import size_for, storage_opt_supported
 
         if spec.disk_mb and storage_opt_supported(self.runtime):  # its writable layer (quotaroot.py)
@@ -368,6 +363,19 @@ def oom_kills_of(runtime: str, name: str) -> int | None:
         except (OSError, ValueError):
             return None
     return None
+
+
+def limit_flags(pids: int | None, memory_mb: int | None, cpus: float | None) -> list[str]:
+    """``docker run``'s flags for the process, memory (swap included: none beyond it) and CPU
+    limits, each only when set; the same for a phase, a live trial and its services."""
+    a: list[str] = []
+    if pids:
+        a += ["--pids-limit", str(pids)]
+    if memory_mb:
+        a += ["--memory", f"{memory_mb}m", "--memory-swap", f"{memory_mb}m"]
+    if cpus:
+        a += ["--cpus", f"{cpus:g}"]
+    return a
 
 
 def _with_env(spec: SandboxSpec, env: dict[str, str]) -> SandboxSpec:

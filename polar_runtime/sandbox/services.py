@@ -67,12 +67,9 @@ class Services:
              "--label", f"org.polar.trial={main}", "--label", f"org.polar.service={svc.name}"]
         for cap in self.caps:
             a += ["--cap-add", cap]
-        if self.pids:
-            a += ["--pids-limit", str(self.pids)]
-        if self.memory_mb:
-            a += ["--memory", f"{self.memory_mb}m", "--memory-swap", f"{self.memory_mb}m"]
-        if self.cpus:
-            a += ["--cpus", f"{self.cpus:g}"]
+        from polar_runtime.sandbox.docker import limit_flags
+
+        a += limit_flags(self.pids, self.memory_mb, self.cpus)
         if self.disk_mb:  # what it writes outside its binds, as the main container (quotaroot.py)
             from polar_runtime.sandbox.quotaroot import size_for, storage_opt_supported
 

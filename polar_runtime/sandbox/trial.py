@@ -198,12 +198,9 @@ class LiveTrial:
         # drops them; in the container's own user namespace where the daemon remaps)
         for cap in [*PACKAGE_CAPS, *INIT_CAPS]:
             a += ["--cap-add", cap]
-        if cfg.pids:
-            a += ["--pids-limit", str(cfg.pids)]
-        if cfg.memory_mb:
-            a += ["--memory", f"{cfg.memory_mb}m", "--memory-swap", f"{cfg.memory_mb}m"]
-        if cfg.cpus:
-            a += ["--cpus", f"{cfg.cpus:g}"]
+        from polar_runtime.sandbox.docker import limit_flags
+
+        a += limit_flags(cfg.pids, cfg.memory_mb, cfg.cpus)
         a += ["--tmpfs", f"/tmp:size={cfg.disk_mb or 1024}m,exec,nosuid,nodev"]
         from polar_runtime.sandbox.quotaroot import size_for, storage_opt_supported
 
