@@ -230,7 +230,7 @@ def rollout_command(
         help="docker/podman: the agent holds the package manager's capabilities and reaches the package "
              "registries, as Harbor's agents do (--no-agent-privileges: neither).")] = True,
     separate_verifier: Annotated[bool, typer.Option(
-        help="docker/podman: every task's verifier in a fresh environment of its own, as [verifier] "
+        help="docker/podman: every task's verifier in a fresh environment of its own, as \\[verifier] "
              "environment_mode = \"separate\" asks (nothing the agent did outside its artifacts reaches it).")] = False,
 ) -> None:
     """Run a harness N times per task through the proxy; evaluate; write <capture_dir>/rollouts.parquet.

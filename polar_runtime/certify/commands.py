@@ -43,8 +43,8 @@ def cells_of(harnesses: list[str], models: list[str], shard: tuple[int, int]) ->
 
 
 def certify_command(
-    config: Annotated[Optional[Path], typer.Argument(help="A `polar loop` TOML file: its [model], [harness], [sandbox] "
-                                                     "and [sampling] keys are used (tasks and training are certify's own).")] = None,
+    config: Annotated[Optional[Path], typer.Argument(help="A `polar loop` TOML file: its \\[model], \\[harness], \\[sandbox] "
+                                                     "and \\[sampling] keys are used (tasks and training are certify's own).")] = None,
     harness: Annotated[Optional[list[str]], typer.Option("--harness", help="Harness preset (repeat for several; "
                                                          "default: the config's, else pi-chat).")] = None,
     model: Annotated[Optional[list[str]], typer.Option("--model", help="Polar model name or model directory (repeat "
