@@ -22,8 +22,8 @@ sys.path.insert(0, str(REPO))
 
 
 def main() -> None:
-    from polar_runtime.sandbox import standin
-    from polar_runtime.sandbox.dockerd import PrivateDockerd
+    from polar_trial.sandbox import standin
+    from polar_trial.sandbox.dockerd import PrivateDockerd
     from polar_runtime.task_commands import check_tasks, load_for_check
 
     cold = "--cold" in sys.argv
@@ -41,7 +41,7 @@ def main() -> None:
         for image in ("ubuntu:24.04", "python:3.11-slim"):
             r = standin.ensure_image(image)
             out["images"][image] = {"stand_in": r["stand_in"], "rootfs_build_s": r["build_s"], "import_s": r["import_s"]}
-        for ds in ("polar_runtime/tasks/coding", "tests/fixtures/harbor-no-python"):
+        for ds in ("polar_trial/tasks/coding", "tests/fixtures/harbor-no-python"):
             tasks, refused = load_for_check(str(REPO / ds))
             t0 = time.monotonic()
             with tempfile.TemporaryDirectory() as tmp:

@@ -134,10 +134,10 @@ def build(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import tempfile
 
-    from polar_runtime.sandbox import get_sandbox
-    from polar_runtime.tasks import imagebuild
-    from polar_runtime.tasks.environment import apply_steps
-    from polar_runtime.tasks.harbor import load_task_dir
+    from polar_trial.sandbox import get_sandbox
+    from polar_trial.tasks import imagebuild
+    from polar_trial.tasks.environment import apply_steps
+    from polar_trial.tasks.harbor import load_task_dir
 
     sb = get_sandbox("docker")
     out = []

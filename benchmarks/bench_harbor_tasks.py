@@ -51,7 +51,7 @@ def cause(reason: str) -> str:
 OLD = """
 import json, sys
 from pathlib import Path
-from polar_runtime.tasks import load_tasks
+from polar_trial.tasks import load_tasks
 out = {}
 for d in sys.argv[1:]:
     try:

@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 from polar_core.schema import SESSIONS_SUBDIR, read_capture_lines  # noqa: E402
 from polar_runtime import harnesses as h  # noqa: E402
 from polar_runtime import rollout as r  # noqa: E402
-from polar_runtime.tasks import load_tasks  # noqa: E402
+from polar_trial.tasks import load_tasks  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "harness_images.json"
 ALL = ["pi-chat", "codex", "claude-code", "opencode", "qwen-code", "gemini"]
@@ -187,8 +187,8 @@ def main() -> None:
 
     from polar_proxy.process import ProxyProcess
     from polar_runtime import models
-    from polar_runtime.sandbox import trial as trial_mod
-    from polar_runtime.sandbox.dockerd import PrivateDockerd
+    from polar_trial.sandbox import trial as trial_mod
+    from polar_trial.sandbox.dockerd import PrivateDockerd
     from polar_runtime.serve import VLLMServer
 
     stack = contextlib.ExitStack()

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from polar_runtime.sandbox import SandboxSpec, get_sandbox  # noqa: E402
+from polar_trial.sandbox import SandboxSpec, get_sandbox  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sandbox_startup.json"
 

@@ -1,5 +1,5 @@
 """Issue #54's service stand-ins, for real: redis, postgres and nginx built from Debian packages
-(``polar_runtime/sandbox/servicestandin.py``), then one multi-container task with all three run by
+(``polar_trial/sandbox/servicestandin.py``), then one multi-container task with all three run by
 the oracle through the live trial (``sandbox/services.py``): redis answers PING, postgres accepts
 the task's POSTGRES_USER/PASSWORD/DB over TCP, nginx serves its default page, each reached by its
 service name from the main container. Written as JSON to benchmarks/results/service_standins.json.
@@ -76,10 +76,10 @@ def task_dir(root: Path) -> Path:
 def main() -> None:
     from polar_runtime import rollout as r
     from polar_runtime.harnesses import Endpoint, get_preset
-    from polar_runtime.sandbox import standin
-    from polar_runtime.sandbox.dockerd import PrivateDockerd
-    from polar_runtime.sandbox.servicestandin import ensure_service_image, service_plan
-    from polar_runtime.tasks import load_tasks
+    from polar_trial.sandbox import standin
+    from polar_trial.sandbox.dockerd import PrivateDockerd
+    from polar_trial.sandbox.servicestandin import ensure_service_image, service_plan
+    from polar_trial.tasks import load_tasks
 
     cold = "--cold" in sys.argv
     if cold:

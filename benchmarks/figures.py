@@ -323,6 +323,8 @@ def sandbox(get: Reader):
         command="`benchmarks/bench_docker.py`", page="scripts")
 def docker(get: Reader):
     f = "docker_tasks.json"
+    # the built-in dataset under the path it had when this was measured (polar_trial/tasks/coding since
+    # issue 51; bench_docker.py writes that key on its next run, with the new date and hash below)
     c = "warm.tasks_check.polar_runtime/tasks/coding"
     value = (f"{get(f, c + '.passed')}/{get(f, c + '.tasks')} tasks pass in {get(f, c + '.wall_s'):.0f} s; "
              f"dockerd starts in {get(f, 'warm.dockerd_start_s'):.1f} s")

@@ -25,6 +25,7 @@ from polar_runtime.cluster import commands as cluster_commands
 from polar_runtime.loop import commands as loop_commands
 from polar_runtime.view import commands as view_commands
 from polar_training import commands as training_commands
+from polar_trial import commands as trial_commands
 
 #: The panels of `polar --help`, in the order shown, each with its commands in the order shown.
 #: A new command: add its name here (`certify` and `view` are named ahead of their code).
@@ -86,6 +87,7 @@ loop_commands.register(app)  # loop
 cluster_commands.register(app)  # cluster gather (Ray imported when it runs)
 certify_commands.register(app)  # certify (a harness x model fit to train on?)
 view_commands.register(app)  # view (the run viewer)
+trial_commands.register(app)  # docker start|stop|status|env|stand-in
 
 
 @app.command()

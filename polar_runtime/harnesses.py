@@ -32,7 +32,7 @@ from typing import Callable, Literal
 
 from polar_core import paths
 from polar_core.processes import file_lock, kill_group
-from polar_runtime import cancel
+from polar_core import cancel
 
 Mode = Literal["base_url", "proxy"]
 MODES: tuple[Mode, ...] = ("base_url", "proxy")
@@ -265,9 +265,9 @@ def _write_home(home: Path, path: Path, text: str) -> None:
     """Write a harness's config file under its isolated HOME. HOME is the sample's: on a follow-up
     turn any dir or file on the way may be a link the last turn planted (``~/.codex`` ->
     ``/root/.ssh``); ``hostfs`` walks it without following one and replaces, never writes through."""
-    from polar_runtime.sandbox.hostfs import write_bytes
+    from polar_trial import hostfs
 
-    write_bytes(home, path, text.encode())
+    hostfs.write_bytes(home, path, text.encode())
 
 
 def _write_json(home: Path, path: Path, data: object) -> None:
@@ -668,7 +668,7 @@ def run_invocation(inv: Invocation, timeout: float, log_dir: Path, name: str = "
                    sandbox: object | None = None, spec: object | None = None) -> RunResult:
     """Run headless (stdin closed) in its own process group; a hard timeout kills the whole group.
 
-    With ``sandbox`` (a polar_runtime.sandbox.Sandbox) and its ``spec``, the invocation runs in it:
+    With ``sandbox`` (a polar_trial.sandbox.Sandbox) and its ``spec``, the invocation runs in it:
     argv and env as prepared, the timeout the spec's; ``RunResult.notes`` are the sandbox's."""
     log_dir.mkdir(parents=True, exist_ok=True)
     out_p, err_p = log_dir / f"{name}.stdout", log_dir / f"{name}.stderr"

@@ -2,7 +2,7 @@
 
 Each sample gets its own session id (``<task>.st<step>.s<sample>``), work dir and HOME; the proxy
 captures its calls under that id (the task/group ids are registered through the proxy's control
-API before the harness starts). Every phase of a sample runs in a sandbox (polar_runtime/sandbox,
+API before the harness starts). Every phase of a sample runs in a sandbox (polar_trial/sandbox,
 ``auto``: bubblewrap where it is installed):
 
 1. build: the task's environment (its Dockerfile, or the JSONL shorthand's files and setup) is built
@@ -13,7 +13,7 @@ API before the harness starts). Every phase of a sample runs in a sandbox (polar
    so base-URL and HTTPS_PROXY modes work unchanged), whatever task.toml says of ``allow_internet``;
    after the harness ends -- or is killed for the timeout, in which case its partial trace is kept
    and the sample is marked ``timeout`` -- every process it left is gone;
-3. verifier (polar_runtime/verifier.py): the hidden tests, copied only now to ``/tests``, run in a
+3. verifier (polar_trial/verifier.py): the hidden tests, copied only now to ``/tests``, run in a
    sandbox of their own; the float test.sh writes to /logs/verifier/reward.txt is the reward (null
    with ``evaluator_status`` error/timeout when it could not give one: recorded, never fatal).
 
@@ -40,15 +40,15 @@ from typing import Any, Callable, Iterator
 
 import polars as pl
 
-from polar_core import paths
+from polar_core import cancel, paths
 from polar_core.schema import SESSIONS_SUBDIR, read_capture_lines, valid_session_id
-from polar_runtime import cancel, steprun
 from polar_runtime.harnesses import Endpoint, Preset, Session, run_invocation, terminate_all
-from polar_runtime.sandbox.harnessruntime import bring_runtime
-from polar_runtime.tasks import TASKS_DIR, Task, builtin_sets, load_tasks, resolve_tasks_path, task_from_dict  # noqa: F401
-from polar_runtime.tasks.environment import BuildError, build_env, prepare_workdir
-from polar_runtime.tasks.imagebuild import task_image
-from polar_runtime.verifier import Evaluation, verify  # noqa: F401
+from polar_runtime.harnessruntime import bring_runtime
+from polar_trial import (TASKS_DIR, BuildError, Evaluation, Task, begin_step, build_env, builtin_sets,  # noqa: F401
+                         finish_steps, load_tasks, open_live_trial, phase_spec, prepare_workdir, resolve_tasks_path,
+                         run_step_setup, seal_sample_dir, separate_verifier, task_from_dict, task_image, verify,
+                         verify_step)
+
 ROLLOUTS_SUBDIR = "rollouts"
 ROLLOUTS_FILE = "rollouts.parquet"
 
@@ -88,7 +88,7 @@ ROLLOUT_SCHEMA: dict[str, pl.DataType] = {
 
 
 # ---------------------------------------------------------------------------------------------
-# tasks (polar_runtime/tasks: Harbor directories and the JSONL shorthand, one Task object)
+# tasks (polar_trial/tasks: Harbor directories and the JSONL shorthand, one Task object)
 
 
 def builtin_tasks() -> list[Path]:
@@ -413,18 +413,18 @@ class RolloutConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     settle_s: float = 5.0  # how long to wait for in-flight calls to reach the captures after a run
     rerun: frozenset[str] = frozenset()  # statuses whose samples run again (e.g. {"failed"} after an outage)
-    #: the sandbox backend of every phase (polar_runtime.sandbox.get_sandbox): auto, bubblewrap,
+    #: the sandbox backend of every phase (polar_trial.sandbox.get_sandbox): auto, bubblewrap,
     #: docker, or host (no isolation at all: tests with a fake harness that writes outside)
     sandbox: str = "auto"
     pids: int | None = 4096  # the most processes alive at once in one sample's sandbox
-    #: container backends run each sample as one live environment (``sandbox/trial.py``); False
+    #: container backends run each sample as one live environment (``polar_trial/sandbox/trial.py``); False
     #: denies the agent phase the package manager's capabilities and the registries there
     agent_privileged: bool = True
     #: the verifier in a fresh environment of its own for every task, as ``[verifier]
-    #: environment_mode = "separate"`` asks (``sandbox/trial.py: separate_verifier``)
+    #: environment_mode = "separate"`` asks (``polar_trial/sandbox/trial.py: separate_verifier``)
     separate_verifier: bool = False
     #: a task's ``allow_internet = true`` opens its agent phase to public hosts through the egress
-    #: proxy (``sandbox/egress.py``: public addresses only) only when the run sets this; off, the
+    #: proxy (``polar_trial/sandbox/egress.py``: public addresses only) only when the run sets this; off, the
     #: agent reaches the model (and, in a live trial, the registries) and nothing else
     allow_internet: bool = False
     #: the lowest attempt number of a session id (``.r<n>``): a sample re-run on another machine after
@@ -439,7 +439,7 @@ class RolloutConfig:
     def get_sandbox(self) -> Any:
         """The sandbox backend, resolved once (SandboxUnavailable says why it cannot run here)."""
         if self._sandbox is None:
-            from polar_runtime.sandbox import get_sandbox
+            from polar_trial import get_sandbox
 
             self._sandbox = get_sandbox(self.sandbox)
         return self._sandbox
@@ -502,10 +502,8 @@ def _loopback_port(url: str) -> int | None:
 
 def agent_spec(cfg: RolloutConfig, task: Task, workdir_host: Path, home: Path, timeout: float,
                image: str | None = None) -> Any:
-    """The sandbox of the agent phase (also the oracle's and nop's: exactly the same)."""
-    from polar_runtime.sandbox import SandboxSpec
-    from polar_runtime.sandbox.publicnet import PUBLIC
-
+    """The sandbox of the agent phase (also the oracle's and nop's: exactly the same; ``phase_spec``),
+    with what this harness needs: its install, the proxy's CA, the model's port relayed inside."""
     ro: list[tuple[Path, str]] = []
     ep = cfg.endpoint
     needs_model = getattr(cfg.preset, "needs_model", True)
@@ -521,9 +519,8 @@ def agent_spec(cfg: RolloutConfig, task: Task, workdir_host: Path, home: Path, t
     network = needs_model and port is None
     internet = bool(task.allow_internet and getattr(cfg, "allow_internet", False)) and not network \
         and not (needs_model and ep.mode == "proxy")
-    return SandboxSpec(workdir_host=workdir_host, workdir=task.workdir, home_host=home, ro_binds=ro,
-                       network=network, proxy_port=port, **task.limits(cfg.pids), timeout_s=timeout,
-                       image=image or task.image, egress=(PUBLIC,) if internet else ())
+    return phase_spec(task, workdir_host, home, timeout, pids=cfg.pids, image=image, ro_binds=ro, network=network,
+                      proxy_port=port, internet=internet)
 
 
 def _map_binds(inv: Any, spec: Any, sandbox: Any) -> None:
@@ -544,25 +541,6 @@ def run_sample(cfg: RolloutConfig, job: Job, registry: SessionRegistry) -> dict[
     if note:
         row["sandbox_notes"] = "\n".join(n for n in (row.get("sandbox_notes"), note) if n)
     return row
-
-
-def seal_sample_dir(sample_dir: Path) -> str | None:
-    """After the sample's last phase: links its phases (or the task) left that resolve outside the
-    sample's dir are removed (``hostfs.drop_outside_links``), and said. Nothing of Polar follows
-    them, but a user's ``cp -L``, ``tar -h`` or upload of the run dir would read the host's files.
-    Links that stay inside (a task's relative ones) are kept. A venv's absolute ``bin/python`` link
-    goes too: the sample is done, and the phases needed it only while they ran."""
-    from polar_runtime.sandbox.hostfs import drop_outside_links
-
-    if not sample_dir.is_dir() or sample_dir.is_symlink():
-        return None
-    try:
-        n, names = drop_outside_links(sample_dir)
-    except OSError as exc:
-        return f"links out of the sample's dir could not all be checked: {exc}"
-    if not n:
-        return None
-    return f"{n} link(s) pointing outside the sample's dir removed from the run dir: {', '.join(names)}"
 
 
 def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
@@ -588,7 +566,7 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
         sandbox = cfg.get_sandbox()
         row["sandbox"] = sandbox.name
         notes += prepare_workdir(task, workdir, sandbox, cfg.work / ".builds")
-        # a container backend runs every phase in the task's built image (``tasks/imagebuild.py``)
+        # a container backend runs every phase in the task's built image (``polar_trial/tasks/imagebuild.py``)
         image = task_image(task, sandbox)
         trial = live_trial(cfg, task, sandbox, image, workdir, stack)
     except Exception as exc:  # noqa: BLE001 - no sandbox, a build that fails: this sample failed, visibly
@@ -613,7 +591,7 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
     wall = 0.0
     # follow-ups are user turns for a model; the oracle and nop act once
     turns = [task.instruction, *(task.followups if getattr(cfg.preset, "needs_model", True) else [])]
-    steps: list[Any] = []  # a multi-step task (polar_runtime/steprun.py): its steps are its turns
+    steps: list[Any] = []  # a multi-step task (polar_trial/steprun.py): its steps are its turns
     if task.steps:
         turns = [st.instruction for st in task.steps]
     task_env = {k: v for k, v in build_env(task).items() if k != "PATH" or "PATH" in task.environment.env}  # type: ignore[union-attr]
@@ -628,7 +606,7 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
             # a spec the sandbox refuses (a task's WORKDIR at /run/...) fails this sample, not the rollout
             step = task.steps[turn] if task.steps else None
             if step is not None:  # each step its own agent timeout, as Harbor's
-                notes += steprun.begin_step(task, step, workdir, solution)
+                notes += begin_step(task, step, workdir, solution)
                 limit = wall + (step.agent_timeout or task.timeout or cfg.timeout)
             spec = agent_spec(cfg, task, workdir, home, max(1.0, limit - wall), image)
             session = Session(session_id=sid, task=text, workdir=Path(sandbox.inside(spec, workdir)), home=home,
@@ -640,7 +618,7 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
             if brought:
                 notes.append(brought)
             box = trial.view("agent", passwd_home=not getattr(cfg.preset, "needs_model", True)) if trial else sandbox
-            failed_setup = steprun.run_setup(step, box, spec, workdir, logs) if step is not None else None
+            failed_setup = run_step_setup(step, box, spec, workdir, logs) if step is not None else None
             if failed_setup:
                 raise RuntimeError(failed_setup)
             result = run_invocation(inv, max(1.0, limit - wall), logs, name, sandbox=box, spec=spec)
@@ -665,7 +643,7 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
             row["error"] = (result.tail(600).strip()[-600:] or f"exit code {result.returncode}") + at
         if step is not None:  # the step's tests, in the same environment; min_reward may stop the rest
             vbox = trial.view("verifier", passwd_home=True) if trial else sandbox
-            res, step_notes = steprun.verify_step(
+            res, step_notes = verify_step(
                 task, step, row["status"], sandbox=vbox, sample_dir=sample_dir, workdir=workdir, logs=logs,
                 image=image, timeout=cfg.eval_timeout, facts={"session": sid, "task_id": task.id,
                                                               "status": row["status"]})
@@ -684,14 +662,12 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
         row["error"] = f"{row['error']}; {note}" if row["error"] else note
     assert result is not None
     if task.steps:  # the trial's reward, from its steps' (Harbor's multi_step_reward_strategy)
-        steprun.finish(row, task, steps, sample_dir)
+        finish_steps(row, task, steps, sample_dir)
         row["sandbox_notes"] = "\n".join(dict.fromkeys(notes))
         row["calls"], row["error_calls"], row["prompt_tokens"], row["sampled_tokens"] = capture_stats(cfg.capture_dir, sid)
         return row
     vbox, vwork = (trial.view("verifier", passwd_home=True) if trial else sandbox), workdir  # the trial's environment
     if trial and (task.verifier_separate or cfg.separate_verifier):
-        from polar_runtime.sandbox.trial import separate_verifier
-
         vwork = sample_dir / "verifier-work"
         vt = separate_verifier(sandbox, trial.cfg, workdir, lambda d: prepare_workdir(task, d, sandbox, cfg.work / ".builds"),
                                task.artifacts, vwork, trial)
@@ -712,26 +688,10 @@ def _run_sample_phases(cfg: RolloutConfig, job: Job, registry: SessionRegistry,
 
 def live_trial(cfg: RolloutConfig, task: Task, sandbox: Any, image: str | None, workdir: Path,
                stack: contextlib.ExitStack | None) -> Any:
-    """The sample's live environment on a container backend (``sandbox/trial.py``: created at the
-    first agent phase, removed when ``stack`` closes); None where phases run in sandboxes of their own."""
-    from polar_runtime.sandbox.egress import registries
-    from polar_runtime.sandbox.trial import LiveTrial, TrialConfig, task_healthcheck, uses_live_trial
-    from polar_runtime.tasks.compose import service_image
-
-    if stack is None or not image or not uses_live_trial(sandbox):
-        if task.compose is not None and task.compose.services:
-            raise RuntimeError(f"a multi-container task needs a live trial (docker or podman), not {sandbox.name}")
-        return None
-    lim = task.limits(cfg.pids)
-    trial = LiveTrial(sandbox, TrialConfig(
-        image=image, workdir_host=workdir, workdir=task.workdir, pids=lim["pids"], memory_mb=lim["memory_mb"],
-        cpus=lim["cpus"], disk_mb=lim["disk_mb"], registries=registries(), agent_privileged=cfg.agent_privileged,
-        agent_user=task.agent_user, verifier_user=task.verifier_user,
-        agent_internet=bool(task.allow_internet and cfg.allow_internet),
-        services=task.compose, service_image=(lambda svc: service_image(task, svc, sandbox, cfg.work / ".builds")),
-        healthcheck=task_healthcheck(task)))
-    stack.callback(trial.stop)
-    return trial
+    """The sample's live environment on a container backend (``polar_trial.open_live_trial``), with
+    this run's limits and permissions; None where phases run in sandboxes of their own."""
+    return open_live_trial(task, sandbox, image, workdir, stack, pids=cfg.pids, builds=cfg.work / ".builds",
+                           agent_privileged=cfg.agent_privileged, allow_internet=cfg.allow_internet)
 
 
 def run_rollout(
@@ -777,7 +737,7 @@ def run_rollout(
         stop.set()
         pool.shutdown(wait=False, cancel_futures=True)
         terminate_all()
-        from polar_runtime.sandbox.base import terminate_all as terminate_sandboxed
+        from polar_trial import terminate_sandboxed
 
         terminate_sandboxed()
         pool.shutdown(wait=True)

@@ -181,12 +181,11 @@ def _no_model_stack(capture_dir: Path) -> Any:
 
 
 def register(app: typer.Typer) -> None:
-    from polar_runtime import docker_commands, task_commands
+    from polar_runtime import task_commands
 
     app.add_typer(harness_app, name="harness")
     app.command("rollout")(rollout_command)
     task_commands.register(app)  # tasks check|list|convert
-    docker_commands.register(app)  # docker start|stop|status|env|stand-in
 
 
 # ---------------------------------------------------------------------------------------------

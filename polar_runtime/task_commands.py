@@ -16,10 +16,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from polar_core.console import make_console
-from polar_runtime.failures import FAILED, from_notes
-#: the backends that build a task's image for real (tasks/imagebuild.py): their Dockerfiles are planned
-#: for that, not for the local mode's subset
-from polar_runtime.tasks.model import CONTAINER_BACKENDS
+#: CONTAINER_BACKENDS: the backends that build a task's image for real (polar_trial/tasks/imagebuild.py): their
+#: Dockerfiles are planned for that, not for the local mode's subset
+from polar_trial import CONTAINER_BACKENDS, FAILED, from_notes
 
 tasks_app = typer.Typer(no_args_is_help=True, help="Harbor task directories: check (oracle and nop), list, convert.")
 console = make_console()
@@ -38,7 +37,7 @@ def check_tasks(tasks: list[Any], *, work: Path, sandbox: str = "auto", concurre
     oracle scored 1, a nop that scored as high (tests that test nothing)."""
     from polar_runtime import rollout as r
     from polar_runtime.harnesses import Endpoint, get_preset
-    from polar_runtime.tasks.staticcheck import static_check
+    from polar_trial import static_check
 
     refusals: dict[str, str] = {}
     check_notes: dict[str, list[str]] = {}
@@ -136,8 +135,8 @@ def load_for_check(path: str, container: bool | str = False) -> tuple[list[Any],
     """The tasks of ``path`` that load, and a refused row for each that does not (a dataset
     directory never stops at its first bad task). Raises FileNotFoundError / ValueError only when
     ``path`` itself is not a task set."""
-    from polar_runtime import tasks as T
-    from polar_runtime.tasks.harbor import load_dataset_report
+    import polar_trial as T
+    from polar_trial import load_dataset_report
 
     p = T.resolve_tasks_path(path)
     if not p.is_dir():
@@ -163,7 +162,7 @@ def check_command(
     task that does not load), with the reason and the notes. Off a terminal every row is whole. Exit 1 when any task failed or was refused."""
     import json
 
-    from polar_runtime.tasks import resolve_tasks_path
+    from polar_trial import resolve_tasks_path
 
     try:
         tasks, refused = load_for_check(path, container=sandbox if sandbox in CONTAINER_BACKENDS else False)
@@ -218,7 +217,7 @@ def check_command(
 @tasks_app.command("list")
 def list_command(path: Annotated[str, typer.Argument(help="A task dir, dataset dir, JSONL file or built-in set.")] = "coding") -> None:
     """The tasks of a dataset: id, limits, whether it has a solution, and the first line of its instruction."""
-    from polar_runtime import tasks as T
+    import polar_trial as T
 
     try:
         tasks = T.load_tasks(path)
@@ -243,7 +242,7 @@ def convert_command(
 ) -> None:
     """Write each shorthand task as a Harbor task directory (task.toml, instruction.md, environment/,
     tests/test.sh, solution/solve.sh)."""
-    from polar_runtime.tasks import load_tasks, write_harbor_dir
+    from polar_trial import load_tasks, write_harbor_dir
 
     try:
         tasks = load_tasks(jsonl)

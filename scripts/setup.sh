@@ -56,7 +56,7 @@ if [ "$(id -u)" = 0 ] && { ! command -v dockerd >/dev/null 2>&1 || ! command -v 
     || { quiet apt-get update && quiet apt-get install -y --no-install-recommends docker.io tini debootstrap btrfs-progs; }; } \
     || die "cannot install docker.io, tini, debootstrap and btrfs-progs"
 fi
-# ---- 0c. what a harness brings into a task's image (sandbox/harnessruntime.py): patchelf for its
+# ---- 0c. what a harness brings into a task's image (polar_runtime/harnessruntime.py): patchelf for its
 # copy of node, fd-find for Pi's fd; busybox-static builds the no-libc test image
 if [ "$(id -u)" = 0 ] && { ! command -v patchelf >/dev/null 2>&1 || ! command -v fdfind >/dev/null 2>&1 \
      || ! command -v busybox >/dev/null 2>&1; }; then

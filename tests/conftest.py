@@ -44,7 +44,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if _jupyter_root:
         shutil.rmtree(_jupyter_root, ignore_errors=True)
     if os.geteuid() == 0:  # disk images of the polar processes tests killed mid-phase (kill -9 tests)
-        from polar_runtime.sandbox.loopdev import janitor
+        from polar_trial.sandbox.loopdev import janitor
 
         janitor()
 

@@ -114,7 +114,7 @@ def test_md_anchor_references_in_code_and_docs_resolve():
     """``benchmarks/README.md#x`` and the like, written in a docstring or a page, name a heading."""
     bad, checked = [], 0
     roots = ["README.md", "docs", "benchmarks", "scripts", "tests", "addon", "polar_core", "polar_analysis",
-             "polar_runtime", "polar_testing", "training", "notebooks"]
+             "polar_runtime", "polar_trial", "polar_testing", "training", "notebooks"]
     for root in roots:
         base = REPO / root
         files = [base] if base.is_file() else [p for p in base.rglob("*") if p.suffix in (".py", ".md", ".sh", ".toml")]

@@ -2,7 +2,8 @@
 
 Every package may import only the packages its row allows (``ALLOWED``): the shared contract
 (``polar_core``) nothing of ours; the proxy, the analysis, the trainer and the test tools only the
-contract; the runtime (with the ``polar`` CLI) anything. Checked twice:
+contract; the trial environment (``polar_trial``) only the contract; the runtime (with the ``polar``
+CLI) anything, the trial environment through its top-level package only (``TRIAL_INTERFACE``). Checked twice:
 
 * in the source, every ``import`` statement of every module, the ones inside functions too (a lazy
   import is a dependency all the same); ``if TYPE_CHECKING:`` blocks are left out, they never run;
@@ -34,10 +35,18 @@ ALLOWED: dict[str, set[str]] = {
     "polar_analysis": {"polar_core"},
     "polar_training": {"polar_core"},
     "polar_testing": {"polar_core"},
-    "polar_runtime": {"polar_core", "polar_proxy", "polar_analysis", "polar_training"},
+    "polar_trial": {"polar_core"},
+    "polar_runtime": {"polar_core", "polar_proxy", "polar_analysis", "polar_training", "polar_trial"},
 }
-#: Loaded by path by another program (vLLM, in its own venv): may import nothing of ours.
-STANDALONE = {"polar_runtime.lenient_tool_parser"}
+#: The runtime uses the trial environment through one small interface, ``polar_trial/__init__.py``'s
+#: names; these modules of the runtime may import a module of it, each for its reason.
+TRIAL_INTERFACE_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("polar_runtime.cli", "polar_trial.commands"):
+        "the CLI wires every area's commands from the area's own commands.py (polar docker is the trial's)",
+}
+#: Loaded by path by another program (vLLM, in its own venv; a sandbox's Python, in the task's image):
+#: may import nothing of ours.
+STANDALONE = {"polar_runtime.lenient_tool_parser", "polar_trial.sandbox._init", "polar_trial.sandbox._trialinit"}
 #: Not imported in the fresh interpreters: running them is their purpose (or they need vLLM).
 NOT_IMPORTED = STANDALONE | {"polar_training.__main__"}
 
@@ -121,6 +130,19 @@ def test_no_forbidden_import_in_the_source():
             if name in STANDALONE or (top != own and top not in ALLOWED[own]):
                 bad.append(f"{mods[name].relative_to(REPO)}:{line}: {name} imports {target}")
     assert not bad, "imports the layers forbid (docs/architecture.md, Layout):\n" + "\n".join(bad)
+
+
+def test_the_runtime_uses_the_trial_environment_through_its_top_level_package_only():
+    bad = []
+    mods = modules()
+    for name, targets in graph().items():
+        if name.split(".")[0] != "polar_runtime":
+            continue
+        for target, line in targets.items():
+            if target.startswith("polar_trial.") and (name, target) not in TRIAL_INTERFACE_EXCEPTIONS:
+                bad.append(f"{mods[name].relative_to(REPO)}:{line}: {name} imports {target}")
+    assert not bad, ("the runtime imports polar_trial's modules, not its interface (export the name from "
+                     "polar_trial/__init__.py, or name the exception in TRIAL_INTERFACE_EXCEPTIONS):\n" + "\n".join(bad))
 
 
 def test_no_import_cycles():

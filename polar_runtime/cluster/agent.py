@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from polar_runtime import cancel
+from polar_core import cancel
 
 
 @dataclass
@@ -46,7 +46,7 @@ class AgentSpec:
 
     node_id: str
     node_dir: str  # absolute; the agent works in <node_dir>/<node_id>
-    tasks: dict[str, Any]  # task id -> polar_runtime.tasks.Task (shorthand tasks travel whole)
+    tasks: dict[str, Any]  # task id -> polar_trial.tasks.Task (shorthand tasks travel whole)
     harness: str
     command: str = ""  # the generic preset's template
     served_model: str = ""

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
-from polar_runtime import cancel
+from polar_core import cancel
 
 from .config import LoopConfig
 
@@ -311,7 +311,7 @@ class LocalPlacement:
         return scope
 
     def cancel_group(self, step: int, task_id: str) -> dict[str, Any]:
-        """Stop a dropped straggler group now (``polar_runtime/cancel.py``): its harnesses and sandboxes
+        """Stop a dropped straggler group now (``polar_core/cancel.py``): its harnesses and sandboxes
         are killed, its proxy sessions closed, its unstarted samples never start; other groups are
         untouched. Without it the group ran to ``harness.timeout_s`` and held a rollout slot."""
         scope = self._scope(step, task_id)  # one not started yet is refused when it starts

@@ -3,7 +3,7 @@
 A run directory holds what samples wrote (``captures/work/<session>/``: the harness's logs, the
 work dir the verifier graded) next to what Polar wrote; a sample can plant a symbolic link to
 ``/root/.ssh/id_rsa`` or a FIFO there, or a file of many gigabytes. So the viewer never calls
-``open(path)``: every file is opened by :func:`polar_runtime.sandbox.hostfs.open_under` (walked
+``open(path)``: every file is opened by :func:`polar_trial.sandbox.hostfs.open_under` (walked
 from the run directory one component at a time with ``O_NOFOLLOW``, regular files only) and read
 up to a cap per kind of file; listings skip links and special files. ``--serve`` answers from
 the same reader, so the server reads nothing outside the run directory whatever a URL says.
@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import orjson
 
-from polar_runtime.sandbox import hostfs
+from polar_trial import hostfs
 
 #: caps per kind of file (bytes): JSON reports and Parquet tables Polar wrote; a capture file (a
 #: session's JSONL, ~0.5 MB for a 34-call Pi session); a sample's own logs (only their end is shown)

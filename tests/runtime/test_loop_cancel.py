@@ -1,4 +1,4 @@
-"""Per-group cancel of the local placement (``LocalPlacement.cancel_group``, ``polar_runtime/cancel.py``):
+"""Per-group cancel of the local placement (``LocalPlacement.cancel_group``, ``polar_core/cancel.py``):
 a dropped straggler group of the asynchronous loop is stopped at once, nothing else is disturbed.
 
 Real parts: ``LocalPlacement.rollout_group`` (the loop's worker path), the rollout runner's

@@ -67,7 +67,7 @@ def test_ids_are_valid_session_ids_and_distinct():
 
 def _verify(task: r.Task, tmp_path: Path, timeout: float = 30.0) -> r.Evaluation:
     """The shorthand evaluator through the real path: generated tests/test.sh in the sandbox."""
-    from polar_runtime.sandbox import get_sandbox
+    from polar_trial.sandbox import get_sandbox
 
     work = tmp_path / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -102,8 +102,8 @@ def test_evaluator_failures_are_recorded(tmp_path):
 
 
 def test_task_files_cannot_escape_the_work_dir(tmp_path):
-    from polar_runtime.sandbox import get_sandbox
-    from polar_runtime.tasks.environment import BuildError
+    from polar_trial.sandbox import get_sandbox
+    from polar_trial.tasks.environment import BuildError
 
     sb, builds = get_sandbox("auto"), tmp_path / "builds"
     with pytest.raises(ValueError, match="escapes"):

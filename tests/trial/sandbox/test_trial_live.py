@@ -1,0 +1,284 @@
+"""A Harbor trial as Harbor runs it, live on the session's private dockerd (``conftest.dockerd``:
+``--userns-remap``, no container log): one environment per trial (``sandbox/trial.py``), the
+oracle playing the sample. Each attack here is what a real task or sample does; each test was
+watched failing with its defence taken away (the per-phase model of before, or the verifier's
+namespaces removed): see the report in the commit that added it.
+
+Times (2-core CI machine kind, stand-ins cached, the session's daemon already up; measured in one
+run beside the other docker modules): the separate verifier 47-54 s (its image's pip build), apt +
+ssh-keygen 46 s (apt-get update and install through the egress filter), the server 21 s, the full
+disk 15 s, the others 3-12 s each; the module ~3.4 min. The session-scoped daemon's btrfs teardown
+(~4 s, was 16-80 s for overlay2's removal) pays back part of it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from polar_runtime.harnesses import Endpoint, get_preset
+
+pytestmark = pytest.mark.docker
+
+
+def _task(root: Path, name: str, solve: str, test: str, *, base: str = "debian:bookworm", toml: str = "") -> Path:
+    d = root / name
+    (d / "environment").mkdir(parents=True)
+    (d / "solution").mkdir()
+    (d / "tests").mkdir()
+    (d / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n[agent]\ntimeout_sec = 120\n' + toml)
+    (d / "instruction.md").write_text("Do the thing.\n")
+    (d / "environment" / "Dockerfile").write_text(f"FROM {base}\nWORKDIR /app\n")
+    (d / "solution" / "solve.sh").write_text("#!/bin/bash\n" + textwrap.dedent(solve))
+    (d / "tests" / "test.sh").write_text("#!/bin/bash\n" + textwrap.dedent(test))
+    return d
+
+
+def _oracle(tmp_path: Path, task_dir: Path, samples: int = 1, **kw) -> list[dict]:
+    from polar_runtime import rollout as r
+    from polar_trial.tasks import load_tasks
+
+    tasks = load_tasks(task_dir, container="docker")
+    cfg = r.RolloutConfig(tasks=tasks, preset=get_preset("oracle"), endpoint=Endpoint(mode="base_url", base_url="http://127.0.0.1:9"),
+                          capture_dir=tmp_path / "cap", model="-", samples=samples, concurrency=samples, timeout=120,
+                          settle_s=0.0, sandbox="docker", work_root=tmp_path / "work", **kw)
+    df = r.run_rollout(cfg)
+    return list(df.iter_rows(named=True))
+
+
+def _why(rows: list[dict]) -> str:
+    return "\n".join(f"{r['reward']} {r['evaluator_status']} {r['error']}\n{r['evaluator_output'][-800:]}\n"
+                     f"{r['sandbox_notes']}" for r in rows)
+
+
+def test_a_server_the_oracle_leaves_running_is_reached_by_the_verifier(dockerd, tmp_path):
+    """Public oracles start a server with ``setsid ... &`` and the tests talk to it (gRPC, nginx).
+    Per-phase containers ended it with the oracle's phase: scored 0 where Harbor scores 1."""
+    d = _task(tmp_path, "server", solve="""
+        mkdir -p /srv/www && echo served > /srv/www/marker
+        setsid python3 -m http.server 8000 --directory /srv/www >/dev/null 2>&1 < /dev/null &
+        for i in $(seq 50); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/marker')" 2>/dev/null && break; sleep 0.1; done
+        """, test="""
+        python3 -c "import urllib.request as u; assert u.urlopen('http://127.0.0.1:8000/marker').read() == b'served\\n'" \\
+          && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+        """, base="python:3.11-slim")
+    rows = _oracle(tmp_path, d)
+    assert rows[0]["reward"] == 1.0, _why(rows)
+    assert "live trial" in rows[0]["sandbox_notes"]
+
+
+def test_an_apt_install_and_ssh_keygen_by_the_oracle_are_there_for_the_verifier(dockerd, tmp_path):
+    """The oracle apt-installs openssh-client (the Debian registry through the egress filter: the
+    package manager's capabilities, as Harbor gives them) and runs ``ssh-keygen -f ~/.ssh/id_rsa``,
+    which makes ~/.ssh only where HOME is the passwd home (/root); the verifier uses both."""
+    d = _task(tmp_path, "apt-ssh", solve="""
+        set -e
+        apt-get update -qq && apt-get install -y -qq --no-install-recommends openssh-client >/dev/null
+        ssh-keygen -q -t ed25519 -N '' -f ~/.ssh/id_rsa
+        """, test="""
+        ssh-keygen -l -f /root/.ssh/id_rsa && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+        """)
+    rows = _oracle(tmp_path, d)
+    assert rows[0]["reward"] == 1.0, _why(rows)
+
+
+def test_two_trials_of_one_task_at_once_share_nothing(dockerd, tmp_path):
+    """Two samples at once: each writes a token of its own at /flag (refusing to run where one
+    is already there) and its verifier finds its own."""
+    d = _task(tmp_path, "two", solve="""
+        [ -e /flag ] && exit 3
+        od -An -N8 -tx1 /dev/urandom | tr -d ' \\n' > /flag
+        cp /flag /app/token
+        setsid sleep 300 >/dev/null 2>&1 < /dev/null &
+        sleep 2
+        """, test="""
+        cmp -s /flag /app/token && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+        """)
+    rows = _oracle(tmp_path, d, samples=2)
+    assert [r["reward"] for r in rows] == [1.0, 1.0], _why(rows)
+    assert len({r["workdir"] for r in rows}) == 2
+
+
+def test_a_leftover_cannot_rewrite_the_reward_after_test_sh(dockerd, tmp_path):
+    """A process the sample left writes 1 into /logs/verifier/reward.txt in a loop; test.sh
+    writes 0 and ends. The verifier's /logs/verifier is a bind in its own mount namespace (the
+    leftover writes into the image's plain dir), and the host's side of that bind, under
+    /run/polar-trial, is covered in the environment's mount namespace."""
+    d = _task(tmp_path, "rewrite", solve="""
+        mkdir -p /logs/verifier
+        setsid bash -c 'while :; do echo 1 > /logs/verifier/reward.txt; for f in /proc/[0-9]*/root/logs/verifier \
+          /run/polar-trial/x/*; do echo 1 > $f/reward.txt; done 2>/dev/null; sleep 0.02; done' >/dev/null 2>&1 < /dev/null &
+        """, test="""
+        echo 0 > /logs/verifier/reward.txt
+        sleep 1.5
+        """)
+    rows = _oracle(tmp_path, d)
+    assert rows[0]["reward"] == 0.0 and rows[0]["evaluator_status"] == "fail", _why(rows)
+
+
+def test_a_leftover_cannot_see_or_kill_the_verifier(dockerd, tmp_path):
+    """A leftover SIGKILLs every process it can (``kill -9 -1``) and records the processes it
+    sees; the sample's answer is right, so the honest verdict is 1: the verifier, in a PID
+    namespace of its own, is neither seen nor killed."""
+    d = _task(tmp_path, "killer", solve="""
+        echo 42 > /app/answer
+        setsid bash -c 'while :; do kill -9 -1; ls /proc | grep -c "^[0-9]" > /tmp/seen; sleep 0.02; done' \\
+          >/dev/null 2>&1 < /dev/null &
+        """, test="""
+        sleep 2
+        grep -qx 42 /app/answer && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+        """)
+    rows = _oracle(tmp_path, d)
+    assert rows[0]["reward"] == 1.0, _why(rows)
+
+
+def test_the_agents_capabilities_and_uid_seen_from_the_host(dockerd, tmp_path):
+    """From the host's /proc: the agent phase's process holds the package manager's set (Docker's
+    default, no SYS_ADMIN) in its bounding and effective sets, none with ``agent_privileged``
+    False, and its root is the remapped uid, not the host's root."""
+    from polar_trial.sandbox import SandboxSpec
+    from polar_trial.sandbox.docker import DockerSandbox
+    from polar_trial.sandbox.remap import remapped_root
+    from polar_trial.sandbox.trial import PACKAGE_CAPS, LiveTrial, TrialConfig
+
+    want = {True: sum(1 << c for c in PACKAGE_CAPS.values()), False: 0}
+    assert remapped_root() is not None
+    for privileged in (True, False):
+        work = tmp_path / f"w{privileged}"
+        with LiveTrial(DockerSandbox(), TrialConfig(image="debian:bookworm", workdir_host=work,
+                                                    agent_privileged=privileged)) as trial:
+            spec = SandboxSpec(workdir_host=work, env={"PATH": "/usr/bin:/bin"}, timeout_s=30)
+            res = trial.view("agent").run(spec, ["bash", "-c", "setsid sleep 4242 >/dev/null 2>&1 < /dev/null &"])
+            assert res.returncode == 0, res
+            status = _host_status_of("sleep\x004242")
+            assert int(status["CapEff"], 16) == want[privileged] and int(status["CapBnd"], 16) == want[privileged]
+            assert status["Uid"].split()[0] == str(remapped_root())
+            assert status["NoNewPrivs"] == "1" and status["Seccomp"] == "2"
+
+
+def _host_status_of(cmdline: str) -> dict[str, str]:
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and cmdline in (p / "cmdline").read_bytes().decode(errors="replace"):
+                return dict(line.split(":\t", 1) for line in (p / "status").read_text().splitlines() if ":\t" in line)
+        except OSError:
+            continue
+    raise AssertionError(f"no process {cmdline!r} on the host")
+
+
+def test_the_daemon_keeps_no_container_log_and_remaps_root(dockerd):
+    r = subprocess.run(["docker", "info", "--format", "{{.LoggingDriver}} {{json .SecurityOptions}}"],
+                       capture_output=True, text=True, env=dict(os.environ), check=True)
+    assert r.stdout.startswith("none ") and "name=userns" in r.stdout
+
+
+def test_a_replaced_pytest_does_not_reach_a_separate_verifier(dockerd, tmp_path):
+    """``[verifier] environment_mode = "separate"`` with ``artifacts``: the verifier runs in a fresh
+    environment from the task's image with only the artifacts copied in. Sample 1 swaps the
+    image's pytest for a script that always passes and writes a wrong answer (in the shared
+    environment that scores 1); sample 0 writes the right answer."""
+    d = _task(tmp_path, "sep", solve="""
+        case "$POLAR_SESSION" in
+          *.s0) echo 42 > /app/answer ;;
+          *) echo 41 > /app/answer; printf '#!/bin/sh\\nexit 0\\n' > "$(command -v pytest)" ;;
+        esac
+        """, test="""
+        pytest -q /tests/test_answer.py && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+        """, base="python:3.11-slim")
+    (d / "task.toml").write_text('version = "1.0"\nartifacts = ["/app/answer"]\n[verifier]\ntimeout_sec = 60\n'
+                                 'environment_mode = "separate"\n[agent]\ntimeout_sec = 120\n')
+    (d / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nRUN pip install -q pytest\nWORKDIR /app\n")
+    (d / "tests" / "test_answer.py").write_text("def test_answer():\n    assert open('/app/answer').read().strip() == '42'\n")
+    rows = sorted(_oracle(tmp_path, d, samples=2), key=lambda r: r["sample_index"])
+    assert [r["reward"] for r in rows] == [1.0, 0.0], _why(rows)
+    assert "an environment of its own" in rows[1]["sandbox_notes"]
+
+
+def test_the_agent_user_runs_the_agent_with_its_passwd_home(dockerd, tmp_path):
+    """``[agent] user = "agent"`` (refused before): the oracle runs as that user of the image, with
+    its HOME from the image's /etc/passwd and the work dir its own; the verifier runs as root."""
+    d = _task(tmp_path, "user", solve="""
+        id -un > /app/who && echo "$HOME" >> /app/who && touch ~/made
+        """, test="""
+        [ "$(cat /app/who)" = "$(printf 'agent\\n/home/agent')" ] && [ -f /home/agent/made ] && [ "$(id -u)" = 0 ] \\
+          && echo 1 > /logs/verifier/reward.txt || { cat /app/who; echo 0 > /logs/verifier/reward.txt; }
+        """)
+    (d / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n[agent]\ntimeout_sec = 120\n'
+                                 'user = "agent"\n')
+    (d / "environment" / "Dockerfile").write_text("FROM debian:bookworm\nRUN useradd -m -u 1000 agent\nWORKDIR /app\n")
+    rows = _oracle(tmp_path, d)
+    assert rows[0]["reward"] == 1.0, _why(rows)
+
+
+def test_the_storage_cap_covers_what_a_trial_writes_outside_its_binds(dockerd, tmp_path):
+    """``storage_mb = 64``: the oracle writes 200 MiB of real data to /var (the container's own
+    file system), then to the work dir (a disk image of the trial's). On the host's disk that was uncapped (300 MiB went through); on the daemon's
+    btrfs data root (``quotaroot.py``: a quota group per container) the write fails at the cap."""
+    d = _task(tmp_path, "fill", solve="""
+        dd if=/dev/zero of=/var/big bs=1M count=200 2>/dev/null; echo $? > /tmp/dd_rc
+        du -sm /var/big | cut -f1 > /tmp/size_mb
+        dd if=/dev/zero of=/app/big bs=1M count=200 2>/dev/null; echo $? > /tmp/app_rc
+        rm -f /app/big; cp /tmp/dd_rc /tmp/size_mb /tmp/app_rc /app/
+        """, test="echo 1 > /logs/verifier/reward.txt\n")
+    (d / "task.toml").write_text('version = "1.0"\n[environment]\nstorage_mb = 64\n[verifier]\ntimeout_sec = 60\n'
+                                 '[agent]\ntimeout_sec = 120\n')
+    rows = _oracle(tmp_path, d)
+    work = Path(rows[0]["workdir"])
+    assert (work / "dd_rc").read_text().strip() != "0", _why(rows)
+    assert int((work / "size_mb").read_text()) <= 64, _why(rows)
+    assert (work / "app_rc").read_text().strip() != "0", _why(rows)  # the work dir: its disk image
+    assert "btrfs quota group" in rows[0]["sandbox_notes"]
+
+
+def test_a_build_step_cannot_commit_past_the_storage_cap(dockerd, tmp_path):
+    """A RUN step writing 200 MiB outside the work dir under ``storage_mb = 64``: the step fails at
+    the cap (its writable layer is quota'd), so nothing of it is committed."""
+    from polar_runtime.task_commands import check_tasks, load_for_check
+
+    d = _task(tmp_path / "set", "bigstep", solve="true\n", test="echo 1 > /logs/verifier/reward.txt\n")
+    (d / "task.toml").write_text('version = "1.0"\n[environment]\nstorage_mb = 64\n')
+    (d / "environment" / "Dockerfile").write_text(
+        "FROM debian:bookworm\nRUN dd if=/dev/zero of=/opt/big bs=1M count=200\nWORKDIR /app\n")
+    tasks, refused = load_for_check(str(d), container="docker")
+    rows = check_tasks(tasks, work=tmp_path / "check", sandbox="docker", concurrency=1)
+    assert rows[0]["status"] != "passed" and "dd if=/dev/zero" in rows[0]["verdict"], rows
+
+
+def test_a_sample_that_fills_the_disk_still_gets_its_verdict(dockerd, tmp_path):
+    """The oracle fills the environment's disk to its cap (``storage_mb = 64``). Uploading /tests
+    and making /logs/verifier on that disk then fails with EDQUOT, and the verdict was None (no
+    signal: a zero advantage the sample bought by filling the disk); the verifier's /logs and, when
+    the upload fails, its /tests are tmpfs mounts of its own, so test.sh runs and says 0."""
+    d = _task(tmp_path, "filler", solve="""
+        dd if=/dev/zero of=/var/fill bs=1M count=500 2>/dev/null; rm -rf /logs; true
+        """, test="""
+        [ -f /app/answer ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+        """)
+    (d / "task.toml").write_text('version = "1.0"\n[environment]\nstorage_mb = 64\n[verifier]\ntimeout_sec = 60\n'
+                                 '[agent]\ntimeout_sec = 120\n')
+    rows = _oracle(tmp_path, d)
+    assert rows[0]["reward"] == 0.0 and rows[0]["evaluator_status"] == "fail", _why(rows)
+
+
+def test_the_healthcheck_is_waited_on_before_the_agent(dockerd, tmp_path):
+    """``[environment.healthcheck]``: run until it passes (Harbor's rule) before the agent starts.
+    Here it fails twice, starting a server the second time, then passes; the oracle finds the
+    server up at once. Without the wait the oracle ran first and found nothing."""
+    d = _task(tmp_path, "health", solve="""
+        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/')" && echo up > /app/seen
+        """, test="""
+        [ -f /app/seen ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+        """, base="python:3.11-slim")
+    check = ('n=$(cat /tmp/n 2>/dev/null || echo 0); echo $((n+1)) > /tmp/n; [ $n -ge 1 ] && '
+             '(setsid python3 -m http.server 8000 -d /tmp >/dev/null 2>&1 < /dev/null &); sleep 0.3; '
+             'python3 -c "import urllib.request as u; u.urlopen(\\"http://127.0.0.1:8000/\\")"')
+    (d / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n[agent]\ntimeout_sec = 120\n'
+                                 f"[environment.healthcheck]\ncommand = '{check}'\ninterval_sec = 0.5\n"
+                                 'start_period_sec = 5\nstart_interval_sec = 0.5\nretries = 5\n')
+    rows = _oracle(tmp_path, d)
+    assert rows[0]["reward"] == 1.0, _why(rows)
+    assert "healthcheck passed" in rows[0]["sandbox_notes"]
