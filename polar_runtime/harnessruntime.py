@@ -245,5 +245,20 @@ def bring_runtime(inv, spec, backend) -> str | None:
     inv.argv, inv.env = rt.adapt(list(inv.argv), inv.env)
     how = "the host's node, patched" if inv.argv[0] == rt.node else "the host's loader" \
         if inv.argv[0].startswith(f"{INSIDE}/lib/") else "as it is (static)"
+    home = "; its HOME copied into the image user's own, not bound" if move_home(spec, backend) else ""
     return (f"harness runtime bound read-only at {INSIDE} ({how}); "
-            f"{', '.join(rt.tools) or 'no rg/fd'} after the image's PATH")
+            f"{', '.join(rt.tools) or 'no rg/fd'} after the image's PATH{home}")
+
+
+def move_home(spec, backend) -> bool:
+    """On a backend that copies HOME (``copies_home``: docker and podman, per-phase containers and
+    the live trial alike; ``polar_trial/sandbox/harnesshome.py``) the sample's host HOME, where the
+    preset wrote its config, becomes ``spec.home_copy``: copied into the phase user's passwd HOME
+    in the image and read back after the phase, instead of bound at its host path. The paths the
+    preset set under it (HOME, XDG_*, CODEX_HOME, OPENCODE_CONFIG, PI_CODING_AGENT_DIR,
+    CLAUDE_CONFIG_DIR) are moved there by the container's init, which alone knows that HOME.
+    Apptainer (no container left to copy back from) and bubblewrap keep the host HOME bound."""
+    if not getattr(backend, "copies_home", False) or spec.home_host is None:
+        return False
+    spec.home_copy, spec.home_host = spec.home_host, None
+    return True

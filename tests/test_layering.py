@@ -46,7 +46,8 @@ TRIAL_INTERFACE_EXCEPTIONS: dict[tuple[str, str], str] = {
 }
 #: Loaded by path by another program (vLLM, in its own venv; a sandbox's Python, in the task's image):
 #: may import nothing of ours.
-STANDALONE = {"polar_runtime.lenient_tool_parser", "polar_trial.sandbox._init", "polar_trial.sandbox._trialinit"}
+STANDALONE = {"polar_runtime.lenient_tool_parser", "polar_trial.sandbox._init", "polar_trial.sandbox._trialinit",
+              "polar_trial.sandbox._homeinit"}
 #: Not imported in the fresh interpreters: running them is their purpose (or they need vLLM).
 NOT_IMPORTED = STANDALONE | {"polar_training.__main__"}
 

@@ -282,6 +282,26 @@ def _spawn_and_wait(argv: list[str], drop: dict | None = None, harden: bool = Fa
     return os.waitstatus_to_exitcode(status)
 
 
+def _copy_home(home_cfg: dict, env: dict[str, str], argv: list[str]) -> tuple[dict[str, str], list[str], str]:
+    """A per-phase container: the harness's HOME (bound read-only at ``home_cfg["src"]``) copied
+    into this uid's HOME from the image's /etc/passwd, and the phase's paths moved there
+    (``_homeinit.py``, copied beside this file). The HOME, for the host's read-back."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import homeinit
+
+    home = homeinit.passwd_home(os.getuid())
+    try:
+        files = homeinit.read_tree(home_cfg["src"])
+        homeinit.ensure_home(home, os.getuid(), os.getgid())
+        problems = homeinit.write_tree(home, files)
+    except OSError as e:
+        problems = [f"the harness's HOME could not be copied into {home}: {e}"]
+    for p in problems:
+        print(f"sandbox: {p}", file=sys.stderr)
+    env, argv = homeinit.rewrite(env, argv, home_cfg["prefix"], home)
+    return env, argv, home
+
+
 #: What a root caller's init keeps until its child is the range's uid (bwrap also gives it
 #: CAP_SETPCAP, to drop the rest here: bwrap leaves the bounding set whole, and uid 0 regains at
 #: execve every capability the bounding set holds, whatever is effective now)
@@ -322,6 +342,8 @@ def main() -> int:
     except (OSError, ValueError) as e:
         print(f"sandbox: cannot read the phase's environment: {e}", file=sys.stderr)
         return 125
+    if cfg.get("home"):  # a container backend: the harness's HOME into this uid's own
+        env, argv, report["home"] = _copy_home(cfg["home"], env, argv)
     rc = _spawn_and_wait(argv, cfg.get("drop"), bool(cfg.get("harden")), env)
     me = os.getpid()
     seen: set[int] = set()

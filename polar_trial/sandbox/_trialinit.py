@@ -178,6 +178,25 @@ def _passwd(user: str) -> tuple[int, int, str, list[int]]:
     return uid, gid, home, groups
 
 
+def _read_home(cfg: dict, report: dict) -> None:
+    """The harness's HOME (``_homeinit.py``), read here as root in the container's mount namespace
+    (the agent's covers our dir, where the host bound it); the phase's child writes it into its
+    user's passwd HOME as that user. The HOME goes into the report, for the host's read-back."""
+    import homeinit  # ``_homeinit.py``, copied beside this file
+
+    try:
+        uid, gid, home, _ = _passwd(str(cfg.get("user") or "0"))
+    except KeyError:
+        return  # the phase cannot become its user either: it fails there, saying why
+    try:
+        files = homeinit.read_tree(cfg["home"]["src"])
+    except OSError as e:
+        print(f"sandbox: the harness's HOME could not be read: {e}", file=sys.stderr)
+        files = []
+    cfg["_home"] = {"path": home, "uid": uid, "gid": gid, "files": files, "prefix": cfg["home"]["prefix"]}
+    report["home"] = home
+
+
 def _become(ctypes, libc, cfg: dict, env: dict[str, str]) -> None:
     """In the phase's child, last: its user, its capabilities, no_new_privs and seccomp."""
     user = str(cfg.get("user") or "0")
@@ -214,7 +233,19 @@ def _phase_child(cfg: dict, argv: list[str], env: dict[str, str], err_w: int) ->
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         ctypes, libc = base._libc()
         os.setsid()
+        home = cfg.get("_home")
+        if home:  # root still: the user's HOME made where the image names one and has none
+            import homeinit  # imported by _read_home before the join (our dir is covered now)
+
+            try:
+                homeinit.ensure_home(home["path"], home["uid"], home["gid"])
+            except OSError as e:
+                print(f"sandbox: the HOME {home['path']} could not be made: {e}", file=sys.stderr)
         _become(ctypes, libc, cfg, env)
+        if home:  # the phase's user now: what it writes is its own, through no link
+            env, argv = homeinit.rewrite(env, argv, home["prefix"], home["path"])
+            for p in homeinit.write_tree(home["path"], home["files"]):
+                print(f"sandbox: {p}", file=sys.stderr)
         os.chdir(cfg.get("workdir") or "/")
         env["PWD"] = cfg.get("workdir") or "/"
         os.execvpe(argv[0], argv, env)
@@ -404,6 +435,8 @@ def main() -> int:
                 cfg.setdefault("own", []).append([dest, src])
             else:
                 print(f"sandbox: copying {src} to {dest} failed: {e}", file=sys.stderr)
+    if cfg.get("home") and mode == "agent":
+        _read_home(cfg, report)
     err_r, err_w = os.pipe()
     os.set_inheritable(err_w, False)
     ctypes, libc = base._libc()

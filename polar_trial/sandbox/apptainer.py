@@ -35,6 +35,7 @@ class ApptainerSandbox(DockerSandbox):
     probe_failure = "apptainer does not run here"
     host_init = False  # the image's own python3 runs the init (not tested here: no apptainer)
     builds_images = False  # no daemon to commit into: RUN steps keep the work dir only
+    copies_home = False  # exec leaves no container to read a HOME back from: the host HOME is bound
 
     @staticmethod
     def image_uri(image: str) -> str:

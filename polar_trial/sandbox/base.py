@@ -92,6 +92,10 @@ class SandboxSpec:
     home_host: Path | None = None
     #: where HOME appears inside; None = the same absolute path as on the host
     home: str | None = None
+    #: container backends that copy HOME (``copies_home``: docker, podman): the host HOME a harness
+    #: preset wrote, set *instead of* ``home_host``: copied into the phase user's passwd HOME in
+    #: the image and read back after the phase (``harnesshome.py``), never bound
+    home_copy: Path | None = None
     #: (host path, path inside) pairs; a path inside of "" means the same path as on the host
     ro_binds: list[tuple[Path, str]] = field(default_factory=list)
     rw_binds: list[tuple[Path, str]] = field(default_factory=list)
@@ -125,6 +129,8 @@ class SandboxSpec:
         self.workdir_host = Path(os.path.abspath(self.workdir_host))
         if self.home_host is not None:
             self.home_host = Path(os.path.abspath(self.home_host))
+        if self.home_copy is not None:
+            self.home_copy = Path(os.path.abspath(self.home_copy))
         self.workdir = sandbox_path(self.workdir, "the work dir")
         if self.home is not None:
             self.home = sandbox_path(self.home, "HOME")

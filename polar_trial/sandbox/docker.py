@@ -71,6 +71,8 @@ class DockerSandbox(Sandbox):
     probe_failure = "no daemon answers"
     #: the init runs on the host's Python bound in (False: the image's own ``python3``)
     host_init = True
+    #: a harness's HOME is copied into the image user's own, not bound (``harnesshome.py``)
+    copies_home = True
     #: the task's image is built for real (``tasks/imagebuild.py``: RUN steps committed); False: RUN
     #: steps keep only the work dir and every phase runs on the base image
     builds_images = True
@@ -131,6 +133,10 @@ class DockerSandbox(Sandbox):
             if dest in COPIED_IN:
                 dest = COPY_MOUNT + dest
             a += ["-v", f"{src}:{dest}" + ("" if writable else ":ro")]
+        if spec.home_copy is not None:  # read by the init only, copied into the user's HOME
+            from polar_trial.sandbox.harnesshome import STAGE
+
+            a += ["-v", f"{spec.home_copy}:{STAGE}:ro"]
         for k, v in spec.env.items():
             a += ["-e", f"{k}={v}"]
         return a + ["--entrypoint", inner[0], spec.image, *inner[1:]]
@@ -188,6 +194,17 @@ class DockerSandbox(Sandbox):
             copies = [[COPY_MOUNT + d, d] for _, d, _ in spec.mounts() if d in COPIED_IN]
             if copies:
                 cfg["copy_in"] = copies
+            home_names: list[str] = []
+            if spec.home_copy is not None:
+                from polar_trial.sandbox.harnesshome import STAGE, init_config, top_names
+
+                shutil.copy(Path(__file__).with_name("_homeinit.py"), private / "homeinit.py")
+                home_names = top_names(spec.home_copy)
+                cfg["home"] = init_config(spec.home_copy, STAGE)
+                if owner is not None:  # a remapped root reads it (a read-back's 0600 session files)
+                    from polar_trial.sandbox.remap import chown_tree
+
+                    chown_tree(spec.home_copy, owner)
             host_binds: list[tuple[str, str]] = []
             python = ["python3"]
             if self.host_init:
@@ -217,6 +234,10 @@ class DockerSandbox(Sandbox):
             report, problem = read_report(report_dir)
             if problem:
                 notes.append(problem)
+            if spec.home_copy is not None:  # before the container goes: the harness's sessions
+                from polar_trial.sandbox.harnesshome import home_notes
+
+                notes += home_notes(self.runtime, name, report.get("home"), spec.home_copy, home_names)
             notes += [f"{k} limit enforced by {self.limits_by}" for k, v in
                       (("pids", spec.pids), ("memory", spec.memory_mb), ("cpu", spec.cpus)) if v]
             if timed_out:
@@ -314,9 +335,10 @@ def read_report(report_dir: Path) -> tuple[dict, str | None]:
     if not isinstance(data, dict):
         return {}, "the sandbox's report refused: not a JSON object"
     out: dict = {}
-    for key, kinds in (("leftovers", int), ("returncode", int), ("swept", bool), ("relay", (bool, str))):
+    for key, kinds in (("leftovers", int), ("returncode", int), ("swept", bool), ("relay", (bool, str)),
+                       ("home", str)):
         v = data.get(key)
-        if isinstance(v, kinds) and (key in ("swept", "relay") or not isinstance(v, bool)):
+        if isinstance(v, kinds) and (key in ("swept", "relay", "home") or not isinstance(v, bool)):
             out[key] = v[:300] if isinstance(v, str) else v
     if isinstance(out.get("leftovers"), int) and not 0 <= out["leftovers"] < 2**31:
         del out["leftovers"]

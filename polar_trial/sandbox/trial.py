@@ -176,6 +176,7 @@ class LiveTrial:
             (d / sub).mkdir()
         shutil.copy(Path(__file__).with_name("_init.py"), d / "init.py")
         shutil.copy(Path(__file__).with_name("_trialinit.py"), d / "trialinit.py")
+        shutil.copy(Path(__file__).with_name("_homeinit.py"), d / "homeinit.py")
         cfg.workdir_host.mkdir(parents=True, exist_ok=True)
         if self.owner is not None:
             chown_tree(cfg.workdir_host, self.owner)
@@ -427,6 +428,14 @@ class LiveTrial:
                 notes.append(f"bind {dest} not made: an agent phase sees the binds its trial started with")
             else:
                 binds.append([inside, dest])
+        home_cfg, home_names = None, []
+        if spec.home_copy is not None and phase == "agent":  # read by our init, copied into the user's HOME
+            from polar_trial.sandbox.harnesshome import init_config, top_names
+
+            home_names = top_names(spec.home_copy)
+            if self.owner is not None:  # the container's remapped root reads it
+                chown_tree(spec.home_copy, self.owner)
+            home_cfg = init_config(spec.home_copy, self._host_bind(spec.home_copy, False))
         privileged = phase != "agent" or cfg.agent_privileged
         env = dict(spec.env)
         if self.egress is not None:
@@ -445,7 +454,7 @@ class LiveTrial:
         rid = uuid.uuid4().hex[:12]
         report = self.dir / "reports" / f"{rid}.json"
         init_cfg = {"mode": phase, "join": self.holder, "binds": binds, "copy_in": copies, "covers": [INSIDE],
-                    "caps": caps_for(phase, privileged), "user": user, "passwd_home": passwd_home,
+                    "caps": caps_for(phase, privileged), "user": user, "passwd_home": passwd_home, "home": home_cfg,
                     "workdir": spec.workdir, "report_path": f"{INSIDE}/reports/{rid}.json"}
         cmd = [self.runtime, "exec", "--user", "0:0", "--workdir", "/"]
         for k, v in env.items():
@@ -469,6 +478,10 @@ class LiveTrial:
                 rc = rep["returncode"] if rep["returncode"] >= 0 else rc
         finally:
             self._unmount_phase()
+        if home_cfg is not None:  # the harness's sessions, for the run dir
+            from polar_trial.sandbox.harnesshome import home_notes
+
+            notes += home_notes(self.runtime, self.name, rep.get("home"), spec.home_copy, home_names, user)
         oom_after = oom_kills_of(self.runtime, self.name) if oom_before is not None else None
         if oom_before is not None and oom_after is not None and oom_after > oom_before:
             notes.append(f"memory limit hit: the OOM killer ended {oom_after - oom_before} process(es) of the "

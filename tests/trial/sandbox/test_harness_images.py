@@ -62,8 +62,10 @@ def nolibc_image(dockerd):
         os.chmod(root / "bin" / "bash", 0o755)
         os.chmod(root / "tmp", 0o1777)
         os.chmod(root, 0o755)  # mkdtemp's 0700 would be the image's /: a remapped root could not enter it
-        (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
-        (root / "etc" / "group").write_text("root:x:0:\n")
+        # a non-root user whose passwd HOME the image lacks (the harness's HOME is made and copied there)
+        (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\nagent:x:1000:1000::/home/agent:/bin/sh\n")
+        (root / "etc" / "group").write_text("root:x:0:\nagent:x:1000:\n")
+        (root / "home").mkdir()
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
         subprocess.run(["docker", "import", "-c", "ENV PATH=/usr/local/bin:/usr/bin:/bin", "-", IMAGE],
                        stdin=tar.stdout, check=True, capture_output=True, env=dockerd.env())
@@ -202,3 +204,109 @@ def test_harness_runs_in_an_image_without_node_or_libc(name, nolibc_image, proxy
     # the task's own verifier, in the same image: busybox graded it (tiny-qwen writes no hello.txt)
     assert row["evaluator_status"] in ("pass", "fail") and row["reward"] in (0.0, 1.0), row["evaluator_output"]
     assert "graded by busybox in an image with 0 entries in /lib" in row["evaluator_output"]
+    # its HOME was the image user's (/root), the config copied in, not bound (CODEX_HOME and
+    # PI_CODING_AGENT_DIR moved there: the follow-ups resumed from it), and what the harness left
+    # there came back into the sample's host HOME through safetar
+    assert "copied into /root (user " in row["sandbox_notes"], row["sandbox_notes"]
+    home = Path(row["workdir"]).parent / "home"
+    sessions = home / (".codex/sessions" if name == "codex" else ".pi/agent/sessions")
+    assert list(sessions.rglob("*.jsonl")), sorted(str(p.relative_to(home)) for p in home.rglob("*"))[:40]
+
+
+#: a turn of a "harness" in the image: what its HOME holds, then the hostile leftovers a sample may
+#: leave for the read-back (a FIFO, a link to a host file) and for the next turn's copy (its config
+#: replaced by a link to a file of its own)
+HOME_TURN1 = r"""
+echo "uid=$(id -u) home=$HOME codex=$CODEX_HOME xdg=$XDG_CONFIG_HOME"
+stat -c "owner=%u mode=%a" "$CODEX_HOME/config.toml"
+cat "$CODEX_HOME/config.toml"
+[ -e "${1#host:}" ] && echo "HOST HOME VISIBLE"  # (a bare host HOME argument is moved too)
+echo "mounts at HOME: $(grep -c " $HOME " /proc/self/mountinfo)"
+mkdir -p "$CODEX_HOME/sessions"
+echo '{"turn":1}' > "$CODEX_HOME/sessions/s.jsonl"
+mkfifo "$CODEX_HOME/sessions/fifo.jsonl"
+ln -s "$2" "$CODEX_HOME/sessions/link.jsonl"
+echo mine > /tmp/victim && rm "$CODEX_HOME/config.toml" && ln -s /tmp/victim "$CODEX_HOME/config.toml"
+"""
+HOME_TURN2 = r"""
+echo "victim: $(cat /tmp/victim 2>&1)"
+[ -L "$CODEX_HOME/config.toml" ] && echo "CONFIG IS A LINK"
+cat "$CODEX_HOME/config.toml" "$CODEX_HOME/sessions/s.jsonl"
+"""
+
+
+def _home_spec(tmp_path: Path, image: str) -> "SandboxSpec":
+    from polar_trial import SandboxSpec
+
+    home = tmp_path / "home"
+    (home / ".codex").mkdir(parents=True)
+    (home / ".codex" / "config.toml").write_text('model_provider = "polar"\n')
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "CODEX_HOME": str(home / ".codex"),
+           "XDG_CONFIG_HOME": str(home / ".config")}
+    return SandboxSpec(workdir_host=tmp_path / "work", workdir="/app", home_copy=home, image=image, env=env,
+                       timeout_s=60)
+
+
+def _turn(box, spec, script: str, secret: Path, tmp_path: Path) -> tuple[str, list[str]]:
+    out = tmp_path / "out"
+    with open(out, "wb") as fh:
+        res = box.run(spec, ["/bin/sh", "-c", script, "sh", f"host:{spec.home_copy}", str(secret)], stdout=fh, stderr=fh)
+    text = out.read_text()
+    assert res.returncode == 0, (text, res.notes)
+    return text, res.notes
+
+
+def _read_back_checks(spec, notes: list[str]) -> None:
+    codex = spec.home_copy / ".codex"
+    assert (codex / "sessions" / "s.jsonl").read_text() == '{"turn":1}\n', notes  # read back
+    for name in ("fifo.jsonl", "link.jsonl"):  # neither kept nor followed
+        assert not os.path.lexists(codex / "sessions" / name), notes
+    assert not (codex / "config.toml").is_symlink() and "polar" in (codex / "config.toml").read_text()
+    assert any("special file" in n and "fifo.jsonl" in n for n in notes), notes
+    assert any("outside the tree dropped" in n and "link.jsonl" in n for n in notes), notes
+
+
+def test_harness_home_in_per_phase_containers(nolibc_image, dockerd, tmp_path):
+    """Per-phase containers (``live_trial`` off: a fresh container each turn): the config lands in
+    the HOME of the container's user (root: /root), CODEX_HOME and XDG follow, the host HOME is
+    not mounted; the turn's sessions come back to the host through safetar (a FIFO and a link to
+    a host file left behind), and the next turn's fresh container finds them (~3 s)."""
+    from polar_trial import DockerSandbox
+
+    secret = tmp_path / "secret"
+    secret.write_text("host secret\n")
+    spec = _home_spec(tmp_path, nolibc_image)
+    box = DockerSandbox()
+    text, notes = _turn(box, spec, HOME_TURN1, secret, tmp_path)
+    assert "uid=0 home=/root codex=/root/.codex xdg=/root/.config" in text and "owner=0 mode=600" in text, text
+    assert 'model_provider = "polar"' in text and "HOST HOME VISIBLE" not in text, text
+    assert "mounts at HOME: 0" in text, text
+    _read_back_checks(spec, notes)
+    text, notes = _turn(box, spec, HOME_TURN2, secret, tmp_path)
+    assert '{"turn":1}' in text and "CONFIG IS A LINK" not in text, text
+
+
+def test_harness_home_in_a_live_trial_as_the_images_user(nolibc_image, dockerd, tmp_path):
+    """The live trial, the agent as the image's non-root user ``agent`` (passwd HOME
+    /home/agent, which the image lacks): the config is there, owned by the agent, 0600; the host
+    HOME is not mounted; the read-back refuses the FIFO and the link; on the next turn the config
+    copied as the agent replaces the link the sample left at it and writes nothing through it
+    (~4 s)."""
+    from polar_trial import DockerSandbox
+    from polar_trial.sandbox.trial import LiveTrial, TrialConfig
+
+    secret = tmp_path / "secret"
+    secret.write_text("host secret\n")
+    spec = _home_spec(tmp_path, nolibc_image)
+    with LiveTrial(DockerSandbox(), TrialConfig(image=nolibc_image, workdir_host=spec.workdir_host,
+                                                agent_user="agent")) as trial:
+        box = trial.view("agent")
+        text, notes = _turn(box, spec, HOME_TURN1, secret, tmp_path)
+        assert "uid=1000 home=/home/agent codex=/home/agent/.codex xdg=/home/agent/.config" in text, text
+        assert "owner=1000 mode=600" in text and 'model_provider = "polar"' in text, text
+        assert "HOST HOME VISIBLE" not in text and "mounts at HOME: 0" in text, text
+        assert any("copied into /home/agent (user agent's passwd HOME)" in n for n in notes), notes
+        _read_back_checks(spec, notes)
+        text, notes = _turn(box, spec, HOME_TURN2, secret, tmp_path)
+        assert "victim: mine" in text and "CONFIG IS A LINK" not in text, text
+        assert 'model_provider = "polar"' in text and '{"turn":1}' in text, text
