@@ -18,6 +18,12 @@ finds its standard library from its own location. The children it ``exec``s (the
 are the image's, with the image's loader: ``--library-path`` is an argument of the loader, never
 an ``LD_LIBRARY_PATH`` that a child would inherit.
 
+The loader's copy reads no ``/etc/ld.so.preload``: glibc's loader reads that file even when run
+explicitly, and in a container it is the image's, which the task (or, in a live trial, the agent
+as root) writes. Measured: a library named there ran inside our init, with SYS_ADMIN, at the next
+phase's start (``test_trial_live.py``). The copy names a path in our read-only dir instead, of
+the same length, that does not exist (``NO_PRELOAD``).
+
 The directory is built once per host interpreter under ``$POLAR_HOME/init-runtime/`` (about 15 MB).
 """
 
@@ -60,6 +66,20 @@ class HostPython:
                 f"{INSIDE}/bin/python{self.version}", "-I", "-S"]
 
 
+#: the loader's preload file and the path its copy reads instead (same length; never created)
+PRELOAD, NO_PRELOAD = b"/etc/ld.so.preload\0", f"{INSIDE}/np".encode() + b"\0"
+#: in the cache key: a directory built before a change of what is copied is built again
+LAYOUT = "2"
+
+
+def patch_loader(path: Path) -> None:
+    """Make the loader copy at ``path`` read ``NO_PRELOAD`` for ``/etc/ld.so.preload``."""
+    data = path.read_bytes()
+    if len(PRELOAD) != len(NO_PRELOAD) or data.count(PRELOAD) != 1:
+        raise HostPythonError(f"{path}: /etc/ld.so.preload not found once in the loader; not patched")
+    path.write_bytes(data.replace(PRELOAD, NO_PRELOAD))
+
+
 _LDD_LINE = re.compile(r"^\s*(?:\S+\s+=>\s+)?(/\S+)\s+\(0x")
 
 
@@ -97,7 +117,7 @@ def host_python(python: str = HOST_PYTHON, root: Path | None = None) -> HostPyth
     if not os.path.isfile(exe):
         raise HostPythonError(f"{python} is missing (the sandbox's init runs on the host's Python)")
     st = os.stat(exe)
-    key = hashlib.sha256(f"{exe}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{exe}:{st.st_size}:{st.st_mtime_ns}:{LAYOUT}".encode()).hexdigest()[:16]
     if key in _CACHE:
         return _CACHE[key]
     version, stdlib, dynload = _probe(exe)
@@ -119,6 +139,7 @@ def host_python(python: str = HOST_PYTHON, root: Path | None = None) -> HostPyth
                 raise HostPythonError(f"{exe}: expected one dynamic loader, ldd named {loaders or 'none'}")
             for soname, real in libs.items():
                 shutil.copy2(real, tmp / "libs" / soname)
+            patch_loader(tmp / "libs" / loaders[0])
             (tmp / ".ready").write_text(loaders[0])
             os.chmod(tmp, 0o755)
             tmp.rename(out)

@@ -19,9 +19,12 @@ unreachable; PyPI answers. So, in the verifier phase of a container backend only
 
 This was chosen over serving astral.sh through the egress proxy (a TLS interception with a
 private CA, which test.sh's curl would have to trust) as the less magical: one visible file on
-PATH, one URL answered. pytest and its plugins come from PyPI through the egress proxy, as any
-``uvx -w`` does; ``-p 3.13`` needs a Python 3.13 in the image (the python:3.13 stand-in is
-trixie's), since uv's own interpreter downloads come from GitHub.
+PATH, one URL answered. ``uvx [options] pytest ...`` (with plain ``-w`` requirements) runs pytest
+on Polar's own Python from read-only binds, isolated from the image's Python and site dirs, which
+the agent of a live trial could have changed (``pytestboot.py``: pytest and the ``-w`` packages
+installed on the host from PyPI's wheels). Any other ``uvx -w`` gets its packages from PyPI through
+the egress proxy and runs on the image's Python; ``-p 3.13`` then needs a Python 3.13 in the
+image (the python:3.13 stand-in is trixie's), since uv's own interpreter downloads come from GitHub.
 """
 
 from __future__ import annotations
@@ -79,6 +82,29 @@ UVX_WRAPPER = r"""#!/bin/sh
 # Polar's stand-in uvx (sandbox/uvstandin.py): the real uvx, but a --python no interpreter here
 # satisfies (uv would download it from GitHub, unreachable) is served by the image's python3.
 here=$(dirname "$0")
+# `uvx [options] pytest ...` with plain -w requirements: pytest on Polar's Python, from read-only
+# binds and isolated from the image's site dirs (sandbox/pytestboot.py), where the host prepared it
+ws="" take="" n=0 cmd="" odd=""
+for a in "$@"; do
+  n=$((n+1))
+  if [ -n "$take" ]; then [ "$take" = w ] && ws="$ws+$a"; take=""; continue; fi
+  case "$a" in
+    -w|--with) take=w ;;
+    --with=*) ws="$ws+${a#*=}" ;;
+    --from|--with-editable|--with-requirements|--from=*|--with-editable=*|--with-requirements=*) odd=1; take=o ;;
+    -p|--python|-i|--index|--index-url|--extra-index-url|--default-index|-f|--find-links|-c|--constraints|\
+    --overrides|-b|--build-constraints|--env-file|--directory|--project|--config-file|--cache-dir|--index-strategy|\
+    --keyring-provider|--resolution|--prerelease|--exclude-newer|--link-mode|-P|--upgrade-package|\
+    --reinstall-package|-C|--config-setting|--python-preference|--python-platform|--color|--allow-insecure-host) take=o ;;
+    -*) ;;
+    *) cmd=$a; break ;;
+  esac
+done
+k=${ws#+}; [ -n "$k" ] || k=-
+if [ "$cmd" = pytest ] && [ -z "$odd" ] && [ -x /run/polar-uv/pytest/run ] && /run/polar-uv/pytest/run --has "$k"; then
+  shift $n
+  exec /run/polar-uv/pytest/run "$k" "$@"
+fi
 # uvx [OPTIONS] COMMAND [ARGS]: only uvx's own options count (`pytest -p no:x` is pytest's)
 want="" take=0 skip=0
 for a in "$@"; do
@@ -222,4 +248,6 @@ def verifier_binds(test_sh: str, cache: Path | None = None) -> tuple[list[tuple[
         d = ensure_uv(v, cache)
     base = d.parent
     notes = [NOTE.format(url=f"https://astral.sh/uv/{v}/install.sh", version=v) for v in wanted]
-    return [(base, MOUNT)], notes
+    from polar_trial.sandbox.pytestboot import prepare
+
+    return [(base, MOUNT)], notes + prepare(test_sh, base)  # the bootstrap's pytest, under the same bind

@@ -55,85 +55,74 @@ def _why(rows: list[dict]) -> str:
                      f"{r['sandbox_notes']}" for r in rows)
 
 
-def test_a_server_the_oracle_leaves_running_is_reached_by_the_verifier(dockerd, tmp_path):
-    """Public oracles start a server with ``setsid ... &`` and the tests talk to it (gRPC, nginx).
-    Per-phase containers ended it with the oracle's phase: scored 0 where Harbor scores 1."""
-    d = _task(tmp_path, "server", solve="""
+def test_what_the_oracle_leaves_is_there_for_the_verifier(dockerd, tmp_path):
+    """One trial, three things Harbor's model gives that per-phase containers lost (each scored 0
+    there where Harbor scores 1):
+
+    - ``[environment.healthcheck]`` is waited on before the agent: it fails twice, starting a server
+      on :8001 the second time, then passes; the oracle finds that server up at once;
+    - a server the oracle leaves running (``setsid python3 -m http.server``) is reached by the tests;
+    - an apt install by the oracle (openssh-client, from the Debian registry through the egress
+      filter, with the package manager's capabilities) and ``ssh-keygen -f ~/.ssh/id_rsa``, which
+      makes ~/.ssh only where HOME is the passwd home (/root), are there for the tests."""
+    d = _task(tmp_path, "leaves", solve="""
+        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8001/')" && echo up > /app/seen
+        set -e
+        apt-get update -qq && apt-get install -y -qq --no-install-recommends openssh-client >/dev/null
+        ssh-keygen -q -t ed25519 -N '' -f ~/.ssh/id_rsa
         mkdir -p /srv/www && echo served > /srv/www/marker
         setsid python3 -m http.server 8000 --directory /srv/www >/dev/null 2>&1 < /dev/null &
         for i in $(seq 50); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/marker')" 2>/dev/null && break; sleep 0.1; done
         """, test="""
+        ok=1
+        [ -f /app/seen ] || { echo "FAILED: the healthcheck's server was not up for the oracle"; ok=0; }
         python3 -c "import urllib.request as u; assert u.urlopen('http://127.0.0.1:8000/marker').read() == b'served\\n'" \\
-          && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+          || { echo "FAILED: the oracle's server is not reached"; ok=0; }
+        ssh-keygen -l -f /root/.ssh/id_rsa || { echo "FAILED: no ssh-keygen or no /root/.ssh/id_rsa"; ok=0; }
+        echo $ok > /logs/verifier/reward.txt
         """, base="python:3.11-slim")
+    check = ('n=$(cat /tmp/n 2>/dev/null || echo 0); echo $((n+1)) > /tmp/n; [ $n -ge 1 ] && '
+             '(setsid python3 -m http.server 8001 -d /tmp >/dev/null 2>&1 < /dev/null &); sleep 0.3; '
+             'python3 -c "import urllib.request as u; u.urlopen(\\"http://127.0.0.1:8001/\\")"')
+    (d / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n[agent]\ntimeout_sec = 120\n'
+                                 f"[environment.healthcheck]\ncommand = '{check}'\ninterval_sec = 0.5\n"
+                                 'start_period_sec = 5\nstart_interval_sec = 0.5\nretries = 5\n')
     rows = _oracle(tmp_path, d)
     assert rows[0]["reward"] == 1.0, _why(rows)
-    assert "live trial" in rows[0]["sandbox_notes"]
+    assert "live trial" in rows[0]["sandbox_notes"] and "healthcheck passed" in rows[0]["sandbox_notes"]
 
 
-def test_an_apt_install_and_ssh_keygen_by_the_oracle_are_there_for_the_verifier(dockerd, tmp_path):
-    """The oracle apt-installs openssh-client (the Debian registry through the egress filter: the
-    package manager's capabilities, as Harbor gives them) and runs ``ssh-keygen -f ~/.ssh/id_rsa``,
-    which makes ~/.ssh only where HOME is the passwd home (/root); the verifier uses both."""
-    d = _task(tmp_path, "apt-ssh", solve="""
-        set -e
-        apt-get update -qq && apt-get install -y -qq --no-install-recommends openssh-client >/dev/null
-        ssh-keygen -q -t ed25519 -N '' -f ~/.ssh/id_rsa
-        """, test="""
-        ssh-keygen -l -f /root/.ssh/id_rsa && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
-        """)
-    rows = _oracle(tmp_path, d)
-    assert rows[0]["reward"] == 1.0, _why(rows)
+def test_two_trials_at_once_share_nothing_and_their_leftovers_cannot_touch_the_verdict(dockerd, tmp_path):
+    """Two samples at once, each writing a token of its own at /flag (refusing to run where one is
+    already there), each leaving a process behind:
 
-
-def test_two_trials_of_one_task_at_once_share_nothing(dockerd, tmp_path):
-    """Two samples at once: each writes a token of its own at /flag (refusing to run where one
-    is already there) and its verifier finds its own."""
-    d = _task(tmp_path, "two", solve="""
+    - sample 0 answers right and leaves one that SIGKILLs every process it can (``kill -9 -1``):
+      the verifier, in a PID namespace of its own, is neither seen nor killed: 1;
+    - sample 1 answers wrong and leaves one that writes 1 into /logs/verifier/reward.txt in a loop
+      (and into every /proc/*/root/logs/verifier and /run/polar-trial/x/* it finds) while test.sh
+      writes 0: the verifier's /logs/verifier is a bind in its own mount namespace, the host's side
+      of it covered in the environment's: 0."""
+    d = _task(tmp_path, "leftovers", solve="""
         [ -e /flag ] && exit 3
         od -An -N8 -tx1 /dev/urandom | tr -d ' \\n' > /flag
         cp /flag /app/token
-        setsid sleep 300 >/dev/null 2>&1 < /dev/null &
-        sleep 2
-        """, test="""
-        cmp -s /flag /app/token && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
-        """)
-    rows = _oracle(tmp_path, d, samples=2)
-    assert [r["reward"] for r in rows] == [1.0, 1.0], _why(rows)
-    assert len({r["workdir"] for r in rows}) == 2
-
-
-def test_a_leftover_cannot_rewrite_the_reward_after_test_sh(dockerd, tmp_path):
-    """A process the sample left writes 1 into /logs/verifier/reward.txt in a loop; test.sh
-    writes 0 and ends. The verifier's /logs/verifier is a bind in its own mount namespace (the
-    leftover writes into the image's plain dir), and the host's side of that bind, under
-    /run/polar-trial, is covered in the environment's mount namespace."""
-    d = _task(tmp_path, "rewrite", solve="""
-        mkdir -p /logs/verifier
-        setsid bash -c 'while :; do echo 1 > /logs/verifier/reward.txt; for f in /proc/[0-9]*/root/logs/verifier \
-          /run/polar-trial/x/*; do echo 1 > $f/reward.txt; done 2>/dev/null; sleep 0.02; done' >/dev/null 2>&1 < /dev/null &
+        case "$POLAR_SESSION" in
+          *.s0) echo 42 > /app/answer
+                setsid bash -c 'while :; do kill -9 -1; sleep 0.02; done' >/dev/null 2>&1 < /dev/null & ;;
+          *) echo 41 > /app/answer; mkdir -p /logs/verifier
+             setsid bash -c 'while :; do echo 1 > /logs/verifier/reward.txt; for f in /proc/[0-9]*/root/logs/verifier \\
+               /run/polar-trial/x/*; do echo 1 > $f/reward.txt; done 2>/dev/null; sleep 0.02; done' >/dev/null 2>&1 < /dev/null & ;;
+        esac
         """, test="""
         echo 0 > /logs/verifier/reward.txt
-        sleep 1.5
-        """)
-    rows = _oracle(tmp_path, d)
-    assert rows[0]["reward"] == 0.0 and rows[0]["evaluator_status"] == "fail", _why(rows)
-
-
-def test_a_leftover_cannot_see_or_kill_the_verifier(dockerd, tmp_path):
-    """A leftover SIGKILLs every process it can (``kill -9 -1``) and records the processes it
-    sees; the sample's answer is right, so the honest verdict is 1: the verifier, in a PID
-    namespace of its own, is neither seen nor killed."""
-    d = _task(tmp_path, "killer", solve="""
-        echo 42 > /app/answer
-        setsid bash -c 'while :; do kill -9 -1; ls /proc | grep -c "^[0-9]" > /tmp/seen; sleep 0.02; done' \\
-          >/dev/null 2>&1 < /dev/null &
-        """, test="""
         sleep 2
-        grep -qx 42 /app/answer && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+        cmp -s /flag /app/token && grep -qx 42 /app/answer && echo 1 > /logs/verifier/reward.txt
+        sleep 1
         """)
-    rows = _oracle(tmp_path, d)
-    assert rows[0]["reward"] == 1.0, _why(rows)
+    rows = sorted(_oracle(tmp_path, d, samples=2), key=lambda r: r["sample_index"])
+    assert [r["reward"] for r in rows] == [1.0, 0.0] and rows[1]["evaluator_status"] == "fail", _why(rows)
+    tokens = [(Path(r["workdir"]) / "token").read_text() for r in rows]  # neither found the other's /flag
+    assert len(set(tokens)) == 2, tokens
 
 
 def test_the_agents_capabilities_and_uid_seen_from_the_host(dockerd, tmp_path):
@@ -180,7 +169,9 @@ def test_a_replaced_pytest_does_not_reach_a_separate_verifier(dockerd, tmp_path)
     """``[verifier] environment_mode = "separate"`` with ``artifacts``: the verifier runs in a fresh
     environment from the task's image with only the artifacts copied in. Sample 1 swaps the
     image's pytest for a script that always passes and writes a wrong answer (in the shared
-    environment that scores 1); sample 0 writes the right answer."""
+    environment that scores 1); sample 0 writes the right answer. The image's ``pytest`` is a small
+    runner of test functions (``RUN pip install pytest`` cost ~40 s of PyPI build here): what
+    counts is that test.sh calls a tool of the image's, which the agent can replace."""
     d = _task(tmp_path, "sep", solve="""
         case "$POLAR_SESSION" in
           *.s0) echo 42 > /app/answer ;;
@@ -191,7 +182,11 @@ def test_a_replaced_pytest_does_not_reach_a_separate_verifier(dockerd, tmp_path)
         """, base="python:3.11-slim")
     (d / "task.toml").write_text('version = "1.0"\nartifacts = ["/app/answer"]\n[verifier]\ntimeout_sec = 60\n'
                                  'environment_mode = "separate"\n[agent]\ntimeout_sec = 120\n')
-    (d / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nRUN pip install -q pytest\nWORKDIR /app\n")
+    (d / "environment" / "pytest").write_text(
+        "#!/usr/bin/env python3\nimport runpy, sys\n\nfor name, f in runpy.run_path(sys.argv[-1]).items():\n"
+        "    if name.startswith('test_'):\n        f()\n")
+    (d / "environment" / "Dockerfile").write_text(
+        "FROM python:3.11-slim\nCOPY pytest /usr/local/bin/pytest\nRUN chmod 755 /usr/local/bin/pytest\nWORKDIR /app\n")
     (d / "tests" / "test_answer.py").write_text("def test_answer():\n    assert open('/app/answer').read().strip() == '42'\n")
     rows = sorted(_oracle(tmp_path, d, samples=2), key=lambda r: r["sample_index"])
     assert [r["reward"] for r in rows] == [1.0, 0.0], _why(rows)
@@ -214,16 +209,24 @@ def test_the_agent_user_runs_the_agent_with_its_passwd_home(dockerd, tmp_path):
     assert rows[0]["reward"] == 1.0, _why(rows)
 
 
-def test_the_storage_cap_covers_what_a_trial_writes_outside_its_binds(dockerd, tmp_path):
-    """``storage_mb = 64``: the oracle writes 200 MiB of real data to /var (the container's own
-    file system), then to the work dir (a disk image of the trial's). On the host's disk that was uncapped (300 MiB went through); on the daemon's
-    btrfs data root (``quotaroot.py``: a quota group per container) the write fails at the cap."""
+def test_the_storage_cap_covers_a_trials_writes_and_a_full_disk_still_gets_its_verdict(dockerd, tmp_path):
+    """``storage_mb = 64``. The oracle writes 200 MiB of real data to /var (the container's own file
+    system), then to the work dir (a disk image of the trial's): on the host's disk that was
+    uncapped (300 MiB went through); on the daemon's btrfs data root (``quotaroot.py``: a quota
+    group per container) each write fails at the cap. It leaves /var full and removes /logs.
+    Uploading /tests and making /logs/verifier on that disk then fail with EDQUOT, and the verdict
+    was None (no signal: a zero advantage the sample bought by filling the disk); the verifier's
+    /logs and, when the upload fails, its /tests are tmpfs mounts of its own, so test.sh runs and
+    says 0."""
     d = _task(tmp_path, "fill", solve="""
         dd if=/dev/zero of=/var/big bs=1M count=200 2>/dev/null; echo $? > /tmp/dd_rc
         du -sm /var/big | cut -f1 > /tmp/size_mb
         dd if=/dev/zero of=/app/big bs=1M count=200 2>/dev/null; echo $? > /tmp/app_rc
         rm -f /app/big; cp /tmp/dd_rc /tmp/size_mb /tmp/app_rc /app/
-        """, test="echo 1 > /logs/verifier/reward.txt\n")
+        rm -rf /logs; true
+        """, test="""
+        [ -f /app/answer ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+        """)
     (d / "task.toml").write_text('version = "1.0"\n[environment]\nstorage_mb = 64\n[verifier]\ntimeout_sec = 60\n'
                                  '[agent]\ntimeout_sec = 120\n')
     rows = _oracle(tmp_path, d)
@@ -232,6 +235,7 @@ def test_the_storage_cap_covers_what_a_trial_writes_outside_its_binds(dockerd, t
     assert int((work / "size_mb").read_text()) <= 64, _why(rows)
     assert (work / "app_rc").read_text().strip() != "0", _why(rows)  # the work dir: its disk image
     assert "btrfs quota group" in rows[0]["sandbox_notes"]
+    assert rows[0]["reward"] == 0.0 and rows[0]["evaluator_status"] == "fail", _why(rows)
 
 
 def test_a_build_step_cannot_commit_past_the_storage_cap(dockerd, tmp_path):
@@ -248,37 +252,66 @@ def test_a_build_step_cannot_commit_past_the_storage_cap(dockerd, tmp_path):
     assert rows[0]["status"] != "passed" and "dd if=/dev/zero" in rows[0]["verdict"], rows
 
 
-def test_a_sample_that_fills_the_disk_still_gets_its_verdict(dockerd, tmp_path):
-    """The oracle fills the environment's disk to its cap (``storage_mb = 64``). Uploading /tests
-    and making /logs/verifier on that disk then fails with EDQUOT, and the verdict was None (no
-    signal: a zero advantage the sample bought by filling the disk); the verifier's /logs and, when
-    the upload fails, its /tests are tmpfs mounts of its own, so test.sh runs and says 0."""
-    d = _task(tmp_path, "filler", solve="""
-        dd if=/dev/zero of=/var/fill bs=1M count=500 2>/dev/null; rm -rf /logs; true
-        """, test="""
-        [ -f /app/answer ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
-        """)
-    (d / "task.toml").write_text('version = "1.0"\n[environment]\nstorage_mb = 64\n[verifier]\ntimeout_sec = 60\n'
-                                 '[agent]\ntimeout_sec = 120\n')
-    rows = _oracle(tmp_path, d)
-    assert rows[0]["reward"] == 0.0 and rows[0]["evaluator_status"] == "fail", _why(rows)
+#: the sample's library, named in the image's /etc/ld.so.preload: it marks every process it is
+#: loaded into that holds CAP_SYS_ADMIN (only our init does) in the work dir
+_PRELOAD_C = r"""
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+__attribute__((constructor)) static void mark(void) {
+    char line[256]; unsigned long long eff = 0; FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return;
+    while (fgets(line, sizeof line, f)) if (!strncmp(line, "CapEff:", 7)) eff = strtoull(line + 7, 0, 16);
+    fclose(f);
+    if (eff & (1ULL << 21)) {
+        int fd = open("/app/pwned", O_WRONLY | O_CREAT | O_APPEND, 0644);
+        if (fd >= 0) { (void)!write(fd, "init\n", 5); close(fd); }
+    }
+}
+"""
 
 
-def test_the_healthcheck_is_waited_on_before_the_agent(dockerd, tmp_path):
-    """``[environment.healthcheck]``: run until it passes (Harbor's rule) before the agent starts.
-    Here it fails twice, starting a server the second time, then passes; the oracle finds the
-    server up at once. Without the wait the oracle ran first and found nothing."""
-    d = _task(tmp_path, "health", solve="""
-        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/')" && echo up > /app/seen
+def test_the_bootstrap_pytest_ignores_what_the_sample_changed_in_the_images_python(dockerd, tmp_path):
+    """TB2's test.sh form (``curl astral.sh/uv/.../install.sh | sh``, ``uvx -p 3.11 -w pytest==8.4.1
+    -w pytest-json-ctrf==0.3.5 pytest ...``) in the live trial. Sample 0 answers right: 1 (the
+    bootstrap's pytest and its ctrf plugin work). Sample 1 answers wrong and, as root in the
+    environment, drops a ``sitecustomize.py`` into the image Python's standard library (at exit
+    once pytest is imported: ``os._exit(0)``), a ``.pth`` into its site-packages and a
+    ``usercustomize.py`` into root's user site (the same), and names a library of its own in
+    /etc/ld.so.preload. On the image's Python (uvx's venv) the sitecustomize made pytest exit 0:
+    reward 1; on ours (``pytestboot.py``: read-only, ``-I -S``) the verdict stays 0, and no
+    program of ours (the init, with SYS_ADMIN) loads the sample's library."""
+    d = _task(tmp_path, "site", solve="""
+        case "$POLAR_SESSION" in
+          *.s0) echo 42 > /app/answer; exit 0 ;;
+        esac
+        echo 41 > /app/answer
+        hook='import atexit, os, sys
+        atexit.register(lambda: "pytest" in sys.modules and os._exit(0))'
+        std=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+        pure=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        user=$(python3 -c 'import site; print(site.getusersitepackages())')
+        mkdir -p "$pure" "$user"
+        rm -f "$std/sitecustomize.py"; printf '%s\\n' "$hook" > "$std/sitecustomize.py"
+        printf '%s\\n' "$hook" > "$user/usercustomize.py"
+        echo 'import atexit, os, sys; atexit.register(lambda: "pytest" in sys.modules and os._exit(0))' > "$pure/zz.pth"
+        echo /opt/pre.so > /etc/ld.so.preload
         """, test="""
-        [ -f /app/seen ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+        curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh
+        source $HOME/.local/bin/env
+        uvx -p 3.11 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest --ctrf /logs/verifier/ctrf.json \\
+          /tests/test_outputs.py -rA
+        if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
         """, base="python:3.11-slim")
-    check = ('n=$(cat /tmp/n 2>/dev/null || echo 0); echo $((n+1)) > /tmp/n; [ $n -ge 1 ] && '
-             '(setsid python3 -m http.server 8000 -d /tmp >/dev/null 2>&1 < /dev/null &); sleep 0.3; '
-             'python3 -c "import urllib.request as u; u.urlopen(\\"http://127.0.0.1:8000/\\")"')
-    (d / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n[agent]\ntimeout_sec = 120\n'
-                                 f"[environment.healthcheck]\ncommand = '{check}'\ninterval_sec = 0.5\n"
-                                 'start_period_sec = 5\nstart_interval_sec = 0.5\nretries = 5\n')
-    rows = _oracle(tmp_path, d)
-    assert rows[0]["reward"] == 1.0, _why(rows)
-    assert "healthcheck passed" in rows[0]["sandbox_notes"]
+    subprocess.run(["cc", "-shared", "-fPIC", "-O", "-o", str(d / "environment" / "pre.so"), "-x", "c", "-"],
+                   input=_PRELOAD_C, text=True, check=True)
+    (d / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nCOPY pre.so /opt/pre.so\nWORKDIR /app\n")
+    (d / "tests" / "test_outputs.py").write_text(
+        "def test_answer():\n    assert open('/app/answer').read().strip() == '42'\n")
+    rows = sorted(_oracle(tmp_path, d, samples=2), key=lambda r: r["sample_index"])
+    assert [r["reward"] for r in rows] == [1.0, 0.0], _why(rows)
+    assert all("BOOTSTRAP PYTEST" in r["sandbox_notes"] for r in rows), _why(rows)
+    assert '"passed": 1' in (Path(rows[0]["workdir"]).parent / "verifier" / "ctrf.json").read_text()
+    assert not (Path(rows[1]["workdir"]) / "pwned").exists(), "the sample's preload library ran in our init"
