@@ -46,7 +46,8 @@ VALUE_OPTIONS = frozenset("""-p --python -w --with --from --with-editable --with
 --exclude-newer --link-mode -P --upgrade-package --reinstall-package -C --config-setting --python-preference
 --python-platform --color --allow-insecure-host""".split())
 NOTE = ("BOOTSTRAP PYTEST on Polar's Python {version} (read-only binds, started -I -S): `uvx ... pytest` "
-        "with {reqs} ran isolated from the image's Python and site dirs{asked}")
+        "with {reqs} runs isolated from the image's Python and site dirs{asked}; the verifier's output "
+        "says `polar: BOOTSTRAP PYTEST` where it did")
 
 #: run inside as ``python -I -S boot.py <site dir> <pytest args>``: our dir's own .pth files only
 BOOT = '''"""Polar's bootstrap pytest (polar_trial/sandbox/pytestboot.py)."""

@@ -312,6 +312,7 @@ def test_the_bootstrap_pytest_ignores_what_the_sample_changed_in_the_images_pyth
         "def test_answer():\n    assert open('/app/answer').read().strip() == '42'\n")
     rows = sorted(_oracle(tmp_path, d, samples=2), key=lambda r: r["sample_index"])
     assert [r["reward"] for r in rows] == [1.0, 0.0], _why(rows)
-    assert all("BOOTSTRAP PYTEST" in r["sandbox_notes"] for r in rows), _why(rows)
-    assert '"passed": 1' in (Path(rows[0]["workdir"]).parent / "verifier" / "ctrf.json").read_text()
+    vdirs = [Path(r["workdir"]).parent / "verifier" for r in rows]
+    assert all("polar: BOOTSTRAP PYTEST" in (v / "test-output.txt").read_text() for v in vdirs), _why(rows)
+    assert '"passed": 1' in (vdirs[0] / "ctrf.json").read_text()
     assert not (Path(rows[1]["workdir"]) / "pwned").exists(), "the sample's preload library ran in our init"
