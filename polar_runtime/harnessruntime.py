@@ -242,12 +242,38 @@ def bring_runtime(inv, spec, backend) -> str | None:
         return None
     rt = harness_runtime()
     spec.ro_binds.extend(rt.binds())
+    if inv.env.get("PATH") == os.environ.get("PATH"):  # the caller's, passed through: none of the image's dirs
+        inv.env["PATH"] = image_path(spec.image, getattr(backend, "runtime", "docker"))
     inv.argv, inv.env = rt.adapt(list(inv.argv), inv.env)
     how = "the host's node, patched" if inv.argv[0] == rt.node else "the host's loader" \
         if inv.argv[0].startswith(f"{INSIDE}/lib/") else "as it is (static)"
     home = "; its HOME copied into the image user's own, not bound" if move_home(spec, backend) else ""
     return (f"harness runtime bound read-only at {INSIDE} ({how}); "
             f"{', '.join(rt.tools) or 'no rg/fd'} after the image's PATH{home}")
+
+
+#: the PATH Docker gives a container whose image sets none
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def image_path(image: str | None, runtime: str = "docker") -> str:
+    """The PATH of ``image``'s config (what ``docker run`` gives its processes: a golang image's
+    ``/usr/local/go/bin``, a conda image's ``/opt/conda/bin``), or Docker's default. The harness's
+    PATH, and so its tools' and the model's commands', starts from it, our ``tools/`` after it;
+    the preset's own was the caller's, which names the host's dirs (a venv's ``bin``), not the image's."""
+    import json
+
+    if image:
+        try:
+            r = subprocess.run([runtime, "image", "inspect", "--format", "{{json .Config.Env}}", image],
+                               capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+            env = json.loads(r.stdout) if r.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            env = None
+        for e in env if isinstance(env, list) else []:
+            if isinstance(e, str) and e.startswith("PATH="):
+                return e[5:]
+    return DEFAULT_PATH
 
 
 def move_home(spec, backend) -> bool:

@@ -271,8 +271,11 @@ def test_harness_home_in_per_phase_containers(nolibc_image, dockerd, tmp_path):
     the HOME of the container's user (root: /root), CODEX_HOME and XDG follow, the host HOME is
     not mounted; the turn's sessions come back to the host through safetar (a FIFO and a link to
     a host file left behind), and the next turn's fresh container finds them (~3 s)."""
+    from polar_runtime.harnessruntime import image_path
     from polar_trial import DockerSandbox
 
+    # the harness's PATH starts from the image's config (its `docker import -c ENV PATH=...`)
+    assert image_path(nolibc_image) == "/usr/local/bin:/usr/bin:/bin"
     secret = tmp_path / "secret"
     secret.write_text("host secret\n")
     spec = _home_spec(tmp_path, nolibc_image)

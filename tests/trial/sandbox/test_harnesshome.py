@@ -98,3 +98,28 @@ def test_ensure_home_makes_the_users_dir(tmp_path):
     assert (st.st_uid, st.st_gid) == (4242, 4243) and stat.S_IMODE(st.st_mode) == 0o700
     hi.ensure_home(str(target), 1, 1)  # there already: left as it is
     assert target.stat().st_uid == 4242
+
+
+def test_bring_runtime_moves_home_and_starts_path_from_the_images(tmp_path, monkeypatch):
+    """The rollout's switch (``bring_runtime``) on a container backend: HOME becomes a copy, not a
+    bind; the caller's PATH, passed through by the preset, is replaced by the image's (a conda
+    image's ``/opt/conda/bin`` first), our rg/fd after it; a task's own ENV PATH is kept."""
+    from polar_core import paths
+    from polar_runtime import harnessruntime as hr
+    from polar_trial import SandboxSpec
+
+    rt = hr.HarnessRuntime(tmp_path / "rt", "ld-linux-x86-64.so.2", ("fd", "rg"))
+    monkeypatch.setattr(hr, "harness_runtime", lambda: rt)
+    monkeypatch.setattr(hr, "runs_in_image", lambda backend: True)
+    monkeypatch.setattr(hr, "image_path", lambda image, runtime="docker": "/opt/conda/bin:/usr/bin:/bin")
+    backend = type("Backend", (), {"copies_home": True, "runtime": "docker"})()
+    exe = str(paths.harnesses_dir() / "codex/node_modules/.bin/codex")
+    for given, want in ((os.environ["PATH"], "/opt/conda/bin:/usr/bin:/bin"), ("/task/bin:/usr/bin", "/task/bin:/usr/bin")):
+        spec = SandboxSpec(workdir_host=tmp_path / "w", home_host=tmp_path / "home", image="img")
+        inv = h.Invocation([exe, "exec"], {"PATH": given, "HOME": str(tmp_path / "home")}, Path("/app"))
+        note = hr.bring_runtime(inv, spec, backend)
+        assert inv.env["PATH"] == f"{want}:{hr.INSIDE}/tools", inv.env["PATH"]
+        assert spec.home_host is None and spec.home_copy == tmp_path / "home" and "HOME copied" in note
+    bwrap = type("Backend", (), {})()  # no copies_home (bubblewrap, apptainer): the host HOME stays bound
+    spec = SandboxSpec(workdir_host=tmp_path / "w", home_host=tmp_path / "home")
+    assert not hr.move_home(spec, bwrap) and spec.home_host == tmp_path / "home" and spec.home_copy is None
