@@ -4,11 +4,12 @@ oracle playing the sample. Each attack here is what a real task or sample does; 
 watched failing with its defence taken away (the per-phase model of before, or the verifier's
 namespaces removed): see the report in the commit that added it.
 
-Times (2-core CI machine kind, stand-ins cached, the session's daemon already up; measured in one
-run beside the other docker modules): the separate verifier 47-54 s (its image's pip build), apt +
-ssh-keygen 46 s (apt-get update and install through the egress filter), the server 21 s, the full
-disk 15 s, the others 3-12 s each; the module ~3.4 min. The session-scoped daemon's btrfs teardown
-(~4 s, was 16-80 s for overlay2's removal) pays back part of it.
+Tests that build the same image and whose attacks do not interfere share one trial (a rollout of
+two samples where the samples differ). Times (2-core machine, load 4-7, stand-ins cached, the
+session's daemon already up, 2026-12-07): the bootstrap's pytest 26-31 s, the oracle's leftovers
+(healthcheck + server + apt/ssh-keygen) 25 s, the separate verifier 24 s, two trials + leftovers
+22 s, the agent user 13 s, storage cap + full disk 12 s, the build step 10 s, the others under 5 s;
+the module 145 s (the 13 tests before the merges: see the commit that merged them).
 """
 
 from __future__ import annotations
