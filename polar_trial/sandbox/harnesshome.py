@@ -22,6 +22,12 @@ Now (``SandboxSpec.home_copy``):
   per-phase container finds its harness's sessions (Codex's ``exec resume --last``, Pi's and
   Claude Code's ``--continue``), and how the run dir keeps them; in a live trial the environment
   keeps them itself between turns, and the copy is the run dir's.
+
+Cost, measured on the 2-core machine at load ~9 (a private dockerd with ``--userns-remap``): a
+read-back of two names holding 201 files, 2 MB (a Codex HOME after a run is about that) takes
+0.22 s per phase (0.65 s the first time); the copy in is a few KiB read and written by the init.
+A ``docker cp`` per name, not one of the whole HOME: an image user's HOME may hold anything of
+the task's (a conda install in ``/root``), and only the harness's entries are ours to keep.
 """
 
 from __future__ import annotations

@@ -7,11 +7,15 @@ Before the harness brought its own runtime (``polar_runtime/harnessruntime.py``)
 real proxy in exact-history mode to the test session's vLLM serving tiny-qwen, on a Harbor task
 with two follow-up turns: every call captured with its token ids, every follow-up's prompt spliced
 exactly from the model's own ids, and the reward written by the task's own test.sh, run by busybox
-in the same image.
+in the same image. The harness's HOME is the image user's (``/root``), its config copied in and
+its sessions read back through safetar; the HOME copy alone, in per-phase containers and in a live
+trial whose agent is a non-root user, with a FIFO and a link to a host file left for the read-back
+and a link planted where the config goes, is checked without a model (2-4 s each).
 
 Wall time on the 2-core CI machine kind (harnesses installed, the runtime built once, 1.3 s): the
 image ~2 s, the relaunch/payload/library checks 12-19 s, Pi 32 s (81 s with the machine's load
-average at 20), Codex 25-68 s; the shared dockerd and vLLM are started once per session.
+average at 20; 26-27 s at load 5-9 with the HOME copy and read-back), Codex 25-68 s (8-13 s at load
+5-9); the shared dockerd and vLLM are started once per session.
 """
 
 from __future__ import annotations
