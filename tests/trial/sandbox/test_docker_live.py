@@ -160,9 +160,10 @@ def test_terminal_bench_2s_verifier_bootstraps_offline(dockerd, tmp_path):
     """TB2's standard test.sh, unedited: ``apt-get install curl``, ``curl -LsSf
     https://astral.sh/uv/0.9.5/install.sh | sh``, ``uvx -p 3.13 -w pytest==8.4.1 -w
     pytest-json-ctrf==0.3.5 pytest --ctrf ...``. astral.sh is unreachable: the curl shim answers that
-    one URL with a local installer of uv 0.9.5 from its PyPI wheel (``uvstandin.py``), pytest comes
-    from PyPI through the egress proxy, Python 3.13 is the python:3.13 stand-in's. Oracle 1 (ctrf
-    report written), nop 0, and the row says the installer stood in."""
+    one URL with a local installer of uv 0.9.5 from its PyPI wheel (``uvstandin.py``), and the
+    stand-in uvx runs pytest and its ctrf plugin on Polar's Python from read-only binds
+    (``pytestboot.py``), whatever ``-p`` asks. Oracle 1 (ctrf report written), nop 0, and the row
+    says the installer stood in."""
     from polar_runtime.task_commands import check_tasks, load_for_check
 
     tasks, refused = load_for_check(str(REPO / "tests/fixtures/tb2-style"))
@@ -172,6 +173,8 @@ def test_terminal_bench_2s_verifier_bootstraps_offline(dockerd, tmp_path):
     assert rows[0]["oracle"] == 1 and rows[0]["nop"] == 0
     assert any(n.startswith("STAND-IN UV INSTALLER") for n in rows[0]["notes"]), rows[0]["notes"]
     ctrf = Path(rows[0]["oracle_verifier"]) / "ctrf.json"
+    # pytest itself ran on Polar's Python (sandbox/pytestboot.py), not the image's
+    assert "polar: BOOTSTRAP PYTEST" in (ctrf.parent / "test-output.txt").read_text()
     assert '"passed": 2' in ctrf.read_text().replace('"passed":2', '"passed": 2'), ctrf.read_text()[:400]
 
 
