@@ -69,7 +69,10 @@ class HostPython:
 #: the loader's preload file and the path its copy reads instead (same length; never created)
 PRELOAD, NO_PRELOAD = b"/etc/ld.so.preload\0", f"{INSIDE}/np".encode() + b"\0"
 #: in the cache key: a directory built before a change of what is copied is built again
-LAYOUT = "2"
+LAYOUT = "3"
+#: libraries glibc itself dlopens, which ``ldd`` does not name: libgcc_s for the unwinding of a
+#: thread's exit or cancellation. Not in libs/, it came from the image's /lib or ld.so.cache
+DLOPENED = ("libgcc_s.so.1",)
 
 
 def patch_loader(path: Path) -> None:
@@ -78,6 +81,17 @@ def patch_loader(path: Path) -> None:
     if len(PRELOAD) != len(NO_PRELOAD) or data.count(PRELOAD) != 1:
         raise HostPythonError(f"{path}: /etc/ld.so.preload not found once in the loader; not patched")
     path.write_bytes(data.replace(PRELOAD, NO_PRELOAD))
+
+
+def _ldconfig(names: tuple[str, ...]) -> dict[str, str]:
+    """{name: the host's file} for those of ``names`` that ``ldconfig -p`` lists for this machine."""
+    r = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    out: dict[str, str] = {}
+    for line in r.stdout.splitlines():
+        m = re.match(r"\s*(\S+) \(libc6,(?:x86-64|AArch64)[^)]*\) => (/\S+)$", line)
+        if m and m[1] in names and m[1] not in out:
+            out[m[1]] = os.path.realpath(m[2])
+    return out
 
 
 _LDD_LINE = re.compile(r"^\s*(?:\S+\s+=>\s+)?(/\S+)\s+\(0x")
@@ -134,6 +148,7 @@ def host_python(python: str = HOST_PYTHON, root: Path | None = None) -> HostPyth
             (tmp / "lib" / f"python{version}").mkdir(parents=True)
             shutil.copy2(exe, tmp / "bin" / f"python{version}")
             libs = needed_libraries([exe, *map(str, sorted(dynload.glob("*.so")))])
+            libs.update(_ldconfig(DLOPENED))
             loaders = [lib for lib in libs if lib.startswith("ld-linux")]
             if len(loaders) != 1:
                 raise HostPythonError(f"{exe}: expected one dynamic loader, ldd named {loaders or 'none'}")
