@@ -27,6 +27,7 @@ for another Python fails here. Any other form (``uv run``, ``uvx --from``, the i
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -167,10 +168,11 @@ def prepare(test_sh: str, base: Path) -> list[str]:
     for name, text, mode in (("boot.py", BOOT, 0o644),
                              ("run", RUN.format(version=hp.version, inside=INSIDE, argv=argv), 0o755)):
         if not (root / name).is_file() or (root / name).read_text() != text:
-            tmp = root / f".{name}.tmp"
-            tmp.write_text(text)
-            tmp.chmod(mode)
-            tmp.replace(root / name)
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}-", dir=root)  # one of its own per writer
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text)
+            os.chmod(tmp, mode)
+            os.replace(tmp, root / name)
     notes = []
     asked = _asked_python(test_sh)
     for reqs in wanted:
