@@ -237,7 +237,8 @@ class DockerSandbox(Sandbox):
             if spec.home_copy is not None:  # before the container goes: the harness's sessions
                 from polar_trial.sandbox.harnesshome import home_notes
 
-                notes += home_notes(self.runtime, name, report.get("home"), spec.home_copy, home_names)
+                notes += home_notes(self.runtime, name, report.get("home"), spec.home_copy, home_names,
+                                    str(os.getuid()))  # the container's user: --user below
             notes += [f"{k} limit enforced by {self.limits_by}" for k, v in
                       (("pids", spec.pids), ("memory", spec.memory_mb), ("cpu", spec.cpus)) if v]
             if timed_out:

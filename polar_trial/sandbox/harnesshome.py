@@ -39,6 +39,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from polar_trial.sandbox.hostfs import _open_dir
 from polar_trial.sandbox.safetar import UnsafeArchive, extract
 
 #: where a per-phase container's init finds the host HOME (read-only; never the phase's HOME)
@@ -47,12 +48,18 @@ STAGE = "/run/polar-copy/home"
 READ_BACK_LIMIT = 256 << 20
 
 
+#: read back although no preset writes there: OpenCode keeps its sessions (``run --continue``) in a
+#: SQLite database under ``XDG_DATA_HOME/opencode`` (600 KB after a short run), not in its config dir
+HARNESS_DATA = (".local/share/opencode",)
+
+
 def top_names(host_home: Path) -> list[str]:
-    """The directories and files at the top of the host HOME (what the preset wrote there):
-    the only names read back."""
+    """The directories and files at the top of the host HOME (what the preset wrote there), and
+    :data:`HARNESS_DATA`: the only names read back."""
     with os.scandir(host_home) as it:
-        return sorted(e.name for e in it if not e.is_symlink() and (e.is_dir(follow_symlinks=False)
-                                                                    or e.is_file(follow_symlinks=False)))
+        top = [e.name for e in it if not e.is_symlink() and (e.is_dir(follow_symlinks=False)
+                                                            or e.is_file(follow_symlinks=False))]
+    return sorted(top) + [n for n in HARNESS_DATA if n.split("/")[0] not in top]
 
 
 def init_config(host_home: Path, src: str) -> dict:
@@ -75,13 +82,20 @@ def read_back(runtime: str, container: str, home: str, host_home: Path, names: l
     notes: list[str] = []
     budget = limit
     for name in names:
+        parent = posixpath.dirname(name)
+        if parent:  # made on the host without following a link (a read-back keeps links inside the tree)
+            try:
+                os.close(_open_dir(host_home, parent.split("/"), create=True))
+            except OSError as exc:
+                notes.append(f"HOME read-back of {name} skipped: {exc}")
+                continue
         with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen([runtime, "cp", f"{container}:{home}/{name}", "-"], stdout=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL, stderr=err)
             got = None
             try:
                 with tarfile.open(fileobj=proc.stdout, mode="r|") as tf:
-                    got = extract(tf, host_home, symlinks="inside", max_bytes=budget)
+                    got = extract(tf, host_home / parent, symlinks="inside", max_bytes=budget)
                 while proc.stdout.read(1 << 16):  # type: ignore[union-attr] - the end padding
                     pass
             except (tarfile.TarError, UnsafeArchive, OSError) as exc:

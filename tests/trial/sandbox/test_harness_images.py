@@ -228,6 +228,7 @@ cat "$CODEX_HOME/config.toml"
 echo "mounts at HOME: $(grep -c " $HOME " /proc/self/mountinfo)"
 mkdir -p "$CODEX_HOME/sessions"
 echo '{"turn":1}' > "$CODEX_HOME/sessions/s.jsonl"
+mkdir -p "$XDG_DATA_HOME/opencode" && echo db > "$XDG_DATA_HOME/opencode/opencode.db"  # OpenCode's sessions
 mkfifo "$CODEX_HOME/sessions/fifo.jsonl"
 ln -s "$2" "$CODEX_HOME/sessions/link.jsonl"
 echo mine > /tmp/victim && rm "$CODEX_HOME/config.toml" && ln -s /tmp/victim "$CODEX_HOME/config.toml"
@@ -246,7 +247,7 @@ def _home_spec(tmp_path: Path, image: str) -> "SandboxSpec":
     (home / ".codex").mkdir(parents=True)
     (home / ".codex" / "config.toml").write_text('model_provider = "polar"\n')
     env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "CODEX_HOME": str(home / ".codex"),
-           "XDG_CONFIG_HOME": str(home / ".config")}
+           "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".local" / "share")}
     return SandboxSpec(workdir_host=tmp_path / "work", workdir="/app", home_copy=home, image=image, env=env,
                        timeout_s=60)
 
@@ -263,6 +264,7 @@ def _turn(box, spec, script: str, secret: Path, tmp_path: Path) -> tuple[str, li
 def _read_back_checks(spec, notes: list[str]) -> None:
     codex = spec.home_copy / ".codex"
     assert (codex / "sessions" / "s.jsonl").read_text() == '{"turn":1}\n', notes  # read back
+    assert (spec.home_copy / ".local/share/opencode/opencode.db").read_text() == "db\n", notes  # not the preset's
     for name in ("fifo.jsonl", "link.jsonl"):  # neither kept nor followed
         assert not os.path.lexists(codex / "sessions" / name), notes
     assert not (codex / "config.toml").is_symlink() and "polar" in (codex / "config.toml").read_text()
