@@ -7,6 +7,9 @@ at ``workdir`` (Harbor's WORKDIR, ``/app`` by default). The isolated HOME is bou
 which defaults to the same absolute path as on the host, so the config files a harness preset
 wrote there with absolute paths (``CODEX_HOME``, settings.json) stay valid inside; ``inside()``
 maps any host path of the spec to its sandbox path (for env values such as ``POLAR_WORKDIR``).
+A container backend that ``copies_home`` (docker, podman) is given a harness's HOME as
+``home_copy`` instead: copied into the image user's passwd HOME, the paths under it moved there by
+the container's init, never bound (``harnesshome.py``).
 
 Limits the kernel cannot enforce on this machine are not silently dropped: the result's ``notes``
 say, per run, which limits were enforced and how, and what was contained (processes killed at the

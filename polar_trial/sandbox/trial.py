@@ -24,7 +24,9 @@ capability, no registry). Never the open internet (``network none``; the filter'
 Where a phase's binds cannot be known when the container is created (the harness install, the
 verifier's /logs/verifier, the uv stand-in), the host bind-mounts them under the trial's dir,
 which the container sees at /run/polar-trial with slave propagation, and the phase's init binds
-them at their place in the phase's own mount namespace.
+them at their place in the phase's own mount namespace. A harness's HOME (``spec.home_copy``) is
+mounted there read-only too, for the init to copy into the agent user's passwd HOME as that user;
+what the harness leaves there is read back after each agent phase (``harnesshome.py``).
 """
 
 from __future__ import annotations
