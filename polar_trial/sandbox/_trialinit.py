@@ -411,6 +411,9 @@ def main() -> int:
             signal.pause()
     env = dict(os.environ)
     report: dict = {}
+    for cg in cfg.get("cgroups", []):  # the phase's own limits: this init, and all it starts, join them
+        with open(os.path.join(cg, "cgroup.procs"), "w") as fh:
+            fh.write("0")
     # opened here, in the container's own mount namespace (the environment's covers our dir)
     rfd = os.open(cfg["report_path"], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600) \
         if cfg.get("report_path") else None

@@ -98,6 +98,9 @@ class TrialConfig:
     services: Any = None
     service_image: Any = None
     env: dict[str, str] = field(default_factory=dict)
+    #: a phase's own pids limit under the trial's (``phasecgroup.py``: a sub-cgroup made from the
+    #: host, cgroup v1), e.g. {"agent": 64}: what the agent leaves cannot hold the verifier's pids
+    phase_pids: dict[str, int] = field(default_factory=dict)
 
 
 def caps_for(phase: str, privileged: bool) -> list[int]:
@@ -127,6 +130,7 @@ class LiveTrial:
         self._workdir_given = False
         self._disk = None  # the work dir's disk image (``diskimage.py``), for the trial's life
         self._workdir_src: Path | None = None  # what is bound at the work dir: the image's copy
+        self._cgroups: list[Path] = []  # the phases' sub-cgroups (``phase_pids``), removed at the end
         self.services = None  # services.Services of a multi-container task
 
     # ---- lifetime ---------------------------------------------------------------------------
@@ -364,6 +368,11 @@ class LiveTrial:
                                    stdin=subprocess.DEVNULL, check=False)
                 except subprocess.TimeoutExpired:
                     self.notes.append(f"the daemon did not remove container {self.name} in time")
+        from polar_trial.sandbox import phasecgroup
+
+        for sub in self._cgroups:
+            phasecgroup.remove(sub)
+        self._cgroups.clear()
         if self._disk is not None:  # every process gone: the work dir copied back, the image removed
             self._disk.release()
             self._disk = None
@@ -455,7 +464,9 @@ class LiveTrial:
             self._give_workdir(user)
         rid = uuid.uuid4().hex[:12]
         report = self.dir / "reports" / f"{rid}.json"
+        cgroups = self._phase_cgroups(phase, rid, notes)
         init_cfg = {"mode": phase, "join": self.holder, "binds": binds, "copy_in": copies, "covers": [INSIDE],
+                    "cgroups": cgroups,
                     "caps": caps_for(phase, privileged), "user": user, "passwd_home": passwd_home, "home": home_cfg,
                     "workdir": spec.workdir, "report_path": f"{INSIDE}/reports/{rid}.json"}
         cmd = [self.runtime, "exec", "--user", "0:0", "--workdir", "/"]
@@ -499,6 +510,25 @@ class LiveTrial:
             notes.append("package registries reachable through the filtering proxy" if privileged
                          else "no package registry (the run denies the agent privileges)")
         return SandboxResult(rc if not timed_out else -9, timed_out, notes, wall)
+
+    def _phase_cgroups(self, phase: str, rid: str, notes: list[str]) -> list[str]:
+        """The phase's own pids limit (``cfg.phase_pids``): a sub-cgroup of the container's, made
+        here, bound into our dir; its path inside, for the init to join. [] where none is asked or
+        the host has no cgroup v1 pids hierarchy for the container (said in the notes)."""
+        from polar_trial.sandbox import phasecgroup
+
+        limit = self.cfg.phase_pids.get(phase)
+        if not limit:
+            return []
+        base = phasecgroup.container_cgroup(self.runtime, self.name)
+        if base is None:
+            notes.append(f"no pids limit of the {phase} phase's own: the container's cgroup is not a v1 "
+                         f"hierarchy this host can write (the trial's limit holds)")
+            return []
+        sub = phasecgroup.make(base, f"polar-{phase}-{rid}", limit, self.owner)
+        self._cgroups.append(sub)
+        notes.append(f"the {phase} phase's own pids limit: {limit}, under the trial's (a sub-cgroup made from the host)")
+        return [self._host_bind(sub, writable=True)]
 
     def _give_workdir(self, user: str) -> None:
         """The work dir to a non-root agent user (``[agent] user``, the image's USER), once: the
