@@ -513,7 +513,7 @@ class LiveTrial:
 
     def _phase_cgroups(self, phase: str, rid: str, notes: list[str]) -> list[str]:
         """The phase's own pids limit (``cfg.phase_pids``): a sub-cgroup of the container's, made
-        here, bound into our dir; its path inside, for the init to join. [] where none is asked or
+        here once per phase name (``rid`` unused), bound into our dir; its path inside, for the init to join. [] where none is asked or
         the host has no cgroup v1 pids hierarchy for the container (said in the notes)."""
         from polar_trial.sandbox import phasecgroup
 
@@ -525,8 +525,11 @@ class LiveTrial:
             notes.append(f"no pids limit of the {phase} phase's own: the container's cgroup is not a v1 "
                          f"hierarchy this host can write (the trial's limit holds)")
             return []
-        sub = phasecgroup.make(base, f"polar-{phase}-{rid}", limit, self.owner)
-        self._cgroups.append(sub)
+        # one per phase name for the trial: an agent's later turns share the first's (and its leftovers')
+        sub = next((c for c in self._cgroups if c.name == f"polar-{phase}"), None)
+        if sub is None:
+            sub = phasecgroup.make(base, f"polar-{phase}", limit, self.owner)
+            self._cgroups.append(sub)
         notes.append(f"the {phase} phase's own pids limit: {limit}, under the trial's (a sub-cgroup made from the host)")
         return [self._host_bind(sub, writable=True)]
 

@@ -153,7 +153,7 @@ def test_the_agents_capabilities_and_uid_seen_from_the_host(dockerd, tmp_path):
 def test_an_agent_phase_is_held_to_its_own_pids_limit_under_the_trials(dockerd, tmp_path):
     """The trial's ``--pids-limit`` 120, the agent phase's own 24 (``phase_pids``: a sub-cgroup made
     from the host). The agent forks 100 ``sleep 300`` it leaves behind (dash stops at the first
-    fork that fails); then the verifier forks 60. With the trial's limit alone the agent's 100
+    fork that fails), and once more in a later turn; then the verifier forks 60. With the trial's limit alone the agent's 100
     leftovers left the verifier too few pids; held to its own, the agent starts at most 24 and the
     verifier all of its 60."""
     from polar_trial.sandbox import SandboxSpec
@@ -166,8 +166,9 @@ def test_an_agent_phase_is_held_to_its_own_pids_limit_under_the_trials(dockerd, 
         spec = SandboxSpec(workdir_host=work, env={"PATH": "/usr/bin:/bin"}, timeout_s=60)
         bomb = "i=0; while [ $i -lt 100 ]; do setsid sleep 300 </dev/null >/dev/null 2>&1 & i=$((i+1)); done"
         agent = trial.view("agent").run(spec, ["sh", "-c", bomb])
+        again = trial.view("agent").run(spec, ["sh", "-c", bomb])  # a later turn shares the first's limit
         left = sum(1 for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p) == b"sleep\x00300\x00")
-        assert agent.returncode != 0 and left <= 24, (agent, left)
+        assert agent.returncode != 0 and again.returncode != 0 and left <= 24, (agent, again, left)
         forks = "i=0; while [ $i -lt 60 ]; do sleep 2 & i=$((i+1)); done; wait"
         verifier = trial.view("verifier").run(spec, ["sh", "-c", forks])
         assert verifier.returncode == 0, verifier
