@@ -2,7 +2,8 @@
 
 ``docker run --rm --network none`` (or the default bridge with ``network=True``) on ``spec.image``
 (the task's built environment: Harbor tasks ship a Dockerfile), with the work dir and HOME bound
-read-write, the spec's binds, ``--pids-limit``/``--memory``/``--cpus`` (the daemon's cgroups
+read-write (a harness's HOME, ``spec.home_copy``, is copied into the container user's own instead,
+and read back before the container goes: ``harnesshome.py``), the spec's binds, ``--pids-limit``/``--memory``/``--cpus`` (the daemon's cgroups
 enforce them), /tmp and the writable binds on a disk image of ``disk_mb`` (below), all capabilities
 dropped and no new privileges. The
 model proxy reaches the container the same way as bubblewrap's: a job-private Unix socket bound
