@@ -22,6 +22,19 @@ import time
 from pathlib import Path
 
 
+#: pids a live trial's container gets beyond the agent's own limit (``polar_trial/phases.py``): the
+#: verifier's, which no leftover of the agent can take (a TB2 verifier with uv and pytest: < 20)
+VERIFIER_PIDS = 256
+
+
+def available() -> bool:
+    """Whether this host has a cgroup v1 pids hierarchy (where a phase's own limit can be made)."""
+    try:
+        return _mount_of("pids") is not None
+    except OSError:
+        return False
+
+
 def _mount_of(controller: str) -> Path | None:
     """Where this host mounts the cgroup v1 hierarchy of ``controller``."""
     for line in Path("/proc/self/mountinfo").read_text().splitlines():

@@ -8,7 +8,7 @@ tests check. Run per phase in fresh containers, public oracles that start a serv
 
 :class:`LiveTrial` is that environment: ``start()`` creates the container once, with the image's
 ENTRYPOINT, the task's limits (``--pids-limit``/``--memory``/``--cpus`` are per trial: every phase
-shares them; per-phase ones inside one container would need sub-cgroups made from the host) and
+shares them, except the pids of a phase given its own in ``phase_pids``: ``phasecgroup.py``) and
 the most privilege any phase needs; waits for ``[environment.healthcheck]``; starts the trial's
 relays (model proxy, the registries' filtering proxy) in the container's own PID namespace.
 Each phase is then a ``docker exec`` of ``_trialinit.py``, which builds the phase's namespaces and
@@ -528,7 +528,11 @@ class LiveTrial:
         # one per phase name for the trial: an agent's later turns share the first's (and its leftovers')
         sub = next((c for c in self._cgroups if c.name == f"polar-{phase}"), None)
         if sub is None:
-            sub = phasecgroup.make(base, f"polar-{phase}", limit, self.owner)
+            try:
+                sub = phasecgroup.make(base, f"polar-{phase}", limit, self.owner)
+            except OSError as exc:
+                notes.append(f"no pids limit of the {phase} phase's own ({exc}): the trial's limit holds")
+                return []
             self._cgroups.append(sub)
         notes.append(f"the {phase} phase's own pids limit: {limit}, under the trial's (a sub-cgroup made from the host)")
         return [self._host_bind(sub, writable=True)]

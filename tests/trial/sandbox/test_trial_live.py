@@ -8,8 +8,9 @@ Tests that build the same image and whose attacks do not interfere share one tri
 two samples where the samples differ). Times (2-core machine, load 4-7, stand-ins cached, the
 session's daemon already up, 2026-12-07): the bootstrap's pytest 26-31 s, the oracle's leftovers
 (healthcheck + server + apt/ssh-keygen) 25 s, the separate verifier 24 s, two trials + leftovers
-22 s, the agent user 13 s, storage cap + full disk 12 s, the build step 10 s, the others under 5 s;
-the module 145 s (the 13 tests before the merges: see the commit that merged them).
+22 s, the agent user 13 s, storage cap + full disk 12 s, the build step 10 s, the agent's own pids
+limit 5-10 s, the others under 5 s; the module 132-145 s (the 13 tests before the merges: 177 s
+in the same hour).
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def test_two_trials_at_once_share_nothing_and_their_leftovers_cannot_touch_the_v
         """)
     rows = sorted(_oracle(tmp_path, d, samples=2), key=lambda r: r["sample_index"])
     assert [r["reward"] for r in rows] == [1.0, 0.0] and rows[1]["evaluator_status"] == "fail", _why(rows)
+    assert "the agent phase's own pids limit: 4096" in rows[0]["sandbox_notes"]  # the rollout's default
     tokens = [(Path(r["workdir"]) / "token").read_text() for r in rows]  # neither found the other's /flag
     assert len(set(tokens)) == 2, tokens
 
