@@ -117,33 +117,61 @@ def task_sets(names: list[str], tmp: Path) -> list:
 
 
 def merges(calls: list[dict]) -> dict:
-    """Every call after a session's first is a merge: exact when its history is the model's own ids
-    (the proxy's ``history``) and, by ids, the previous call's prompt + sampled ids prefix its
-    prompt; otherwise the cause is named (``history_cause``, or the ids' first difference)."""
-    out = {"merges": 0, "exact": 0, "causes": {}}
-    for a, b in zip(calls, calls[1:]):
+    """Every call that continues an earlier one is a merge: its predecessor is the latest earlier
+    call whose prompt prefixes its prompt (a session can hold several chains: OpenCode's title call
+    runs beside its first turn). Exact when its history is the model's own ids (the proxy's
+    ``history``) and, by ids, the predecessor's prompt + sampled ids prefix its prompt; otherwise
+    the cause is named (``history_cause``, or the ids' first difference). A call that continues no
+    earlier one starts a chain (``chains``), and a known side call (``side_call_of``: titles, token
+    counts) is counted apart (``auxiliary``), as the drift report and ``polar certify`` count them."""
+    from polar_core.compaction import side_call_of
+
+    out = {"merges": 0, "exact": 0, "causes": {}, "chains": 0, "auxiliary": 0}
+    earlier: list[dict] = []
+    for b in calls:
+        if side_call_of(((b.get("normalized_request") or {}).get("messages"))):
+            out["auxiliary"] += 1
+            continue
+        prompt = b.get("prompt_token_ids") or []
+        a = next((c for c in reversed(earlier)
+                  if c.get("prompt_token_ids") and prompt[: len(c["prompt_token_ids"])] == c["prompt_token_ids"]), None)
+        earlier.append(b)
+        if a is None:
+            out["chains"] += 1
+            continue
         out["merges"] += 1
-        head = a["prompt_token_ids"] + a["sampled_token_ids"]
-        by_ids = b["prompt_token_ids"][: len(head)] == head
+        head = a["prompt_token_ids"] + (a.get("sampled_token_ids") or [])
+        by_ids = prompt[: len(head)] == head
         if b.get("history") == "exact" and by_ids:
             out["exact"] += 1
             continue
         if b.get("history") not in (None, "exact"):
             cause = f"{b.get('history')}: {b.get('history_cause')}"
-        elif not by_ids and b["prompt_token_ids"][: len(a["prompt_token_ids"])] == a["prompt_token_ids"]:
+        elif not by_ids:
             cause = "answer re-rendered (prompt kept, sampled ids differ)"
         else:
-            cause = "history changed before the previous answer (a new chain: sub-agent or side call)"
+            cause = "history not marked exact by the proxy, ids spliced"
         out["causes"][cause] = out["causes"].get(cause, 0) + 1
     out["rate"] = round(out["exact"] / out["merges"], 3) if out["merges"] else None
     return out
 
 
+def _union_s(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by the spans (calls in flight at once count once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def time_split(row: dict, calls: list[dict], env_start_s: float, agent_t0: float | None) -> dict:
-    """Seconds: environment start, harness start-up (agent phase start -> first call), model (sum
-    of upstream time), the rest of the agent phase (tools, the harness's own work), verifier."""
-    model = sum(c["t_upstream_end"] - c["t_upstream_sent"] for c in calls
-                if c.get("t_upstream_sent") and c.get("t_upstream_end"))
+    """Seconds: environment start, harness start-up (agent phase start -> first call), model (the
+    time some call was upstream: concurrent calls count once), the rest of the agent phase (tools,
+    the harness's own work), verifier."""
+    model = _union_s([(c["t_upstream_sent"], c["t_upstream_end"]) for c in calls
+                      if c.get("t_upstream_sent") and c.get("t_upstream_end")])
     first = min((c["t_request_in"] for c in calls if c.get("t_request_in")), default=None)
     startup = (first - agent_t0) if first and agent_t0 else None
     agent = row["wall_s"] - env_start_s
