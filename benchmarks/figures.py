@@ -352,8 +352,8 @@ def harness_images(get: Reader):
     exact = sum(r["merge"]["exact"] for r in rows)
     names = sorted({r["harness"] for r in reached})
     value = (f"{len(reached)}/{len(rows)} samples reached the model ({', '.join(names)}); "
-             f"{exact}/{merges} merges exact; incomplete (see the page)")
-    return value, get.committed(f, "2026-12-07 06:54", "6119fa093a64"), CPU_BOX
+             f"{exact}/{merges} merges exact; rewards from each task's own verifier")
+    return value, get.committed(f, "2026-12-07 12:50", "2de7df283674"), CPU_BOX
 
 
 @figure("Multi-container tasks: service stand-ins built from Debian packages, and one task with redis, "
