@@ -37,6 +37,7 @@ import posixpath
 import subprocess
 import tarfile
 import tempfile
+import threading
 from pathlib import Path
 
 from polar_trial.sandbox.hostfs import _open_dir
@@ -46,6 +47,8 @@ from polar_trial.sandbox.safetar import UnsafeArchive, extract
 STAGE = "/run/polar-copy/home"
 #: what a read-back may bring to the host in all (Codex's HOME after a run: ~2 MB of skills and sessions)
 READ_BACK_LIMIT = 256 << 20
+#: the longest one name's copy out of the container may take before it is killed (seconds)
+READ_BACK_TIMEOUT_S = 60.0
 
 
 #: read back although no preset writes there: OpenCode keeps its sessions (``run --continue``) in a
@@ -93,6 +96,11 @@ def read_back(runtime: str, container: str, home: str, host_home: Path, names: l
             proc = subprocess.Popen([runtime, "cp", f"{container}:{home}/{name}", "-"], stdout=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL, stderr=err)
             got = None
+            # a daemon that stops answering must not hold the sample: the copy is killed after
+            # READ_BACK_TIMEOUT_S (a 2 MB HOME takes 0.2-0.7 s)
+            fired = threading.Event()
+            watchdog = threading.Timer(READ_BACK_TIMEOUT_S, lambda: (fired.set(), proc.kill()))
+            watchdog.start()
             try:
                 with tarfile.open(fileobj=proc.stdout, mode="r|") as tf:
                     got = extract(tf, host_home / parent, symlinks="inside", max_bytes=budget)
@@ -106,8 +114,12 @@ def read_back(runtime: str, container: str, home: str, host_home: Path, names: l
             finally:
                 proc.stdout.close()  # type: ignore[union-attr]
                 rc = proc.wait()
+                watchdog.cancel()
             err.seek(0)
             why = err.read()[-300:].decode(errors="replace").strip()
+            if fired.is_set():
+                problem = f"timed out: `{runtime} cp` killed after {READ_BACK_TIMEOUT_S:g} s" + (f" ({problem})" if problem else "")
+                got = None  # what came before the kill may be partial: said, not counted as read back
         if got is not None:
             budget -= got.bytes
             notes += [f"HOME read-back of {name}: {n}" for n in got.notes()]

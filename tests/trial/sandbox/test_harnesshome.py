@@ -123,3 +123,22 @@ def test_bring_runtime_moves_home_and_starts_path_from_the_images(tmp_path, monk
     bwrap = type("Backend", (), {})()  # no copies_home (bubblewrap, apptainer): the host HOME stays bound
     spec = SandboxSpec(workdir_host=tmp_path / "w", home_host=tmp_path / "home")
     assert not hr.move_home(spec, bwrap) and spec.home_host == tmp_path / "home" and spec.home_copy is None
+
+
+def test_a_read_back_from_a_runtime_that_stops_answering_is_killed_and_said(tmp_path, monkeypatch):
+    """A daemon that hangs mid-copy must not hold the sample: the copy is killed at the limit and the
+    sample's notes say so (a fake ``docker`` that writes half a tar header, then hangs)."""
+    import time
+
+    from polar_trial.sandbox import harnesshome
+
+    fake = tmp_path / "docker"
+    fake.write_text("#!/bin/sh\nprintf 'partial' ; exec sleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(harnesshome, "READ_BACK_TIMEOUT_S", 1.0)
+    home = tmp_path / "home"
+    home.mkdir()
+    t0 = time.monotonic()
+    notes = harnesshome.read_back(str(fake), "c1", "/root", home, [".codex"])
+    assert time.monotonic() - t0 < 15
+    assert len(notes) == 1 and "timed out" in notes[0] and ".codex" in notes[0], notes
