@@ -237,13 +237,18 @@ def runs_in_image(backend: object) -> bool:
 def bring_runtime(inv, spec, backend) -> str | None:
     """Make a harness invocation (``harnesses.Invocation``) run in the task's image: the runtime
     bound into ``spec``, argv and env adapted. A sentence for the sample's notes, or None when the
-    backend needs nothing (bubblewrap, host) or the invocation is no packaged harness."""
-    if not runs_in_image(backend) or not inv.argv or not str(inv.argv[0]).startswith(str(paths.harnesses_dir())):
+    backend needs nothing (bubblewrap, host) or the invocation is no packaged harness. Every
+    invocation in an image (the oracle's solve.sh, nop, a generic command too) starts from the
+    image's PATH, not the caller's: a task image's tools (``/opt/venv/bin``) come first, as under
+    ``docker run``; a task's own ENV PATH is kept."""
+    if not runs_in_image(backend):
+        return None
+    if inv.env.get("PATH") == os.environ.get("PATH"):  # the caller's, passed through: none of the image's dirs
+        inv.env["PATH"] = image_path(spec.image, getattr(backend, "runtime", "docker"))
+    if not inv.argv or not str(inv.argv[0]).startswith(str(paths.harnesses_dir())):
         return None
     rt = harness_runtime()
     spec.ro_binds.extend(rt.binds())
-    if inv.env.get("PATH") == os.environ.get("PATH"):  # the caller's, passed through: none of the image's dirs
-        inv.env["PATH"] = image_path(spec.image, getattr(backend, "runtime", "docker"))
     inv.argv, inv.env = rt.adapt(list(inv.argv), inv.env)
     how = "the host's node, patched" if inv.argv[0] == rt.node else "the host's loader" \
         if inv.argv[0].startswith(f"{INSIDE}/lib/") else "as it is (static)"

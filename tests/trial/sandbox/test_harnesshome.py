@@ -142,3 +142,21 @@ def test_a_read_back_from_a_runtime_that_stops_answering_is_killed_and_said(tmp_
     notes = harnesshome.read_back(str(fake), "c1", "/root", home, [".codex"])
     assert time.monotonic() - t0 < 15
     assert len(notes) == 1 and "timed out" in notes[0] and ".codex" in notes[0], notes
+
+
+def test_an_oracle_in_an_image_starts_from_the_images_path(tmp_path, monkeypatch):
+    """Not only packaged harnesses: the oracle's ``bash solve.sh`` (and nop, a generic command) in a
+    task image gets the image's PATH instead of the caller's (which named host dirs such as
+    ``~/.cargo/bin`` and missed an image's ``/opt/venv/bin``); a task's ENV PATH is kept; no
+    runtime is bound for it."""
+    from polar_runtime import harnessruntime as hr
+    from polar_trial import SandboxSpec
+
+    monkeypatch.setattr(hr, "runs_in_image", lambda backend: True)
+    monkeypatch.setattr(hr, "image_path", lambda image, runtime="docker": "/opt/venv/bin:/usr/bin:/bin")
+    backend = type("Backend", (), {"runtime": "docker"})()
+    for given, want in ((os.environ["PATH"], "/opt/venv/bin:/usr/bin:/bin"), ("/task/bin:/usr/bin", "/task/bin:/usr/bin")):
+        spec = SandboxSpec(workdir_host=tmp_path / "w", image="img")
+        inv = h.Invocation(["bash", "/solution/solve.sh"], {"PATH": given}, Path("/app"))
+        assert hr.bring_runtime(inv, spec, backend) is None
+        assert inv.env["PATH"] == want and spec.ro_binds == []
