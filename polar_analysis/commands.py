@@ -114,7 +114,8 @@ def _stats_table(stats) -> Table:
     t.add_column("k")
     t.add_column("v", justify="right")
     for k in ("calls", "usable_calls", "skipped_error", "skipped_empty", "skipped_error_sampled_tokens",
-              "skipped_no_logprobs", "skipped_no_logprobs_sampled_tokens", "sessions",
+              "skipped_no_logprobs", "skipped_no_logprobs_sampled_tokens", "auxiliary_calls",
+              "auxiliary_sampled_tokens", "sessions",
               "chains", "sequences", "merges", "breaks", "sampled_tokens", "covered_tokens", "sequence_tokens"):
         t.add_row(k, str(d[k]))
     t.add_row("coverage", f"{stats.coverage:.4%}")
@@ -123,6 +124,7 @@ def _stats_table(stats) -> Table:
     t.add_row("calls per sequence", f"{stats.calls_per_sequence:.2f}")
     t.add_row("merge kinds", json.dumps(d["merge_kinds"]))
     t.add_row("break causes", json.dumps(d["break_reasons"]))
+    t.add_row("auxiliary (left out)", json.dumps(d["auxiliary"]))
     t.add_row("template", d["template"])
     return t
 
@@ -338,6 +340,8 @@ def register(app: typer.Typer, *, translate=None) -> None:
         _print_history(lf)
         with_reward = df["reward"].is_not_null().sum()
         console.print(f"wrote {df.height} sequences to {out} ({with_reward} with a reward)")
+        if stats.auxiliary:  # harness side calls (titles, next-speaker checks): not the agent's turns
+            console.print(stats.auxiliary_summary)
         if stats.coverage < 1.0:
             console.print(f"[red]coverage {stats.coverage:.4%}: some sampled ids are not in any sequence[/red]")
             raise typer.Exit(1)

@@ -108,18 +108,72 @@ def compaction_of(messages: list[dict[str, Any]] | None) -> str | None:
     return None
 
 
-#: Side calls that re-send the whole history without tools and are not compactions: Gemini CLI's
-#: and Qwen Code's next-speaker check (``CHECK_PROMPT`` in both bundles) asks the model, with
-#: ``responseMimeType: application/json``, who speaks next.
+#: Where a side call's phrase is looked for: the last user message, any user message, or a
+#: system/developer message (the phrase of a title call is often in its system prompt, and its user
+#: text is the conversation itself).
+SIDE_CALL_PLACES = ("last user", "any user", "system")
+
+#: The harnesses' own model calls that are not the agent's turn and not a compaction (titles, labels,
+#: next-speaker and loop checks, recaps, suggestions, edit fixes): (kind, phrase, place). Each was read
+#: from the installed harness named in its comment (``~/.cache/polar/harnesses``; the Bun binaries with
+#: ``grep -a``). The trajectory builders leave them out of every sequence and count them by kind;
+#: certify's capture check fails a run whose training data holds one. Several only fire in an
+#: interactive session; they are listed so that a run which does send them is still labelled.
 HARNESS_SIDE_CALLS = (
-    ("gemini-cli/qwen-code next-speaker check", "Analyze *only* the content and structure of your immediately preceding response"),
+    # Gemini CLI 0.61 and Qwen Code 0.24 (``CHECK_PROMPT``): the whole history, no tools,
+    # ``responseMimeType: application/json``, asks who speaks next
+    ("gemini-cli/qwen-code next-speaker check", "Analyze *only* the content and structure of your immediately preceding response", "last user"),
+    # OpenCode 1.18.33: the ``title`` agent on ``small_model`` (our model): system "You are a title
+    # generator. ...", messages [user "Generate a title for this conversation:\n", the first user turn]
+    ("opencode title", "You are a title generator. You output ONLY a thread title.", "system"),
+    ("opencode title", "Generate a title for this conversation:", "any user"),
+    # OpenCode 1.18.33: the desktop's project-copy name (``small_model``)
+    ("opencode project name", "Generate a short 2-3 word name that describes this task:", "last user"),
+    # OpenCode 1.18.33: the ``summary`` agent's prompt (defined; no caller found in this version)
+    ("opencode session summary", "Summarize what was done in this conversation. Write like a pull request description.", "system"),
+    # Claude Code 2.1.332 (querySource ``generate_session_title``): JSON {"title"}, session in <session>
+    ("claude-code session title", "You are naming a coding session so the user can pick it out of a long list of sessions.", "system"),
+    # Claude Code 2.1.332 (``tool_use_summary_generation``) and Qwen Code 0.24 (``TOOL_USE_SUMMARY_SYSTEM_PROMPT``)
+    ("claude-code/qwen-code tool-use summary label", "Write a short summary label describing what these tool calls accomplished.", "system"),
+    # Claude Code 2.1.332 (``prompt_suggestion``) and Qwen Code 0.24 (``SUGGESTION_PROMPT``)
+    ("claude-code/qwen-code prompt suggestion", "[SUGGESTION MODE: Suggest what the user might naturally type next", "last user"),
+    # Claude Code 2.1.332 (``agent_summary``): a background agent's progress label, forked from its history
+    ("claude-code agent progress label", "most recent action in 3-5 words using present tense", "last user"),
+    # Claude Code 2.1.332 (``away_summary``): a recap forked from the history
+    ("claude-code away recap", "The user stepped away and is coming back. Recap in under 40 words", "last user"),
+    # Qwen Code 0.24 (``TITLE_SYSTEM_PROMPT``, ``RECAP_SYSTEM_PROMPT``)
+    ("qwen-code session title", "Generate a concise, sentence-case title (3-7 words) that captures what this programming-assistant session is about", "system"),
+    ("qwen-code session recap", "You generate session recaps for a programming assistant CLI.", "system"),
+    # Gemini CLI 0.61 (LlmRole ``utility_loop_detector``, ``LOOP_DETECTION_SYSTEM_PROMPT``)
+    ("gemini-cli loop check", "You are a diagnostic agent that determines whether a conversational AI assistant is stuck in an unproductive loop.", "system"),
+    # Gemini CLI 0.61 (``utility_edit_corrector``: ``EDIT_SYS_PROMPT``, ``CODE_CORRECTION_SYSTEM_PROMPT``)
+    ("gemini-cli edit fix", "You are an expert code-editing assistant specializing in debugging and correcting failed search-and-replace operations.", "system"),
+    ("gemini-cli edit fix", "You are an expert code-editing assistant. Your task is to analyze a failed edit attempt", "system"),
+    # Gemini CLI 0.61 (``utility_summarizer``: ``SUMMARIZE_TOOL_OUTPUT_PROMPT``; ``session-summary-generation``;
+    # ``utility_router``: ``CLASSIFIER_SYSTEM_PROMPT``)
+    ("gemini-cli tool-output summary", "Summarize the following tool output to be a maximum of", "last user"),
+    ("gemini-cli session summary", "Summarize the user's primary intent or goal in this conversation in ONE sentence", "last user"),
+    ("gemini-cli model router", "You are a specialized Task Routing AI.", "system"),
+    # Pi 0.73.1 (``branch-summarization.js``): a summary of the branch left in tree navigation, not a compaction
+    ("pi branch summary", "Create a structured summary of this conversation branch for context when returning later.", "last user"),
+    # Codex 0.171.0 (TUI thread titles): "Generate a concise, single-line task title of at most N characters ..."
+    ("codex thread title", "Generate a concise, single-line task title of at most", "system"),
+    ("codex thread title", "Generate a concise, single-line task title of at most", "last user"),
 )
+assert all(place in SIDE_CALL_PLACES for _, _, place in HARNESS_SIDE_CALLS)
 
 
 def side_call_of(messages: list[dict[str, Any]] | None) -> str | None:
-    """The kind of a known side call (its last user message holds the harness's phrase), or None."""
-    last_user = next((m for m in reversed(messages or []) if m.get("role") == "user"), None)
-    if last_user is None:
-        return None
-    text = _text(last_user.get("content"))
-    return next((kind for kind, phrase in HARNESS_SIDE_CALLS if phrase in text), None)
+    """The kind of a known harness side call (``HARNESS_SIDE_CALLS``: its phrase in the last user
+    message, any user message or a system message, as the entry says), or None."""
+    msgs = [m for m in (messages or []) if isinstance(m, dict)]
+    users = [_text(m.get("content")) for m in msgs if m.get("role") == "user"]
+    texts = {
+        "last user": users[-1:],
+        "any user": users,
+        "system": [_text(m.get("content")) for m in msgs if m.get("role") in ("system", "developer")],
+    }
+    for kind, phrase, place in HARNESS_SIDE_CALLS:
+        if any(phrase in t for t in texts[place]):
+            return kind
+    return None

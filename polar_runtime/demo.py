@@ -363,8 +363,7 @@ def step_entries(out: Path, state: LoopState, model_dir: Path, tl: Timeline) -> 
             data = phases.StepData(n, rows, policy=rec["policy_version"])
             with tl.phase(f"trajectories {n}", "prefix merge, drift causes, rewards") as ph:
                 phases.build_trajectories(out, data, model_dir)
-                ph.detail = (f"{data.stats['sequences']} sequences from {data.stats['usable_calls']} calls, "
-                             f"coverage {data.stats['coverage']:.2%}, merge rate {data.stats['merge_rate']:.0%}")
+                ph.detail = phases.trajectories_detail(data.stats)
             traj = {**data.stats, "drift": data.drift, "drift_origin": data.drift_origin, "file": str(data.trajectories)}
         drift, origin, file = traj.pop("drift", {}), traj.pop("drift_origin", {}), traj.pop("file", None)
         steps.append({"step": n, "policy_version": rec["policy_version"], "rewards": reward_summary(rows),

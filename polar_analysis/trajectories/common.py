@@ -3,7 +3,9 @@
 Token ids are taken from the calls frame as they were captured and sliced with numpy views; a
 builder only concatenates them. Every sampled token of every usable call must end up with loss
 mask 1 in exactly one sequence (``coverage``); calls that cannot contribute (status error, no
-sampled ids) are counted, never silently dropped.
+sampled ids) are counted, never silently dropped. A harness's own side calls (a title, a
+next-speaker check: ``polar_core.compaction.HARNESS_SIDE_CALLS``) are not the agent's turns: every
+builder leaves them out here, in ``count_skipped``, and counts them as auxiliary by kind.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import orjson
 import polars as pl
 import pyarrow as pa
 
+from polar_core.compaction import HARNESS_SIDE_CALLS, side_call_of
 from polar_core.schema import TRAJECTORY_COLUMNS
 
 #: Polars types of the trajectory Parquet (names and order from schema.TRAJECTORY_COLUMNS).
@@ -107,6 +110,7 @@ class Call:
     has_logprobs: bool = True  # one finite logprob per sampled id (else excluded, counted)
     history_cause: str | None = None  # the proxy's exact-history cause (CallRecord.history_cause)
     served_model: str | None = None  # the model the engine served (CallRecord.served_model)
+    side_call: str | None = None  # the kind of a known harness side call (compaction.side_call_of), else None
     _request: Any = field(default=None, repr=False)
     _request_src: Any = field(default=None, repr=False)  # (Series or _SessionRequests, key): JSON read on first use
 
@@ -257,6 +261,7 @@ def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
         requests = df["normalized_request"] if "normalized_request" in df.columns else pl.Series([None] * df.height, dtype=pl.String)
         keys = list(range(df.height))
     get = {c: (df[c].to_list() if c in df.columns else [None] * df.height) for c in _SCALARS}
+    maybe_side = _side_call_candidates(calls_lf) if "normalized_request" in names else set()
     out = []
     for i in range(df.height):
         lp = logprobs[i]
@@ -286,7 +291,18 @@ def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
                 _request_src=(requests, keys[i]),
             )
         )
+        if get["call_id"][i] in maybe_side:
+            out[-1].side_call = side_call_of(((out[-1].request or {}).get("messages")))
     return out
+
+
+def _side_call_candidates(calls_lf: pl.LazyFrame) -> set[str]:
+    """Call ids whose request JSON holds one of the side-call phrases: one string scan of the column
+    in Polars, so only these few requests are parsed (the phrases are plain ASCII with no quote or
+    backslash, so they appear in the JSON as written)."""
+    phrases = sorted({phrase for _, phrase, _ in HARNESS_SIDE_CALLS})
+    hit = calls_lf.select("call_id", pl.col("normalized_request").str.contains_any(phrases).alias("_side"))
+    return set(hit.filter(pl.col("_side")).select("call_id").collect()["call_id"].to_list())
 
 
 def by_session(calls: list[Call]) -> Iterator[tuple[str, list[Call]]]:
@@ -391,6 +407,9 @@ class BuildStats:
     skipped_error_sampled_tokens: int = 0  # sampled ids of error calls (not trained on, counted)
     skipped_no_logprobs: int = 0  # status ok, sampled ids, but not one finite logprob per id
     skipped_no_logprobs_sampled_tokens: int = 0
+    #: known harness side calls (titles, next-speaker checks) by kind: left out of every sequence
+    auxiliary: Counter = field(default_factory=Counter)
+    auxiliary_sampled_tokens: int = 0
     sequences: int = 0
     chains: int = 0
     merges: int = 0
@@ -406,7 +425,19 @@ class BuildStats:
 
     @property
     def usable_calls(self) -> int:
-        return self.calls - self.skipped_error - self.skipped_empty - self.skipped_no_logprobs
+        return self.calls - self.skipped_error - self.skipped_empty - self.skipped_no_logprobs - self.auxiliary_calls
+
+    @property
+    def auxiliary_calls(self) -> int:
+        return sum(self.auxiliary.values())
+
+    @property
+    def auxiliary_summary(self) -> str:
+        """"N auxiliary calls (kind: n, ...) left out", or "" when there were none."""
+        if not self.auxiliary:
+            return ""
+        kinds = ", ".join(f"{k}: {n}" for k, n in sorted(self.auxiliary.items()))
+        return f"{self.auxiliary_calls} auxiliary calls ({kinds}) left out"
 
     @property
     def coverage(self) -> float:
@@ -430,6 +461,8 @@ class BuildStats:
         d.update(
             break_reasons=dict(self.break_reasons),
             merge_kinds=dict(self.merge_kinds),
+            auxiliary=dict(self.auxiliary),
+            auxiliary_calls=self.auxiliary_calls,
             coverage=self.coverage,
             merge_rate=self.merge_rate,
             exact_merge_rate=self.exact_merge_rate,
@@ -440,7 +473,11 @@ class BuildStats:
 
 
 def count_skipped(call: Call, stats: BuildStats) -> bool:
-    """Count a call that cannot contribute; True when it was skipped."""
+    """Count a call that cannot contribute, or must not (a harness side call); True when it was skipped."""
+    if call.side_call is not None:
+        stats.auxiliary[call.side_call] += 1
+        stats.auxiliary_sampled_tokens += int(call.sampled.size)
+        return True
     if call.status != "ok":
         stats.skipped_error += 1
         stats.skipped_error_sampled_tokens += int(call.sampled.size)
@@ -491,7 +528,8 @@ def covered_count(
 
 def capture_coverage(capture_dir: str | Any, trajectories: pl.DataFrame) -> pl.DataFrame:
     """Per session: sampled ids in the raw capture lines (calls with status ok, sampled ids and one
-    finite logprob each: what a builder must keep) vs those with loss mask 1 in ``trajectories``.
+    finite logprob each, not a known harness side call: what a builder must keep) vs those with
+    loss mask 1 in ``trajectories``.
 
     Independent of the calls frame and the builders: a token lost anywhere between the JSONL lines
     and the written Parquet lowers ``coverage``. Columns: session_id, sampled, covered, coverage."""
@@ -508,6 +546,8 @@ def capture_coverage(capture_dir: str | Any, trajectories: pl.DataFrame) -> pl.D
                 continue
             toks, lps = rec.get("sampled_token_ids") or [], rec.get("sampled_logprobs") or []
             if not toks or len(lps) != len(toks) or any(v is None for v in lps):
+                continue
+            if side_call_of((rec.get("normalized_request") or {}).get("messages")):
                 continue
             sampled.setdefault(rec.get("session_id") or "", []).append(np.asarray(toks, dtype=np.int64))
     got: dict[str, list[np.ndarray]] = {}

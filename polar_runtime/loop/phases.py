@@ -259,7 +259,8 @@ def build_trajectories(out: Path, data: StepData, model_dir: Path) -> None:
     data.trajectories = target
     d = stats.as_dict()
     data.stats = {k: d[k] for k in ("calls", "usable_calls", "sessions", "chains", "sequences", "merges", "breaks",
-                                    "sampled_tokens", "covered_tokens", "sequence_tokens", "merge_kinds", "break_reasons")}
+                                    "sampled_tokens", "covered_tokens", "sequence_tokens", "merge_kinds", "break_reasons",
+                                    "auxiliary")}
     data.stats.update(coverage=stats.coverage, merge_rate=stats.merge_rate, exact_merge_rate=stats.exact_merge_rate)
     report = drift.drift_report(lf, template)
     counts = drift.summarize(report).filter(pl.col("calls") > 0)
@@ -268,6 +269,18 @@ def build_trajectories(out: Path, data: StepData, model_dir: Path) -> None:
     data.drift_origin = dict(zip(origins["origin"].to_list(), origins["calls"].to_list()))
     if stats.coverage < 1.0:
         raise LoopError(f"coverage {stats.coverage:.4%}: sampled ids missing from the trajectories of step {data.step}")
+
+
+def trajectories_detail(stats: dict) -> str:
+    """The loop's one-line account of a step's trajectories (``StepData.stats``), naming the harness
+    side calls left out (titles, next-speaker checks) so they never read as lost tokens."""
+    line = (f"{stats['sequences']} sequences from {stats['usable_calls']} calls, "
+            f"coverage {stats['coverage']:.2%}, merge rate {stats['merge_rate']:.0%}")
+    aux = stats.get("auxiliary") or {}
+    if aux:
+        kinds = ", ".join(f"{k}: {n}" for k, n in sorted(aux.items()))
+        line += f"; {sum(aux.values())} auxiliary calls ({kinds}) left out"
+    return line
 
 
 # ---------------------------------------------------------------------------------------------

@@ -343,8 +343,7 @@ class LocalPlacement:
         data = phases.StepData(step, pl.DataFrame(rows))
         with self.tl.phase(f"trajectories {step}", "prefix merge, drift causes, rewards") as ph:
             phases.build_trajectories(self.out, data, self.model_dir)
-            ph.detail = (f"{data.stats['sequences']} sequences from {data.stats['usable_calls']} calls, "
-                         f"coverage {data.stats['coverage']:.2%}, merge rate {data.stats['merge_rate']:.0%}")
+            ph.detail = phases.trajectories_detail(data.stats)
         stats = {**data.stats, "drift": data.drift, "drift_origin": data.drift_origin,
                  "file": str(data.trajectories) if data.trajectories else None}
         return (str(data.trajectories) if data.stats.get("sampled_tokens") else None), stats
