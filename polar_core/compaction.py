@@ -161,6 +161,8 @@ HARNESS_SIDE_CALLS = (
     ("codex thread title", "Generate a concise, single-line task title of at most", "last user"),
 )
 assert all(place in SIDE_CALL_PLACES for _, _, place in HARNESS_SIDE_CALLS)
+# the builders look for the phrases in the request's JSON text first: none may need escaping there
+assert all(p.isascii() and p.isprintable() and not set(p) & set('"\\/') for _, p, _ in HARNESS_SIDE_CALLS)
 
 
 def side_call_of(messages: list[dict[str, Any]] | None) -> str | None:

@@ -299,10 +299,12 @@ def collect_calls(calls_lf: pl.LazyFrame) -> list[Call]:
 def _side_call_candidates(calls_lf: pl.LazyFrame) -> set[str]:
     """Call ids whose request JSON holds one of the side-call phrases: one string scan of the column
     in Polars, so only these few requests are parsed (the phrases are plain ASCII with no quote or
-    backslash, so they appear in the JSON as written)."""
-    phrases = sorted({phrase for _, phrase, _ in HARNESS_SIDE_CALLS})
-    hit = calls_lf.select("call_id", pl.col("normalized_request").str.contains_any(phrases).alias("_side"))
-    return set(hit.filter(pl.col("_side")).select("call_id").collect()["call_id"].to_list())
+    backslash, so they appear in the JSON as written). One regex of escaped literals, not
+    ``contains_any``: on 1,600 synthetic calls with 116 MB of request JSON the search took 0.04 s
+    (0.5 s with ``contains_any``) after 0.16 s of reading the requests from the capture cache."""
+    pattern = "|".join(pl.escape_regex(phrase) for phrase in sorted({p for _, p, _ in HARNESS_SIDE_CALLS}))
+    hit = calls_lf.select("call_id", pl.col("normalized_request").str.contains(pattern).alias("_side"))
+    return set(hit.filter(pl.col("_side")).select("call_id").collect(engine="streaming")["call_id"].to_list())
 
 
 def by_session(calls: list[Call]) -> Iterator[tuple[str, list[Call]]]:
