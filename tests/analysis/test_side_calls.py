@@ -102,3 +102,23 @@ def test_certify_capture_passes_with_the_side_call_left_out_and_fails_when_train
     res = C.check_capture(C.Evidence.load(out, None, trajectories=df))
     assert res.state == "FAIL"
     assert any("auxiliary call (opencode title) is in a training sequence" in f for f in res.details), res
+
+
+def test_trajectories_command_and_loop_line_name_the_side_calls(capture, tmp_path):
+    """`polar trajectories` passes (coverage from the raw lines too) and says what it left out; the
+    loop's trajectories line says it as well."""
+    import typer
+    from typer.testing import CliRunner
+
+    from polar_analysis import commands
+    from polar_runtime.loop.phases import trajectories_detail
+
+    app = typer.Typer()
+    commands.register(app)
+    out, _, _ = capture
+    res = CliRunner().invoke(app, ["trajectories", str(out), "-o", str(tmp_path / "t.parquet")])
+    assert res.exit_code == 0, res.output
+    assert "1 auxiliary calls (opencode title: 1) left out" in res.output
+    assert "coverage from the raw capture lines: 100.0000%" in res.output
+    stats = {"sequences": 1, "usable_calls": 5, "coverage": 1.0, "merge_rate": 1.0, "auxiliary": {"opencode title": 1}}
+    assert trajectories_detail(stats).endswith("; 1 auxiliary calls (opencode title: 1) left out")
