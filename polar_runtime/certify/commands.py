@@ -4,7 +4,7 @@
     polar certify loop.toml                                   # its [model], [harness], [sandbox] keys
     polar certify --harness pi-chat --model tiny-qwen --upstream http://127.0.0.1:8000
     polar certify --harness pi-chat --harness codex --model tiny-r1 --shard 0/2   # half the cells
-    polar certify --matrix                                    # docs/certify.md from the committed cells
+    polar certify --matrix                                    # docs/certify.md and the README summary from the committed cells
 
 Cells (each harness x each model) run one at a time under ``--out``, each in its own directory with
 its ``certify.json``; a cell that has one is done and skipped on the next run (``--fresh`` runs it
@@ -61,7 +61,7 @@ def certify_command(
                                           "to a check) instead of skipping them; nothing runs.")] = False,
     publish: Annotated[bool, typer.Option(help="Copy each cell's result to benchmarks/results/certify/ and "
                                           "regenerate the matrix in docs/certify.md.")] = False,
-    matrix: Annotated[bool, typer.Option(help="Only regenerate docs/certify.md's matrix from the committed "
+    matrix: Annotated[bool, typer.Option(help="Only regenerate docs/certify.md's matrix and the README's summary from the committed "
                                          "results, and exit.")] = False,
 ) -> None:
     """Certify a harness on a model: a short live rollout through the proxy (tools, follow-up turns,
@@ -78,7 +78,7 @@ def certify_command(
     con = console()
     if matrix:
         changed = mx.write_region()
-        con.print(f"{mx.DOC}: {'matrix regenerated' if changed else 'matrix already up to date'}")
+        con.print(f"{mx.DOC}, {mx.README.name}: {'matrix regenerated' if changed else 'matrix already up to date'}")
         return
     try:
         base = load_config(config) if config else LoopConfig()

@@ -224,6 +224,10 @@ def test_the_published_matrix_is_generated_from_the_committed_cells():
     from polar_runtime.certify import matrix
 
     assert matrix.region() == "\n" + matrix.render(matrix.load_results())
+    # and the README's summary of it (a row per harness, a column per model)
+    summary = matrix.region(matrix.README, matrix.SUMMARY_BEGIN, matrix.SUMMARY_END)
+    assert summary == "\n" + matrix.render_summary(matrix.load_results())
+    assert summary.count("\n| ") >= len(matrix.HARNESSES)
 
 
 def test_a_failing_cell_stays_in_the_matrix_with_its_cause():
@@ -238,6 +242,8 @@ def test_a_failing_cell_stays_in_the_matrix_with_its_cause():
     assert "**FAIL**" in row and "1 wrong of 300 tok" in row and "0.32.0" in row
     assert "- codex x tiny-r1: mask: x/0.0: first difference at masked token 0" in text
     assert "| pi-chat | tiny-r1 | not run yet |" in text
+    summary = matrix.render_summary({("codex", "tiny-r1"): rep})
+    assert "| codex | not run yet | **FAIL**: mask |" in summary
 
 
 def test_certify_takes_the_loops_model_harness_sandbox_and_sampling_keys(tmp_path):
