@@ -15,17 +15,16 @@ it shows a missing process cap instead).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from polar_testing.listeners import CountingListener
 from polar_trial.sandbox import SandboxSpec
 
 BACKEND = os.environ.get("POLAR_SANDBOX_UNDER_TEST", "bubblewrap")
@@ -112,31 +111,6 @@ def test_writes_outside_its_work_dir(sandbox, sample, host_marker):
             p.unlink(missing_ok=True)
 
 
-class _Service:
-    """A TCP service on a host loopback port counting the connections it accepts."""
-
-    def __init__(self, reply: bytes):
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.accepted = 0
-        self.reply = reply
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            c.recv(100)
-            c.sendall(self.reply)
-            c.close()
-
-    def close(self):
-        self.sock.close()
-
-
 PROBE = r"""
 import json, socket, sys
 proxy, secret, key = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -187,7 +161,7 @@ def test_connects_to_host_loopback_but_only_reaches_the_proxy(sandbox, sample, t
     from polar_testing.scripted_upstream import ServerThread
 
     work, home, _ = sample
-    secret = _Service(b"SECRET-SERVICE")
+    secret = CountingListener(b"SECRET-SERVICE")
     (work / "probe.py").write_text(PROBE)
     try:
         with ServerThread(served_model="scripted") as up, \

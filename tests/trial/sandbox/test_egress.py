@@ -8,43 +8,19 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import threading
 import uuid
 from pathlib import Path
 
 import pytest
 
+from polar_testing.listeners import CountingListener, http_reply
 from polar_trial.sandbox import SandboxSpec
 from polar_trial.sandbox.egress import EgressProxy, allowed_host
 
 
-class Listener:
-    """A loopback TCP service answering one line and counting connections."""
-
-    def __init__(self):
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.accepted = 0
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            c.recv(4096)
-            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\nConnection: close\r\n\r\nINSIDE")
-            c.close()
-
-    def close(self):
-        self.sock.close()
-
-
 @pytest.fixture
 def listener():
-    lst = Listener()
+    lst = CountingListener(http_reply(b"INSIDE"))
     yield lst
     lst.close()
 

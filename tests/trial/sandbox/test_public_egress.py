@@ -12,45 +12,17 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from polar_testing.listeners import CountingListener, http_reply
 from polar_trial.sandbox import SandboxSpec
 from polar_trial.sandbox import publicnet
 from polar_trial.sandbox.egress import EgressProxy, build_egress, registries
 from polar_trial.sandbox.publicnet import PUBLIC, fake_public_hosts
-
-
-class Listener:
-    """A loopback HTTP service that counts connections and answers ``name``."""
-
-    def __init__(self, addr: str = "127.0.0.1", name: bytes = b"PUBLIC", backlog: int = 64):
-        self.sock = socket.socket(socket.AF_INET)
-        self.sock.bind((addr, 0))
-        self.sock.listen(backlog)
-        self.port = self.sock.getsockname()[1]
-        self.accepted, self.name = 0, name
-        self.serving = backlog > 0
-        if self.serving:
-            threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            c.recv(4096)
-            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(self.name) + self.name)
-            c.close()
-
-    def close(self):
-        self.sock.close()
 
 
 def ask(path: Path, request: bytes, timeout: float = 10) -> bytes:
@@ -66,7 +38,7 @@ def ask(path: Path, request: bytes, timeout: float = 10) -> bytes:
 
 @pytest.fixture
 def public():
-    lst = Listener()
+    lst = CountingListener(http_reply(b"PUBLIC"))
     yield lst
     lst.close()
 
@@ -130,7 +102,7 @@ def test_a_name_that_resolves_to_loopback_is_refused_and_a_rebind_never_reached(
     """Resolved once, checked, connected to as resolved: a name whose first answer is the (test-
     declared) public host and whose second is the host's loopback service reaches the first only;
     a name resolving to loopback is refused naming the address, and the listener sees nothing."""
-    inner = Listener(name=b"CONTROL-API")
+    inner = CountingListener(http_reply(b"CONTROL-API"))
     answers = iter([["127.0.0.1"], ["127.0.0.2"], ["127.0.0.2"]])
     try:
         with fake_public_hosts({"rebind.example-public.org": lambda: next(answers),
@@ -176,7 +148,7 @@ def test_a_host_that_does_not_answer_fails_fast_naming_it(tmp_path):
     dead.bind(("127.0.0.1", 0))
     closed_port = dead.getsockname()[1]
     dead.close()
-    full = Listener(backlog=0)  # accepts nothing; its queue filled below, later SYNs are dropped
+    full = CountingListener(backlog=0)  # accepts nothing; its queue filled below, later SYNs are dropped
     fillers = []
     for _ in range(4):
         c = socket.socket()
@@ -295,7 +267,7 @@ def test_a_build_step_reaches_a_public_host_and_a_dead_one_fails_in_seconds_nami
     from polar_trial.tasks.environment import BuildError, prepare_workdir
 
     monkeypatch.setattr(publicnet, "CONNECT_TIMEOUT_S", 1.0)
-    full = Listener(backlog=0)
+    full = CountingListener(backlog=0)
     fillers = []
     for _ in range(4):
         c = socket.socket()

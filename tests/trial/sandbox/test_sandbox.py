@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from polar_testing.listeners import CountingListener
 from polar_trial.sandbox import (
     SandboxError,
     SandboxSpec,
@@ -107,29 +106,13 @@ def test_memory_limit_ends_the_phase_and_says_so(bwrap, tmp_path):
     assert any("memory limit hit" in n for n in res.notes), res.notes
 
 
-class _Echo:
-    def __init__(self):
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            c.sendall(b"HELLO")
-            c.close()
-
-
 PROBE = ("import socket,sys\ntry:\n s=socket.create_connection(('127.0.0.1',int(sys.argv[1])),timeout=3)\n"
          " print(s.recv(10).decode())\nexcept OSError as e: print('refused', e.errno)\n")
 
 
 @pytest.mark.parametrize("network", [False, True])
 def test_allow_internet_opens_the_network(bwrap, tmp_path, network):
-    svc = _Echo()
+    svc = CountingListener(b"HELLO", read_first=False)
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "probe.py").write_text(PROBE)
     spec = SandboxSpec(tmp_path / "w", env={"PATH": PATH}, network=network, timeout_s=20)
