@@ -109,6 +109,25 @@ def rows_of_step(captures: Path, step: int) -> list[dict[str, Any]]:
     return pl.read_parquet(path).filter(pl.col("step") == step).to_dicts() if path.is_file() else []
 
 
+def judged_rollout(placement: Any, step: int, ids: list[str], version: int, run: dict[str, Any],
+                   note_key: str) -> list[dict[str, Any]]:
+    """``placement.rollout``, where every sample failing is no end of the cell: the loop refuses a
+    step with nothing to learn from (``LoopError``), but certify judges the calls the samples made
+    (Claude Code ends a sample in an error after four answers cut at ``max_tokens``, having made
+    its calls, under the pushed version too). Raises only when no sample made a call; the loop's
+    reason goes into ``run[note_key]``."""
+    from polar_runtime.loop.groups import LoopError
+
+    try:
+        return placement.rollout(step, ids, version)
+    except LoopError as exc:
+        rows = rows_of_step(placement.captures, step)
+        if not sum(int(r.get("calls") or 0) for r in rows):
+            raise
+        run[note_key] = str(exc)
+        return rows
+
+
 def vllm_version(base_url: str) -> str | None:
     from polar_core.net import http_json
 
@@ -153,7 +172,6 @@ def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Calla
 
     from polar_analysis import frames
     from polar_analysis.steps import versions_of_step
-    from polar_runtime.loop.groups import LoopError
     from polar_runtime.loop.placement import LocalPlacement
     from polar_training.push_probe import PushError
     from polar_training.weights_push import push_weights
@@ -200,13 +218,7 @@ def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Calla
         report["served_dtype"] = dtype
         ids = placement.task_ids()
         t = time.monotonic()
-        try:
-            rows = placement.rollout(0, ids, 0)
-        except LoopError as exc:  # every sample timed out or failed: the loop has nothing to learn from,
-            rows = rows_of_step(placement.captures, 0)  # but certify judges the calls they made
-            if not sum(int(r.get("calls") or 0) for r in rows):
-                raise
-            report["run"]["rollout_note"] = str(exc)
+        rows = judged_rollout(placement, 0, ids, 0, report["run"], "rollout_note")
         phase("rollout", t)
         sessions = [r["session_id"] for r in rows]
         report["run"]["samples"] = {r["session_id"]: {"status": r["status"], "calls": r["calls"], "reward": r["reward"]}
@@ -253,7 +265,7 @@ def run_cell(cfg: LoopConfig, out: Path, upstream: str | None = None, log: Calla
                     t = time.monotonic()
                     if harness_after_push:
                         cfg.rollout.samples_per_group = 1
-                        rows1 = placement.rollout(1, ids[:1], version)
+                        rows1 = judged_rollout(placement, 1, ids[:1], version, report["run"], "after_push_note")
                         report["run"]["after_push"] = {r["session_id"]: r["calls"] for r in rows1}
                     else:
                         calls_after_push(placement.proxy.url, placement.proxy.control, placement.served)

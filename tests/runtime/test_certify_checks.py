@@ -305,3 +305,31 @@ def test_a_finished_cell_is_skipped_and_its_verdict_is_the_exit_status(tmp_path,
     assert "done before" in res.output and "skipped" in res.output
     summary = json.loads((tmp_path / "certify-report.json").read_text())
     assert [c["verdict"] for c in summary["cells"]] == [state]
+
+
+def test_a_rollout_whose_samples_all_failed_is_still_judged_by_its_calls(tmp_path):
+    """Claude Code on tiny-r1 ends every sample in an error (four answers cut at max_tokens) after
+    making its calls; the loop refuses such a step (LoopError), certify judges its calls. Once the
+    cell stopped at the rollout after the push, leaving policy delivery unjudged."""
+    import polars as pl
+
+    from polar_analysis.rewards import ROLLOUTS_FILE
+    from polar_runtime.certify.runner import judged_rollout
+    from polar_runtime.loop.groups import LoopError
+
+    class Placement:
+        captures = tmp_path
+
+        def rollout(self, step, ids, version):
+            raise LoopError(f"rollout step {step} produced nothing to learn from: all 1 samples failed")
+
+    pl.DataFrame({"step": [0, 1], "session_id": ["a.st0.s0", "a.st1.s0"], "calls": [3, 4],
+                  "status": ["failed", "failed"]}).write_parquet(tmp_path / ROLLOUTS_FILE)
+    run: dict = {}
+    rows = judged_rollout(Placement(), 1, ["a"], 1, run, "after_push_note")
+    assert [r["session_id"] for r in rows] == ["a.st1.s0"] and rows[0]["calls"] == 4
+    assert "nothing to learn from" in run["after_push_note"]
+    pl.DataFrame({"step": [1], "session_id": ["a.st1.s0"], "calls": [0], "status": ["failed"]}).write_parquet(
+        tmp_path / ROLLOUTS_FILE)
+    with pytest.raises(LoopError):  # no call at all: nothing to judge, the cell stops
+        judged_rollout(Placement(), 1, ["a"], 1, {}, "after_push_note")
