@@ -333,3 +333,29 @@ def test_a_rollout_whose_samples_all_failed_is_still_judged_by_its_calls(tmp_pat
         tmp_path / ROLLOUTS_FILE)
     with pytest.raises(LoopError):  # no call at all: nothing to judge, the cell stops
         judged_rollout(Placement(), 1, ["a"], 1, {}, "after_push_note")
+
+
+def test_a_dropped_answer_is_no_broken_exact_claim_but_an_unnamed_edit_fails():
+    """The record's ``history: exact`` is checked against its ids for every re-sent answer; an
+    answer the harness dropped (Qwen Code on tiny-r1: reasoning-only answers) was not re-sent, so it
+    is counted as the harness's edit, not as a false claim. A user turn the harness edited with no
+    named cause (``other``) still FAILs."""
+    class Ev:
+        def __init__(self, rows):
+            self.rows = rows
+            self.by_id = {r["call_id"]: {"history": "exact"} for r in rows}
+
+        def drift(self):
+            return self.rows
+
+    def row(i, cause, detail=None):
+        return {"call_id": f"c{i}", "session_id": "s", "call_index": i, "cause": cause, "detail": detail,
+                "prompt_divergence": None, "answer_divergence": 0}
+
+    exact = [row(i, "none") for i in range(12)]
+    r = C.check_exact_history(Ev(exact + [row(12, "answer_dropped")]))
+    assert r.state == "PASS", r.details
+    assert "answer_dropped 1" in r.measured and r.count == 12
+    r = C.check_exact_history(Ev(exact + [row(12, "other", "turn 2 (user) edited")]))
+    assert r.state == "FAIL" and any("without a named cause" in d for d in r.details)
+    assert any("recorded as history=exact" in d for d in r.details)  # a re-sent answer's claim is still checked
