@@ -78,6 +78,7 @@ CAUSES = (
     "empty_think_generation_prompt",
     "generation_prompt_changed",
     "tool_result_reformatted",
+    "user_turn_edited",
     "system_changed",
     "compacted",
     "tools_changed",
@@ -105,6 +106,7 @@ ORIGIN = {
     "reasoning_changed": "harness",
     "answer_dropped": "harness",
     "tool_result_reformatted": "harness",
+    "user_turn_edited": "harness",
     "system_changed": "harness",
     "compacted": "harness",
     "tools_changed": "harness",
@@ -225,6 +227,8 @@ def _history_diff(pm: list[dict[str, Any]], nm: list[dict[str, Any]]) -> tuple[s
         if message_text(a.get("content")) == message_text(b.get("content")) and role != "assistant":
             if role == "user":
                 return "tool_result_reformatted" if isinstance(a.get("content"), list) or isinstance(b.get("content"), list) else "other", f"turn {i}: same text, other shape"
+        if role == "user":  # the harness rewrote an earlier user turn (Qwen Code 0.24 on tiny-r1, at its 10th call)
+            return "user_turn_edited", f"turn {i}: {_first_line_diff(message_text(a.get('content')), message_text(b.get('content')))}"
         return "other", f"turn {i} ({role}) edited"
     return None
 

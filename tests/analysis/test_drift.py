@@ -199,3 +199,15 @@ def test_summary_request_appended_to_the_history_is_named(tmp_path, renderer, te
     assert causes(rep) == ["new_conversation", "compacted"]
     row = rep.row(1, named=True)
     assert row["exact"] and row["detail"] == "summary call (qwen-code): the history goes on (none)"
+
+
+def test_a_user_turn_the_harness_rewrote_is_a_named_harness_edit():
+    """Qwen Code rewrote an earlier user turn on tiny-r1 (its 10th call): once named ``other``
+    (no name, so certify FAILed the cell); it is the harness's own edit, which no engine undoes."""
+    from polar_analysis.drift import ORIGIN, _history_diff
+
+    before = [{"role": "user", "content": "write notes.txt"}, {"role": "assistant", "content": "done"}]
+    after = [{"role": "user", "content": "write notes.txt\n(reminder: be brief)"}, {"role": "assistant", "content": "done"}]
+    cause, detail = _history_diff(before, after)
+    assert cause == "user_turn_edited" and ORIGIN[cause] == "harness" and "turn 0" in detail
+    assert _history_diff(before, before) is None
