@@ -13,9 +13,14 @@ run_phase() {  # name, command...
   printf '\n\033[1m==== %s ====\033[0m\n' "$name"
   "$@"; local rc=$?
   [ "$name" != setup ] && [ $rc -eq 5 ] && rc=0  # pytest: no tests selected in this phase
-  SUMMARY+=("$(printf '%-12s %5ss  rc=%s' "$name" "$(( $(date +%s) - t0 ))" "$rc")")
+  SUMMARY+=("$(printf '%-12s %5ss  rc=%s  disk free after: %s' "$name" "$(( $(date +%s) - t0 ))" "$rc" "$(disk_free)")")
   return $rc
 }
+# Free disk is printed with each phase: a run needs about 20 GB beyond the set-up (models, the
+# private dockerd's images, the demo's resumable 7.5 GB checkpoint), and "No space left on device"
+# deep in a checkpoint save is a poor way to learn that the machine's disk was shared and full.
+disk_free() { df -h --output=avail . 2>/dev/null | tail -1 | tr -d ' '; }
+echo "disk free at start: $(disk_free)"
 status=0
 run_phase setup bash scripts/setup.sh || { echo "setup failed"; exit 1; }
 PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider --durations=15)
