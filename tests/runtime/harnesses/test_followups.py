@@ -22,9 +22,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from polar_proxy.process import ProxyProcess
 from polar_runtime import harnesses as h
 from polar_runtime import rollout as r
+from polar_testing.proxies import capturing_proxy
 
 from .conftest import MATRIX, SERVED, check_token_fields, harness_log_tail, merge_observation, require_installed, run_one
 from .test_scripted_matrix import shell_call
@@ -46,13 +46,8 @@ def script_for(preset: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def proxy(scripted, tmp_path_factory):
-    root = tmp_path_factory.mktemp("followups")
-    px = ProxyProcess(scripted.url, root / "captures", confdir=root / "mitmproxy", served_model=SERVED,
-                      log_file=root / "proxy.log", options={"polar_exact_history": True}).start()
-    try:
-        yield root / "captures", px
-    finally:
-        px.stop()
+    with capturing_proxy(scripted.url, tmp_path_factory.mktemp("followups"), SERVED) as started:
+        yield started
 
 
 def _mentions(call: dict, text: str) -> bool:
@@ -106,14 +101,9 @@ REAL_CAP = 24  # polar_max_tokens_cap on the real runs: every tiny-qwen answer i
 
 @pytest.fixture(scope="module")
 def real_proxy(vllm_tiny, tmp_path_factory):
-    root = tmp_path_factory.mktemp("followups-real")
-    px = ProxyProcess(vllm_tiny.base_url, root / "captures", confdir=root / "mitmproxy",
-                      served_model=vllm_tiny.served_model_name, log_file=root / "proxy.log",
-                      options={"polar_exact_history": True, "polar_max_tokens_cap": REAL_CAP}).start()
-    try:
-        yield root / "captures", px
-    finally:
-        px.stop()
+    with capturing_proxy(vllm_tiny.base_url, tmp_path_factory.mktemp("followups-real"),
+                         vllm_tiny.served_model_name, polar_max_tokens_cap=REAL_CAP) as started:
+        yield started
 
 
 @pytest.mark.vllm

@@ -113,16 +113,11 @@ def harbor_task(root: Path, harness: str) -> Path:
 
 @pytest.fixture(scope="module")
 def proxy(vllm_tiny, tmp_path_factory):
-    from polar_proxy.process import ProxyProcess
+    from polar_testing.proxies import capturing_proxy
 
-    root = tmp_path_factory.mktemp("harness-images")
-    px = ProxyProcess(vllm_tiny.base_url, root / "captures", confdir=root / "mitmproxy",
-                      served_model=vllm_tiny.served_model_name, log_file=root / "proxy.log",
-                      options={"polar_exact_history": True, "polar_max_tokens_cap": CAP}).start()
-    try:
-        yield root / "captures", px
-    finally:
-        px.stop()
+    with capturing_proxy(vllm_tiny.base_url, tmp_path_factory.mktemp("harness-images"),
+                         vllm_tiny.served_model_name, polar_max_tokens_cap=CAP) as started:
+        yield started
 
 
 def read_calls(capture_dir: Path, sid: str) -> list[dict]:
