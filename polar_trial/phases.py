@@ -43,15 +43,20 @@ def open_live_trial(task: Task, sandbox: Any, image: str | None, workdir: Path, 
             raise RuntimeError(f"a multi-container task needs a live trial (docker or podman), not {sandbox.name}")
         return None
     lim = task.limits(pids)
-    # the agent keeps the task's pids limit as a phase of its own; the container gets the verifier's
-    # on top, so what the agent leaves cannot starve the tests (sandbox/phasecgroup.py; cgroup v1)
+    # the agent keeps the task's pids and memory limits as a phase of its own; the container gets
+    # the verifier's on top, so what the agent leaves cannot starve the tests (sandbox/phasecgroup.py;
+    # cgroup v1)
     from polar_trial.sandbox import phasecgroup
+    from polar_trial.tasks.model import host_memory_mb
 
     own = phasecgroup.available()
+    mem = lim["memory_mb"]
+    room = phasecgroup.verifier_memory_mb(mem, host_memory_mb()) if phasecgroup.available("memory") else 0
     trial = LiveTrial(sandbox, TrialConfig(
         image=image, workdir_host=workdir, workdir=task.workdir,
         pids=lim["pids"] + (phasecgroup.VERIFIER_PIDS if own else 0),
-        phase_pids={"agent": lim["pids"]} if own else {}, memory_mb=lim["memory_mb"],
+        phase_pids={"agent": lim["pids"]} if own else {}, memory_mb=mem + room,
+        phase_memory_mb={"agent": mem} if room else {},
         cpus=lim["cpus"], disk_mb=lim["disk_mb"], registries=registries(), agent_privileged=agent_privileged,
         agent_user=task.agent_user, verifier_user=task.verifier_user,
         agent_internet=bool(task.allow_internet and allow_internet),

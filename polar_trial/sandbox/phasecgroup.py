@@ -1,17 +1,30 @@
-"""A phase's own pids limit inside a live trial's one container: a sub-cgroup made from the host.
+"""A phase's own pids and memory limits inside a live trial's one container: sub-cgroups made from the host.
 
-The container's ``--pids-limit`` is the trial's, shared by every phase and by what a phase leaves
-running, so an agent's fork bomb left behind could hold every pid the verifier needs. Inside the
-container the cgroup files are read-only, so the host makes ``<container's cgroup>/polar-<phase>-<id>``
-with the phase's ``pids.max``, hands its ``cgroup.procs`` to the container's (remapped) root, and
-binds the dir into the trial's dir; the phase's init writes itself into it before it starts the
-phase, so the phase and everything it leaves are counted there, under the trial's limit too.
+The container's ``--pids-limit`` and ``--memory`` are the trial's, shared by every phase and by what
+a phase leaves running, so an agent's fork bomb or a leftover that keeps allocating could take every
+pid or byte the verifier needs. Inside the container the cgroup files are read-only, so the host
+makes ``<container's cgroup>/polar-<phase>`` in each controller's hierarchy with the phase's limit,
+hands its ``cgroup.procs`` to the container's (remapped) root, and binds the dir into the trial's
+dir; the phase's init writes itself into it before it starts the phase, so the phase and everything
+it leaves are counted there, under the trial's limit too.
 
 Built for cgroup v1 (this machine: the private dockerd's containers under
-``/sys/fs/cgroup/pids/docker/<id>/``). On cgroup v2 a cgroup with children may hold no process of
-its own, and ``docker exec`` puts each new process in the container's top cgroup: there the
-phase runs without a limit of its own, said in its notes (``container_cgroup`` answers None).
-Memory would be the same move with ``memory.limit_in_bytes``; not built.
+``/sys/fs/cgroup/{pids,memory}/docker/<id>/``). What the kernel here does with a memory sub-cgroup
+(6.18, measured): a process in it is OOM-killed at its ``memory.limit_in_bytes`` while its parent
+has room; the kill is counted in the sub-cgroup's ``memory.oom_control`` only, not in its parent's
+(v1 events do not propagate up), so :func:`oom_kills` reads it there; kernel memory (dentries,
+inodes: 25,000 empty files on a tmpfs held 24 MB of it) is charged to ``memory.limit_in_bytes``,
+and ``memory.kmem.limit_in_bytes`` takes a write but keeps reading "unlimited" (the kernel dropped
+kmem limits), so none is set; swap accounting is on (``memory.memsw.*`` exist), so
+``memory.memsw.limit_in_bytes`` gets the same value: no swap beyond the limit, as ``--memory-swap``
+does for the container.
+
+On cgroup v2 a cgroup with children may hold no process of its own, and ``docker exec`` puts each
+new process in the container's top cgroup: there the phase runs without limits of its own, said in
+its notes (``container_cgroup`` answers None). Making it would mean moving the container's init
+and every exec into a leaf (runc falls back to the init's cgroup when joining the top one fails
+with EBUSY) and delegating the container's ``cgroup.procs``; not built, as this machine has no v2
+memory or pids controller to test it on (both are bound to v1 hierarchies).
 """
 
 from __future__ import annotations
@@ -27,10 +40,22 @@ from pathlib import Path
 VERIFIER_PIDS = 256
 
 
-def available() -> bool:
-    """Whether this host has a cgroup v1 pids hierarchy (where a phase's own limit can be made)."""
+def verifier_memory_mb(agent_mb: int, host_mb: int | None) -> int:
+    """The memory a live trial's container gets beyond the agent's own limit: the verifier's,
+    which no leftover of the agent can take. The task's ``memory_mb`` again: a verifier's own
+    tools are small (uv and pytest), but its tests run the sample's program on their inputs, which
+    the task sized at ``memory_mb`` (Harbor's verifier has that limit, less what the agent left);
+    never past the host's memory (a container limit above it would leave the host's OOM killer,
+    which on a shared machine ends other users' processes, to act instead)."""
+    room = agent_mb if host_mb is None else min(agent_mb, host_mb - agent_mb)
+    return max(room, 0)
+
+
+def available(controller: str = "pids") -> bool:
+    """Whether this host has a cgroup v1 hierarchy of ``controller`` (where a phase's own limit
+    can be made)."""
     try:
-        return _mount_of("pids") is not None
+        return _mount_of(controller) is not None
     except OSError:
         return False
 
@@ -65,15 +90,48 @@ def container_cgroup(runtime: str, name: str, controller: str = "pids") -> Path 
     return None
 
 
-def make(base: Path, name: str, pids: int, owner: int | None) -> Path:
-    """``base/name`` with ``pids.max`` = ``pids``; its ``cgroup.procs`` writable by ``owner`` (the
-    container's root on the host), so the phase's init can move itself in."""
+def limit_files(controller: str, value: int, sub: Path | None = None) -> dict[str, str]:
+    """The files that set a phase's limit of ``controller`` (``pids``: a count; ``memory``: MiB),
+    in the order to write them (memsw may not go below the memory limit, so memory first)."""
+    if controller == "pids":
+        return {"pids.max": str(int(value))}
+    if controller == "memory":
+        n = str(int(value) << 20)
+        files = {"memory.limit_in_bytes": n}
+        if sub is None or (sub / "memory.memsw.limit_in_bytes").exists():  # swap accounting on
+            files["memory.memsw.limit_in_bytes"] = n
+        return files
+    raise ValueError(f"no phase limit of controller {controller!r}")
+
+
+def make(base: Path, name: str, controller: str, value: int, owner: int | None) -> Path:
+    """``base/name`` with the phase's limit of ``controller`` (:func:`limit_files`); its
+    ``cgroup.procs`` writable by ``owner`` (the container's root on the host), so the phase's init
+    can move itself in. Removed again if a limit cannot be written (no phase runs unlimited in it)."""
     sub = base / name
     sub.mkdir()
-    (sub / "pids.max").write_text(str(int(pids)))
-    if owner is not None:
-        os.chown(sub / "cgroup.procs", owner, owner)
+    try:
+        for f, v in limit_files(controller, value, sub).items():
+            (sub / f).write_text(v)
+        if owner is not None:
+            os.chown(sub / "cgroup.procs", owner, owner)
+    except OSError:
+        remove(sub)
+        raise
     return sub
+
+
+def oom_kills(sub: Path) -> int | None:
+    """The OOM killer's kills in memory sub-cgroup ``sub`` (v1 ``memory.oom_control``: its own
+    only), None where it cannot be read. A file of the host's cgroupfs, never the container's."""
+    try:
+        for line in (sub / "memory.oom_control").read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == "oom_kill" and v.strip().isdigit():
+                return int(v)
+    except OSError:
+        pass
+    return None
 
 
 def remove(sub: Path) -> None:

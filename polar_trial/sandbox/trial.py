@@ -8,7 +8,8 @@ tests check. Run per phase in fresh containers, public oracles that start a serv
 
 :class:`LiveTrial` is that environment: ``start()`` creates the container once, with the image's
 ENTRYPOINT, the task's limits (``--pids-limit``/``--memory``/``--cpus`` are per trial: every phase
-shares them, except the pids of a phase given its own in ``phase_pids``: ``phasecgroup.py``) and
+shares them, except the pids and memory of a phase given its own in ``phase_pids`` and
+``phase_memory_mb``: ``phasecgroup.py``) and
 the most privilege any phase needs; waits for ``[environment.healthcheck]``; starts the trial's
 relays (model proxy, the registries' filtering proxy) in the container's own PID namespace.
 Each phase is then a ``docker exec`` of ``_trialinit.py``, which builds the phase's namespaces and
@@ -101,6 +102,9 @@ class TrialConfig:
     #: a phase's own pids limit under the trial's (``phasecgroup.py``: a sub-cgroup made from the
     #: host, cgroup v1), e.g. {"agent": 64}: what the agent leaves cannot hold the verifier's pids
     phase_pids: dict[str, int] = field(default_factory=dict)
+    #: a phase's own memory limit in MiB under the trial's ``memory_mb``, the same way, e.g.
+    #: {"agent": 2048}: what the agent leaves cannot take the verifier's memory
+    phase_memory_mb: dict[str, int] = field(default_factory=dict)
 
 
 def caps_for(phase: str, privileged: bool) -> list[int]:
@@ -130,8 +134,9 @@ class LiveTrial:
         self._workdir_given = False
         self._disk = None  # the work dir's disk image (``diskimage.py``), for the trial's life
         self._workdir_src: Path | None = None  # what is bound at the work dir: the image's copy
-        self._cgroups: list[Path] = []  # the phases' sub-cgroups (``phase_pids``), removed at the end
+        self._cgroups: list[Path] = []  # the phases' sub-cgroups (``phase_pids``/``_memory_mb``), removed at the end
         self.services = None  # services.Services of a multi-container task
+        self._owned: list[Path] = []  # the first agent phase's writable binds: the container's root owns them
 
     # ---- lifetime ---------------------------------------------------------------------------
 
@@ -226,8 +231,10 @@ class LiveTrial:
 
             if dest in COPIED_IN:
                 continue
-            if rw and self.owner is not None:
-                chown_tree(host, self.owner)
+            if rw:
+                self._owned.append(host)
+                if self.owner is not None:
+                    chown_tree(host, self.owner)
             a += ["-v", f"{host}:{dest}" + ("" if rw else ":ro")]
             self._agent_binds.add((str(host), dest))
         for svc in (cfg.services.names if cfg.services else []):
@@ -235,7 +242,12 @@ class LiveTrial:
         for k, v in cfg.env.items():
             a += ["-e", f"{k}={v}"]
         a += ["--entrypoint", self._python[0], cfg.image, *self._python[1:], json.dumps(boot)]
-        self.docker(*a)
+        if getattr(self.backend, "userns_per_container", False):  # podman: its root's uid known once created
+            from polar_trial.sandbox.podman import create_owned
+
+            self.owner = create_owned(a, self.name, cfg.disk_mb, self.notes, self._own)
+        else:
+            self.docker(*a)
         self._wait_running()
         boot_report = self.dir / "reports" / "boot.json"
         deadline = time.monotonic() + 30
@@ -265,7 +277,8 @@ class LiveTrial:
             from polar_trial.sandbox.services import ServiceError, Services
 
             self.services = Services(self.runtime, cfg.services, cfg.service_image, caps=list(PACKAGE_CAPS),
-                                     pids=cfg.pids, memory_mb=cfg.memory_mb, cpus=cfg.cpus, disk_mb=cfg.disk_mb)
+                                     pids=cfg.pids, memory_mb=cfg.phase_memory_mb.get("agent") or cfg.memory_mb,
+                                     cpus=cfg.cpus, disk_mb=cfg.disk_mb)
             try:
                 self.services.start(self.name)
                 self.services.wait(cfg.services.main_depends_on, "the agent")
@@ -275,6 +288,22 @@ class LiveTrial:
                 self.notes += self.services.notes
         if cfg.healthcheck:
             self._healthcheck(cfg.healthcheck)
+
+    def _own(self, owner: int) -> None:
+        """What the container's root writes, owned by it, where its uid is known only once the
+        container exists (podman's ``--userns=auto``): the work dir (its disk image's copy), our
+        reports dir, the first agent phase's writable binds."""
+        from polar_trial.sandbox.remap import chown_tree
+
+        assert self.dir is not None
+        if self._disk is not None:
+            self._disk.uid = owner
+            chown_tree(self._disk.mnt, owner)
+        else:
+            chown_tree(self.cfg.workdir_host, owner)
+        os.chown(self.dir / "reports", owner, owner)
+        for host in self._owned:
+            chown_tree(host, owner)
 
     def _wait_running(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -476,6 +505,7 @@ class LiveTrial:
         from polar_trial.sandbox.docker import oom_kills_of
 
         oom_before = oom_kills_of(self.runtime, self.name) if cfg.memory_mb else None
+        own_before = self._own_oom_kills()
         try:
             rc, timed_out, _, wall = supervise(cmd, env=None, cwd=None, stdout=stdout, stderr=stderr,
                                                timeout_s=spec.timeout_s)
@@ -499,11 +529,13 @@ class LiveTrial:
         if oom_before is not None and oom_after is not None and oom_after > oom_before:
             notes.append(f"memory limit hit: the OOM killer ended {oom_after - oom_before} process(es) of the "
                          f"{phase} phase at the trial's {cfg.memory_mb} MiB")
+        notes += self._own_oom_notes(phase, own_before)
         notes.append(f"live trial {self.name}: {phase} phase "
                      + ("in the environment's namespaces" if phase == "agent" else
                         "in PID and mount namespaces of its own")
                      + f", user {user}, {len(caps_for(phase, privileged))} capabilities")
-        notes.append(f"pids/memory/cpu limits per trial ({self.backend.limits_by}), shared by its phases")
+        notes.append(f"pids/memory/cpu limits per trial ({self.backend.limits_by}), shared by its phases"
+                     + (" but for the phases' own (sub-cgroups)" if self._cgroups else ""))
         if self.egress is not None:
             if phase == "agent" and cfg.agent_internet:
                 notes.append("public hosts reachable through the filtering proxy (allow_internet and the run's flag)")
@@ -512,30 +544,75 @@ class LiveTrial:
         return SandboxResult(rc if not timed_out else -9, timed_out, notes, wall)
 
     def _phase_cgroups(self, phase: str, rid: str, notes: list[str]) -> list[str]:
-        """The phase's own pids limit (``cfg.phase_pids``): a sub-cgroup of the container's, made
-        here once per phase name (``rid`` unused), bound into our dir; its path inside, for the init to join. [] where none is asked or
-        the host has no cgroup v1 pids hierarchy for the container (said in the notes)."""
+        """The phase's own pids and memory limits (``cfg.phase_pids``, ``cfg.phase_memory_mb``):
+        sub-cgroups of the container's, made here once per phase name (``rid`` unused), bound into
+        our dir; their paths inside, for the init to join. None where none is asked or the host has
+        no cgroup v1 hierarchy of that controller for the container (said in the notes)."""
         from polar_trial.sandbox import phasecgroup
 
-        limit = self.cfg.phase_pids.get(phase)
-        if not limit:
-            return []
-        base = phasecgroup.container_cgroup(self.runtime, self.name)
-        if base is None:
-            notes.append(f"no pids limit of the {phase} phase's own: the container's cgroup is not a v1 "
-                         f"hierarchy this host can write (the trial's limit holds)")
-            return []
-        # one per phase name for the trial: an agent's later turns share the first's (and its leftovers')
-        sub = next((c for c in self._cgroups if c.name == f"polar-{phase}"), None)
-        if sub is None:
-            try:
-                sub = phasecgroup.make(base, f"polar-{phase}", limit, self.owner)
-            except OSError as exc:
-                notes.append(f"no pids limit of the {phase} phase's own ({exc}): the trial's limit holds")
-                return []
-            self._cgroups.append(sub)
-        notes.append(f"the {phase} phase's own pids limit: {limit}, under the trial's (a sub-cgroup made from the host)")
-        return [self._host_bind(sub, writable=True)]
+        out = []
+        for controller, what, limit in (("pids", "pids limit", self.cfg.phase_pids.get(phase)),
+                                        ("memory", "memory limit", self.cfg.phase_memory_mb.get(phase))):
+            if not limit:
+                continue
+            shown = f"{limit} MiB" if controller == "memory" else str(limit)
+            base = phasecgroup.container_cgroup(self.runtime, self.name, controller)
+            why = "the container's cgroup is not a v1 hierarchy this host can write"
+            # one per phase name for the trial: an agent's later turns share the first's (and its leftovers')
+            sub = None if base is None else next(
+                (c for c in self._cgroups if c.parent == base and c.name == f"polar-{phase}"), None)
+            if sub is None and base is not None:
+                try:
+                    sub = phasecgroup.make(base, f"polar-{phase}", controller, limit, self.owner)
+                    self._cgroups.append(sub)
+                except OSError as exc:
+                    why = str(exc)
+            if sub is None:
+                notes.append(f"no {what} of the {phase} phase's own ({why}): the trial's limit holds"
+                             + (self._memory_back_to(limit) if controller == "memory" else ""))
+                continue
+            notes.append(f"the {phase} phase's own {what}: {shown}, under the trial's (a sub-cgroup made from the host)")
+            out.append(self._host_bind(sub, writable=True))
+        return out
+
+    def _memory_back_to(self, limit: int) -> str:
+        """The container's memory limit lowered to the phase's own ``limit`` (it was made with the
+        verifier's room on top, for a sub-cgroup that could not be made), so that no phase gets
+        more than the task's memory; the note's tail."""
+        if self.cfg.memory_mb == limit:
+            return ""
+        r = self.docker("update", "--memory", f"{limit}m", "--memory-swap", f"{limit}m", self.name, check=False)
+        if r.returncode != 0:
+            return f", at {self.cfg.memory_mb} MiB (lowering it failed: {(r.stderr or r.stdout).strip()[-200:]})"
+        self.cfg.memory_mb = limit
+        return f", lowered to the phase's {limit} MiB"
+
+    def _own_oom_kills(self) -> dict[Path, int | None]:
+        """The OOM kills so far in each phase's own memory sub-cgroup (v1: not counted in the
+        container's)."""
+        from polar_trial.sandbox import phasecgroup
+
+        return {c: phasecgroup.oom_kills(c) for c in self._cgroups if (c / "memory.oom_control").is_file()}
+
+    def _own_oom_notes(self, phase: str, before: dict[Path, int | None]) -> list[str]:
+        """What the OOM killer did in the phases' own memory sub-cgroups while ``phase`` ran: in
+        its own, the phase hit its limit ("memory limit hit", as the verdict and ``polar tasks
+        check`` read it); in another's (the agent's leftovers while the verifier runs), those
+        processes were held to that phase's limit, and the running phase's memory was not touched."""
+        notes = []
+        for c, n in self._own_oom_kills().items():
+            was = before.get(c)
+            if n is None or was is None or n <= was:
+                continue
+            owner = c.name.removeprefix("polar-")
+            limit = self.cfg.phase_memory_mb.get(owner)
+            if owner == phase:
+                notes.append(f"memory limit hit: the OOM killer ended {n - was} process(es) of the {phase} phase "
+                             f"at its own {limit} MiB (a sub-cgroup under the trial's {self.cfg.memory_mb} MiB)")
+            else:
+                notes.append(f"the OOM killer ended {n - was} process(es) the {owner} phase left running, at its "
+                             f"own {limit} MiB, while the {phase} phase ran (the {phase} phase's memory untouched)")
+        return notes
 
     def _give_workdir(self, user: str) -> None:
         """The work dir to a non-root agent user (``[agent] user``, the image's USER), once: the
