@@ -1,33 +1,133 @@
 """``podman``: the docker backend's run on Podman, whose CLI takes the same ``run`` flags.
 
-Two differences matter here: ``podman info`` has no ``.ServerVersion`` (it is daemonless; the
-check asks for ``.Version.Version``), and rootless Podman maps the caller to root inside the user
-namespace, so ``--userns keep-id`` keeps the caller's uid and the bound work dir and HOME stay
-writable by it. Limits are enforced by the cgroups Podman creates (rootless: only where cgroup v2
-delegates the controllers; Podman refuses the run otherwise). Not tested on this machine (podman is
-not installed); its tests skip and say why.
+As root, every podman child of this process uses Polar's own store (``podmanroot.py``: a
+loop-mounted btrfs under ``$POLAR_HOME/podman``, runc, no container log), never the host's
+``/var/lib/containers``; a store the caller names in ``CONTAINERS_STORAGE_CONF`` is used as it is.
+
+A live trial (``trial.py``) runs its container with ``--userns=auto``: podman hands each container
+a range of 65536 host ids no other container of the store holds, so the container's root is an
+unprivileged host uid (1,600,000,000 and up), a different one per trial. The range is known only
+once the container exists, so the trial's container is made in three steps (:func:`create_owned`):
+``podman create``; the dirs it writes chowned to its root (``remap.chown_tree``, as for a
+remapping dockerd) and its writes capped (:func:`cap_writes`); ``podman start``.
+
+Differences from docker that matter here: ``podman info`` has no ``.ServerVersion`` (the check asks
+for ``.Version.Version``); rootless Podman maps the caller to root inside the user namespace, so
+``--userns keep-id`` keeps the caller's uid and the bound work dir and HOME stay writable by it.
+Per-phase runs (image build steps) run without a user namespace of their own as root: the
+container's root is the host's, all capabilities dropped but the build's (docs/sandbox.md).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import threading
 from pathlib import Path
+from typing import Callable
 
-from polar_trial.sandbox.base import SandboxSpec
+from polar_trial.sandbox.base import SandboxError, SandboxSpec
 from polar_trial.sandbox.docker import DockerSandbox
+from polar_trial.sandbox.podmanroot import CONTAINER_IDS, PodmanRootError, use_private_root
 
 
 class PodmanSandbox(DockerSandbox):
     name = "podman"
     runtime = "podman"
     limits_by = "podman's cgroups"
+    #: a live trial's container gets its user namespace at creation (``--userns=auto``)
+    userns_per_container = True
 
     probe = ("info", "--format", "{{.Version.Version}}")  # daemonless: no .ServerVersion
     probe_failure = "podman cannot run containers here"
+    #: images looked up in podman's store, apart from docker's (the same name may be on one only)
+    _images: dict[str, str | None] = {}
+    _images_lock = threading.Lock()
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """As docker's, on the store this process's podman children use: as root with none named
+        in ``CONTAINERS_STORAGE_CONF``, Polar's own is made first (``use_private_root``), so that
+        neither this probe nor any run touches the host's /var/lib/containers."""
+        import shutil
+
+        if shutil.which(cls.runtime) is None:
+            return f"the {cls.runtime} CLI is not installed"
+        try:
+            use_private_root()
+        except PodmanRootError as e:
+            return str(e)
+        return super().unavailable_reason()
 
     def argv(self, spec: SandboxSpec, private: Path, name: str, inner: list[str],
-             report_dir: Path | None = None, host_binds: list[tuple[str, str]] = ()) -> list[str]:
-        a = super().argv(spec, private, name, inner, report_dir, host_binds)
+             report_dir: Path | None = None, host_binds: list[tuple[str, str]] = (),
+             staged: dict[Path, Path] | None = None, tmp_dir: Path | None = None) -> list[str]:
+        a = super().argv(spec, private, name, inner, report_dir, host_binds, staged, tmp_dir)
         if os.getuid() != 0:  # rootless: the caller's uid inside too, so its binds stay writable
             a[2:2] = ["--userns", "keep-id"]
         return a
+
+
+def _podman(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    r = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        raise SandboxError(f"`podman {args[0]}` failed: {(r.stderr or r.stdout).strip()[-600:]}")
+    return r
+
+
+def container_root(name: str) -> int:
+    """The host uid of container ``name``'s root: the first host id of its uid map (podman
+    inspect's ``IDMappings``; the gid map is checked to start at the same id)."""
+    import json
+
+    r = _podman("inspect", "--format", "{{json .HostConfig.IDMappings}}", name)
+    maps = json.loads(r.stdout or "{}") or {}
+    firsts = []
+    for key in ("UidMap", "GidMap"):
+        rows = [m.split(":") for m in maps.get(key) or []]
+        first = [int(h) for c, h, _ in rows if c == "0"]
+        if not first:
+            raise SandboxError(f"container {name} has no {key} for its root: not in a user namespace of its own")
+        firsts.append(first[0])
+    if firsts[0] != firsts[1] or firsts[0] == 0:
+        raise SandboxError(f"container {name}'s root maps to host uid {firsts[0]} / gid {firsts[1]}")
+    return firsts[0]
+
+
+def cap_writes(name: str, cap_mb: int) -> str:
+    """Cap what container ``name`` writes outside its binds at ``cap_mb`` MiB: a btrfs quota
+    limit on its own subvolume (simple quotas: only its own writes count, not the image's), put
+    on from the host before it starts. podman 4.3's ``--storage-opt size=`` cannot
+    (``podmanroot.py``). Returns the note; raises SandboxError where the store is not btrfs."""
+    path = _podman("mount", name).stdout.strip()
+    try:
+        r = subprocess.run(["btrfs", "qgroup", "limit", f"{int(cap_mb)}M", path], capture_output=True, text=True,
+                           timeout=60, stdin=subprocess.DEVNULL)
+        if r.returncode != 0:
+            raise SandboxError(f"the storage cap of {name} could not be set on {path}: "
+                               f"{(r.stderr or r.stdout).strip()[-300:]}")
+    finally:
+        subprocess.run(["podman", "unmount", name], capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    return f"disk: the environment's own writes capped at {cap_mb} MiB (a btrfs quota group, set from the host)"
+
+
+def create_owned(args: list[str], name: str, disk_mb: int | None, notes: list[str],
+                 own: Callable[[int], None]) -> int:
+    """A live trial's container from its ``run -d`` arguments: created in a user namespace of its
+    own (``--userns=auto``), ``own(host uid of its root)`` called (the trial chowns what the
+    container writes), its writes capped at ``disk_mb``, then started. Returns that uid; the
+    container is removed again if any step fails."""
+    if args[:2] != ["run", "-d"]:
+        raise ValueError(f"expected `run -d ...`, got {args[:2]}")
+    _podman("create", f"--userns=auto:size={CONTAINER_IDS}", *args[2:])
+    try:
+        owner = container_root(name)
+        own(owner)
+        if disk_mb:
+            notes.append(cap_writes(name, disk_mb))
+        _podman("start", name)
+    except BaseException:
+        subprocess.run(["podman", "rm", "-f", "-v", name], capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
+        raise
+    notes.append(f"user namespace: the environment's root is host uid {owner} (podman --userns=auto)")
+    return owner

@@ -34,9 +34,9 @@ class RemapError(RuntimeError):
     """The remap user or its range could not be set up."""
 
 
-def _has_range(path: Path) -> bool:
+def _has_range(path: Path, user: str = USER) -> bool:
     try:
-        return any(line.split(":")[0] == USER for line in path.read_text().splitlines())
+        return any(line.split(":")[0] == user for line in path.read_text().splitlines())
     except FileNotFoundError:
         return False
 
@@ -44,35 +44,44 @@ def _has_range(path: Path) -> bool:
 def ensure_remap_user() -> str:
     """``polar-remap`` with its subordinate uid/gid range, made when missing; the value of
     ``--userns-remap``."""
+    ensure_subid_user(USER, BASE, COUNT)
+    return f"{USER}:{USER}"
+
+
+def ensure_subid_user(user: str, base: int, count: int) -> None:
+    """A system user ``user`` (no home, no shell: the name is reserved, nothing runs as it) and its
+    range ``base``..``base+count-1`` in /etc/subuid and /etc/subgid, made when missing (root only;
+    idempotent, under a lock). dockerd's ``--userns-remap`` and podman's ``--userns=auto``
+    (``podmanroot.py``: ``root-auto-userns-user``) take their ranges from such an entry."""
     import pwd
 
     if os.geteuid() != 0:
-        raise RemapError("--userns-remap needs root (a private dockerd runs as root)")
+        raise RemapError(f"the subordinate id range of {user} needs root")
     lock = os.open("/etc/.polar-remap.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            pwd.getpwnam(USER)
+            pwd.getpwnam(user)
         except KeyError:
             r = subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
-                                "--shell", "/usr/sbin/nologin", USER], capture_output=True, text=True,
+                                "--shell", "/usr/sbin/nologin", user], capture_output=True, text=True,
                                stdin=subprocess.DEVNULL)
             if r.returncode not in (0, 9):  # 9: it exists (another process made it)
-                raise RemapError(f"useradd {USER} failed: {r.stderr.strip()}")
+                raise RemapError(f"useradd {user} failed: {r.stderr.strip()}")
         for name in ("/etc/subuid", "/etc/subgid"):
             path = Path(name)
-            if not _has_range(path):
+            if not _has_range(path, user):
                 with open(path, "a") as fh:
-                    fh.write(f"{USER}:{BASE}:{COUNT}\n")
+                    fh.write(f"{user}:{base}:{count}\n")
     finally:
         os.close(lock)
-    return f"{USER}:{USER}"
 
 
 def remapped_root(runtime: str = "docker") -> int | None:
     """The host uid of the container's root on the daemon ``DOCKER_HOST`` names: BASE when that
     daemon remaps (``docker info`` lists ``name=userns``), None when it does not. Cached per
-    daemon."""
+    daemon. None for podman: there each container gets a range of its own (``--userns=auto``),
+    known once it is created (``podman.container_root``)."""
     key = (runtime, os.environ.get("DOCKER_HOST", ""))
     if key not in _cache:
         if runtime != "docker":

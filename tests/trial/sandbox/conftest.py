@@ -51,3 +51,36 @@ def dockerd():
         d.stop()
         assert d.pid() is None
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def podman_store():
+    """One podman store of our own for the whole test session (``podmanroot.py``: btrfs on a loop
+    image, runc, no container log, ``--userns=auto`` ranges), never the host's
+    /var/lib/containers; its containers removed and it unmounted at the end. Skips without root or
+    podman (scripts/setup.sh installs it)."""
+    from polar_trial.sandbox.podman import PodmanSandbox
+    from polar_trial.sandbox.podmanroot import PodmanRoot
+
+    if os.getuid() != 0:
+        pytest.skip("polar's podman store needs root (the CI machines run as root)")
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed (scripts/setup.sh installs it)")
+    root = Path(tempfile.mkdtemp(prefix="pp-", dir="/tmp"))
+    store = PodmanRoot(root, data_quota_gb=8)
+    old = {k: os.environ.get(k) for k in store.env()}
+    try:
+        store.start(install=False)
+        store.use()
+        PodmanSandbox._images.clear()
+        yield store
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        PodmanSandbox._images.clear()
+        store.stop()
+        assert not store.mounted()
+        shutil.rmtree(root, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -168,7 +169,9 @@ def test_apptainer_command_line(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["podman", "apptainer"])
-def test_other_container_backends_run_a_phase(tmp_path, backend):
+def test_other_container_backends_run_a_phase(tmp_path, backend, request):
+    if backend == "podman" and os.getuid() == 0 and shutil.which("podman"):
+        request.getfixturevalue("podman_store")  # as root: the session's own store, never $POLAR_HOME's
     why = backend_class(backend).unavailable_reason()
     if why is not None:
         pytest.skip(f"{backend} sandbox not tested here: {why}")
