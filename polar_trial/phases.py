@@ -62,6 +62,9 @@ def open_live_trial(task: Task, sandbox: Any, image: str | None, workdir: Path, 
         agent_internet=bool(task.allow_internet and allow_internet),
         services=task.compose, service_image=(lambda svc: service_image(task, svc, sandbox, builds)),
         healthcheck=task_healthcheck(task)))
+    shared = phasecgroup.shared_note(own, room)
+    if shared:
+        trial.notes.append(shared)
     stack.callback(trial.stop)
     return trial
 

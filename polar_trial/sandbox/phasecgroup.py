@@ -20,8 +20,9 @@ kmem limits), so none is set; swap accounting is on (``memory.memsw.*`` exist), 
 does for the container.
 
 On cgroup v2 a cgroup with children may hold no process of its own, and ``docker exec`` puts each
-new process in the container's top cgroup: there the phase runs without limits of its own, said in
-its notes (``container_cgroup`` answers None). Making it would mean moving the container's init
+new process in the container's top cgroup: there the phase runs without limits of its own
+(``container_cgroup`` answers None; a rollout's trial asks for none there, and every phase's notes
+say the trial's limits are shared: :func:`shared_note`). Making it would mean moving the container's init
 and every exec into a leaf (runc falls back to the init's cgroup when joining the top one fails
 with EBUSY) and delegating the container's ``cgroup.procs``; not built, as this machine has no v2
 memory or pids controller to test it on (both are bound to v1 hierarchies).
@@ -38,6 +39,8 @@ from pathlib import Path
 #: pids a live trial's container gets beyond the agent's own limit (``polar_trial/phases.py``): the
 #: verifier's, which no leftover of the agent can take (a TB2 verifier with uv and pytest: < 20)
 VERIFIER_PIDS = 256
+#: present where /sys/fs/cgroup is the cgroup v2 (unified) hierarchy
+UNIFIED = Path("/sys/fs/cgroup/cgroup.controllers")
 
 
 def verifier_memory_mb(agent_mb: int, host_mb: int | None) -> int:
@@ -58,6 +61,26 @@ def available(controller: str = "pids") -> bool:
         return _mount_of(controller) is not None
     except OSError:
         return False
+
+
+def shared_note(pids_own: bool, memory_room_mb: int) -> str | None:
+    """The note every phase of a live trial carries where the agent's pids or memory cannot be its
+    own on this host (the trial's limit then holds for every phase, the verifier's included), or
+    None where both are."""
+    why = []
+    for controller, ok in (("pids", pids_own), ("memory", memory_room_mb > 0)):
+        if ok:
+            continue
+        if available(controller):  # memory: the task asks for all of this host's
+            why.append(f"{controller}: the task's limit is this host's memory, no room for the verifier's own")
+        elif UNIFIED.exists():
+            why.append(f"{controller}: a cgroup v2 host (a phase's own limits are built for cgroup v1 only)")
+        else:
+            why.append(f"{controller}: no cgroup v1 {controller} hierarchy on this host")
+    if not why:
+        return None
+    return ("the agent's leftovers share the trial's limits with the verifier, no sub-cgroup of their own ("
+            + "; ".join(why) + ")")
 
 
 def _mount_of(controller: str) -> Path | None:
