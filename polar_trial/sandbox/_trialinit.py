@@ -233,6 +233,9 @@ def _phase_child(cfg: dict, argv: list[str], env: dict[str, str], err_w: int) ->
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         ctypes, libc = base._libc()
         os.setsid()
+        if cfg.get("oom_score_adj"):  # before this init in its memory sub-cgroup's OOM (phasecgroup.OOM_SCORE_ADJ)
+            with open("/proc/self/oom_score_adj", "w") as fh:
+                fh.write(str(int(cfg["oom_score_adj"])))
         home = cfg.get("_home")
         if home:  # root still: the user's HOME made where the image names one and has none
             import homeinit  # imported by _read_home before the join (our dir is covered now)

@@ -39,6 +39,16 @@ from pathlib import Path
 #: pids a live trial's container gets beyond the agent's own limit (``polar_trial/phases.py``): the
 #: verifier's, which no leftover of the agent can take (a TB2 verifier with uv and pytest: < 20)
 VERIFIER_PIDS = 256
+#: the ``oom_score_adj`` of a phase's processes where the phase has a memory sub-cgroup of its own
+#: (set by its init's child before the command, inherited): the OOM killer then takes them before
+#: our init, which is in the sub-cgroup too but whose memory is charged to the container's (made
+#: before it joined), so killing it frees nothing there. Measured without it: the init (13 MB
+#: resident, the host's Python) was the first victim among 6 MB holders, and a phase whose command
+#: exited 0 returned 137. The bonus is this/1000 of the limit, the same for every process of the
+#: phase, so which of them goes first is unchanged; past 26 MiB of limit it outweighs the init's
+#: 13 MB. An agent may lower it back to 0 (not below: no CAP_SYS_RESOURCE), only against itself.
+#: In the container's (and the host's) OOM its leftovers go before the verifier too.
+OOM_SCORE_ADJ = 500
 #: present where /sys/fs/cgroup is the cgroup v2 (unified) hierarchy
 UNIFIED = Path("/sys/fs/cgroup/cgroup.controllers")
 

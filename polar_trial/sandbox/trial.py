@@ -495,7 +495,7 @@ class LiveTrial:
         report = self.dir / "reports" / f"{rid}.json"
         cgroups = self._phase_cgroups(phase, rid, notes)
         init_cfg = {"mode": phase, "join": self.holder, "binds": binds, "copy_in": copies, "covers": [INSIDE],
-                    "cgroups": cgroups,
+                    "cgroups": cgroups, "oom_score_adj": self._oom_score_adj(phase),
                     "caps": caps_for(phase, privileged), "user": user, "passwd_home": passwd_home, "home": home_cfg,
                     "workdir": spec.workdir, "report_path": f"{INSIDE}/reports/{rid}.json"}
         cmd = [self.runtime, "exec", "--user", "0:0", "--workdir", "/"]
@@ -586,6 +586,13 @@ class LiveTrial:
             return f", at {self.cfg.memory_mb} MiB (lowering it failed: {(r.stderr or r.stdout).strip()[-200:]})"
         self.cfg.memory_mb = limit
         return f", lowered to the phase's {limit} MiB"
+
+    def _oom_score_adj(self, phase: str) -> int:
+        """``phasecgroup.OOM_SCORE_ADJ`` for a phase with a memory sub-cgroup of its own, else 0."""
+        from polar_trial.sandbox import phasecgroup
+
+        own = any(c.name == f"polar-{phase}" and (c / "memory.oom_control").is_file() for c in self._cgroups)
+        return phasecgroup.OOM_SCORE_ADJ if own else 0
 
     def _own_oom_kills(self) -> dict[Path, int | None]:
         """The OOM kills so far in each phase's own memory sub-cgroup (v1: not counted in the

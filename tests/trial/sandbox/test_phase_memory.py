@@ -81,3 +81,17 @@ def test_a_leftover_that_keeps_allocating_cannot_starve_the_verifier(dockerd, tm
         assert (work / "reward.txt").read_text().strip() == "1"
         assert any("process(es) the agent phase left running" in n for n in verifier.notes), verifier.notes
 
+
+
+def test_the_oom_killer_takes_the_agents_processes_before_its_init(dockerd, tmp_path):
+    """An agent of many small processes at its limit (30 holders of 6 MiB, started every 0.05 s,
+    then ``echo done``): the OOM killer takes holders, and the phase's own command still ends 0.
+    Our init is in the sub-cgroup too, with 13 MB resident charged to the container's (it joined
+    after its start-up), so killing it frees nothing there; without ``OOM_SCORE_ADJ`` on the
+    phase's processes it was the first victim and the phase returned 137 (watched)."""
+    work = tmp_path / "w"
+    many = "for i in $(seq 1 30); do (" + HOLD.format(mb=6, s=600) + ") & sleep 0.05; done; sleep 1; echo done"
+    with _trial(work) as trial:
+        agent = trial.view("agent").run(_spec(work), ["sh", "-c", many])
+        assert agent.returncode == 0, agent
+        assert any(n.startswith("memory limit hit") for n in agent.notes), agent.notes
