@@ -4,11 +4,11 @@ memory sub-cgroup made from the host, cgroup v1), live on the session's private 
 the agent's limit plus the verifier's room (``verifier_memory_mb``: as much again), the agent phase
 its own limit. Scaled down to 64 MiB + 64 MiB.
 
-Both tests were watched failing with the sub-cgroup taken away (``phase_memory_mb`` empty, the
+The first two were watched failing with the sub-cgroup taken away (``phase_memory_mb`` empty, the
 container still at 128 MiB): the agent's 100 MiB then fit and was not killed, and the leftover's
-holders filled the container until the OOM killer took the verifier's allocation (the largest
-process), so the verifier failed. Times (2-core machine, load ~8, the session's daemon up): each
-~5-7 s.
+holders filled the container until the OOM killer ended its PID 1 (our init), so the verifier
+could not even be started. The third was watched failing with ``OOM_SCORE_ADJ`` 0. Times (2-core
+machine, load ~8, the session's daemon up): each 4-7 s, the three ~20 s.
 """
 
 from __future__ import annotations
