@@ -17,27 +17,15 @@ from __future__ import annotations
 
 import os
 import subprocess
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from polar_runtime.harnesses import Endpoint, get_preset
+from polar_testing.harbortask import harbor_task as _task
+from polar_testing.harbortask import why as _why
 
 pytestmark = pytest.mark.docker
-
-
-def _task(root: Path, name: str, solve: str, test: str, *, base: str = "debian:bookworm", toml: str = "") -> Path:
-    d = root / name
-    (d / "environment").mkdir(parents=True)
-    (d / "solution").mkdir()
-    (d / "tests").mkdir()
-    (d / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n[agent]\ntimeout_sec = 120\n' + toml)
-    (d / "instruction.md").write_text("Do the thing.\n")
-    (d / "environment" / "Dockerfile").write_text(f"FROM {base}\nWORKDIR /app\n")
-    (d / "solution" / "solve.sh").write_text("#!/bin/bash\n" + textwrap.dedent(solve))
-    (d / "tests" / "test.sh").write_text("#!/bin/bash\n" + textwrap.dedent(test))
-    return d
 
 
 def _oracle(tmp_path: Path, task_dir: Path, samples: int = 1, **kw) -> list[dict]:
@@ -50,11 +38,6 @@ def _oracle(tmp_path: Path, task_dir: Path, samples: int = 1, **kw) -> list[dict
                           settle_s=0.0, sandbox="docker", work_root=tmp_path / "work", **kw)
     df = r.run_rollout(cfg)
     return list(df.iter_rows(named=True))
-
-
-def _why(rows: list[dict]) -> str:
-    return "\n".join(f"{r['reward']} {r['evaluator_status']} {r['error']}\n{r['evaluator_output'][-800:]}\n"
-                     f"{r['sandbox_notes']}" for r in rows)
 
 
 def test_what_the_oracle_leaves_is_there_for_the_verifier(dockerd, tmp_path):

@@ -1,0 +1,155 @@
+"""A Harbor trial live on podman (``sandbox/podman.py``), on the session's own podman store
+(``conftest.podman_store``: btrfs on a loop image, never the host's /var/lib/containers): the
+oracle's leftovers reach the verifier as under docker, the environment's root is not the host's
+(``--userns=auto``), and what the environment writes outside its binds is capped. Each claim is
+checked from the host with the attack that works when the defence is gone. Skipped without root or
+podman (scripts/setup.sh installs it).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from polar_testing.harbortask import harbor_task, why
+from polar_trial.sandbox import SandboxSpec
+
+pytestmark = pytest.mark.podman
+
+
+def test_a_podman_trial_keeps_the_oracles_server_for_the_verifier(tiny_image, tmp_path):
+    """The rollout on ``--sandbox podman`` (the task's image built on podman, then one live
+    environment): the oracle leaves a web server running (``setsid httpd``); the verifier, in PID
+    and mount namespaces of its own in the same environment, reaches it (per-phase containers
+    lost it: 0). On the busybox image: a 400 MB python stand-in took 2 x 9 s of ``podman import``
+    (the stand-in, then the flattened build) of the test's 31 s."""
+    from polar_runtime import rollout as r
+    from polar_runtime.harnesses import Endpoint, get_preset
+    from polar_trial.tasks import load_tasks
+
+    d = harbor_task(tmp_path, "leaves", solve="""
+        mkdir -p /srv/www && echo served > /srv/www/marker
+        setsid httpd -f -p 127.0.0.1:8000 -h /srv/www >/dev/null 2>&1 < /dev/null &
+        for i in $(seq 50); do wget -Y off -q -O /dev/null http://127.0.0.1:8000/marker && break; sleep 0.1; done
+        """, test="""
+        [ "$(wget -Y off -q -O - http://127.0.0.1:8000/marker)" = served ] \\
+          && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+        """, base=tiny_image)
+    cfg = r.RolloutConfig(tasks=load_tasks(d, container="podman"), preset=get_preset("oracle"),
+                          endpoint=Endpoint(mode="base_url", base_url="http://127.0.0.1:9"),
+                          capture_dir=tmp_path / "cap", model="-", samples=1, concurrency=1, timeout=120,
+                          settle_s=0.0, sandbox="podman", work_root=tmp_path / "work")
+    rows = list(r.run_rollout(cfg).iter_rows(named=True))
+    assert rows[0]["reward"] == 1.0, why(rows)
+    notes = rows[0]["sandbox_notes"]
+    assert "live trial" in notes and "podman --userns=auto" in notes, notes
+
+
+@pytest.fixture(scope="module")
+def tiny_image(podman_store, tmp_path_factory) -> str:
+    """A 2 MB image: Debian's static busybox, its applets, a passwd. ``--userns=auto`` gives each
+    container's range its own copy of the image (a btrfs snapshot chowned file by file: podman
+    4.3's btrfs driver has no idmapped mounts), which for the 131 MB debian stand-in cost seconds
+    per new range; this one's copy is instant, and the trial's code path is the same."""
+    import shutil
+
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        pytest.skip("busybox is not installed (scripts/setup.sh installs busybox-static)")
+    root = tmp_path_factory.mktemp("rootfs")
+    for d in ("bin", "etc", "tmp", "app", "var", "root", "proc", "dev", "sys", "run"):
+        (root / d).mkdir()
+    os.chmod(root, 0o755)  # mktemp's 0700: a real image's / is 0755
+    os.chmod(root / "tmp", 0o1777)
+    shutil.copy(busybox, root / "bin" / "busybox")
+    for applet in subprocess.run([busybox, "--list"], capture_output=True, text=True, check=True).stdout.split():
+        if applet != "busybox":
+            (root / "bin" / applet).symlink_to("busybox")
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534::/nonexistent:/bin/sh\n")
+    (root / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
+    (root / "bin" / "bash").unlink(missing_ok=True)
+    (root / "bin" / "bash").write_text('#!/bin/sh\nexec /bin/sh "$@"\n')  # a task's `#!/bin/bash` scripts
+    os.chmod(root / "bin" / "bash", 0o755)
+    tar = subprocess.Popen(["tar", "-C", str(root), "--numeric-owner", "-c", "."], stdout=subprocess.PIPE)
+    subprocess.run(["podman", "import", "--change", "ENV PATH=/bin", "-", "localhost/polar-test-busybox:1"],
+                   stdin=tar.stdout, capture_output=True, check=True)
+    assert tar.wait() == 0
+    return "localhost/polar-test-busybox:1"
+
+
+def _agent(trial, work: Path, script: str, **kw):
+    spec = SandboxSpec(workdir_host=work, env={"PATH": "/bin"}, timeout_s=60, **kw)
+    return trial.view("agent").run(spec, ["sh", "-c", script])
+
+
+def test_the_environments_root_is_not_the_hosts_seen_from_the_host(tiny_image, tmp_path):
+    """Two trials at once. From the host: each environment's processes run as a host uid of
+    podman's range (their /proc uid_map maps 0 there), a different one per trial; a file their
+    root makes in the work dir is owned by that uid on the host; a host file readable only by the
+    host's root, bound in read-only, cannot be read by the container's root for all its
+    DAC_OVERRIDE (with the container's root the host's it is read: the attack). No container log."""
+    from polar_trial.sandbox.podman import PodmanSandbox
+    from polar_trial.sandbox.podmanroot import AUTO_BASE, AUTO_COUNT
+    from polar_trial.sandbox.trial import LiveTrial, TrialConfig
+
+    secret = tmp_path / "secret"
+    secret.write_text("host root only\n")
+    os.chmod(secret, 0o600)
+    owners = []
+    with LiveTrial(PodmanSandbox(), TrialConfig(image=tiny_image, workdir_host=tmp_path / "w0")) as t0, \
+         LiveTrial(PodmanSandbox(), TrialConfig(image=tiny_image, workdir_host=tmp_path / "w1")) as t1:
+        for i, trial in enumerate((t0, t1)):
+            work = tmp_path / f"w{i}"
+            res = _agent(trial, work, f"id -u > /app/uid; cat /secret > /app/read 2>/app/err; "
+                                      f"setsid sleep 42{i} >/dev/null 2>&1 < /dev/null &",
+                         ro_binds=[(secret, "/secret")])
+            assert res.returncode == 0, res
+            src = trial._workdir_src or work
+            assert not (src / "read").read_text() and "Permission denied" in (src / "err").read_text()
+            pid = _host_pid_of(f"sleep\x0042{i}")
+            host_uid = int(Path(f"/proc/{pid}/status").read_text().split("\nUid:\t")[1].split()[0])
+            assert (src / "uid").read_text() == "0\n" and os.stat(src / "uid").st_uid == host_uid
+            inside, outside, count = Path(f"/proc/{pid}/uid_map").read_text().split()
+            assert (inside, count) == ("0", "65536") and int(outside) == host_uid == trial.owner, (host_uid, trial.owner)
+            assert AUTO_BASE <= host_uid < AUTO_BASE + AUTO_COUNT
+            log = subprocess.run(["podman", "inspect", "--format", "{{.HostConfig.LogConfig.Type}}", trial.name],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+            assert log == "none", log
+            owners.append(host_uid)
+    assert owners[0] != owners[1], owners
+
+
+def test_what_the_environment_writes_outside_its_binds_is_capped(tiny_image, tmp_path):
+    """``disk_mb`` 32: the agent writes 100 MiB to /var (the container's own file system, on the
+    store's btrfs). podman 4.3 cannot cap it (``--storage-opt size=`` is refused), so the trial
+    puts a quota limit on the container's subvolume from the host: the write stops at the cap
+    (without it all 100 MiB went through), and the next phase still runs."""
+    from polar_trial.sandbox.podman import PodmanSandbox
+    from polar_trial.sandbox.trial import LiveTrial, TrialConfig
+
+    work = tmp_path / "w"
+    with LiveTrial(PodmanSandbox(), TrialConfig(image=tiny_image, workdir_host=work, disk_mb=32)) as trial:
+        res = _agent(trial, work, "dd if=/dev/zero of=/var/big bs=1M count=100 2>/app/dd; echo $? > /app/rc; "
+                                  "du -sm /var/big | cut -f1 > /app/mb")
+        assert res.returncode == 0, res
+        src = trial._workdir_src or work
+        assert (src / "rc").read_text().strip() != "0", (src / "dd").read_text()
+        assert int((src / "mb").read_text()) <= 32, (src / "mb").read_text()
+        assert "quota exceeded" in (src / "dd").read_text().lower(), (src / "dd").read_text()
+        after = trial.view("verifier").run(SandboxSpec(workdir_host=work, env={"PATH": "/bin"}, timeout_s=60),
+                                           ["true"])
+        assert after.returncode == 0, after
+        assert any("btrfs quota group" in n for n in res.notes), res.notes
+
+
+def _host_pid_of(cmdline: str) -> int:
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and (p / "cmdline").read_bytes().decode(errors="replace").startswith(cmdline):
+                return int(p.name)
+        except OSError:
+            continue
+    raise AssertionError(f"no process {cmdline!r} on the host")
