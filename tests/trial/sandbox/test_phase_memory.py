@@ -54,6 +54,10 @@ def test_an_agent_that_fills_memory_is_killed_at_its_own_limit_and_the_verifier_
         hit = [n for n in agent.notes if n.startswith("memory limit hit")]
         assert hit and f"at its own {AGENT_MB} MiB" in hit[0], agent.notes
         assert any(f"own memory limit: {AGENT_MB} MiB" in n for n in agent.notes), agent.notes
+        sub = next(c for c in trial._cgroups if (c / "memory.oom_control").is_file())  # the host's view
+        for f in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):  # no swap beyond it either
+            if (sub / f).exists() or f == "memory.limit_in_bytes":
+                assert int((sub / f).read_text()) == AGENT_MB << 20, f
         verifier = trial.view("verifier").run(_spec(work), ["sh", "-c", HOLD.format(mb=40, s=1) +
                                                             f" && echo 1 > {trial.cfg.workdir}/reward.txt"])
         assert verifier.returncode == 0, verifier
