@@ -56,6 +56,17 @@ if [ "$(id -u)" = 0 ] && { ! command -v dockerd >/dev/null 2>&1 || ! command -v 
     || { quiet apt-get update && quiet apt-get install -y --no-install-recommends docker.io tini debootstrap btrfs-progs; }; } \
     || die "cannot install docker.io, tini, debootstrap and btrfs-progs"
 fi
+# ---- 0b'. podman: the podman backend (a live trial with --userns=auto on a store of Polar's own,
+# sandbox/podmanroot.py); runc, not crun (crun 1.8.1 refuses this machine kind's hybrid cgroups);
+# catatonit is podman's --init
+if [ "$(id -u)" = 0 ] && { ! command -v podman >/dev/null 2>&1 || ! command -v runc >/dev/null 2>&1 \
+     || [ ! -x /usr/libexec/podman/catatonit ]; }; then
+  phase "sandbox: installing podman, runc and catatonit (Debian packages)"
+  export DEBIAN_FRONTEND=noninteractive
+  { quiet apt-get install -y --no-install-recommends podman runc catatonit \
+    || { quiet apt-get update && quiet apt-get install -y --no-install-recommends podman runc catatonit; }; } \
+    || die "cannot install podman, runc and catatonit"
+fi
 # ---- 0c. what a harness brings into a task's image (polar_runtime/harnessruntime.py): patchelf for its
 # copy of node, fd-find for Pi's fd; busybox-static builds the no-libc test image
 if [ "$(id -u)" = 0 ] && { ! command -v patchelf >/dev/null 2>&1 || ! command -v fdfind >/dev/null 2>&1 \
@@ -91,6 +102,14 @@ if [ ! -x "$ROOT/.venv/bin/python" ] || [ "$(cat "$ROOT/.venv/.polar-stamp" 2>/d
   phase "main venv: ready in $(took "$t")"
 else
   phase "main venv: up to date"
+fi
+
+# ---- 1b. the subordinate uid/gid range podman's --userns=auto hands out (a system user of its own,
+# 64 ranges of 65536 ids from 1,600,000,000: sandbox/podmanroot.py); a no-op when present
+if [ "$(id -u)" = 0 ] && command -v podman >/dev/null 2>&1 && ! grep -q '^polar-podman:' /etc/subuid 2>/dev/null; then
+  "$ROOT/.venv/bin/python" -c 'from polar_trial.sandbox import podmanroot as p, remap
+remap.ensure_subid_user(p.AUTO_USER, p.AUTO_BASE, p.AUTO_COUNT)' 2>> "$LOG" || die "cannot add podman's subordinate id range"
+  phase "sandbox: podman's subordinate id range added (/etc/subuid, /etc/subgid)"
 fi
 
 # ---- 2. the inference-server venv ---------------------------------------------------------------
