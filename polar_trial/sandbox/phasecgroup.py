@@ -167,6 +167,40 @@ def oom_kills(sub: Path) -> int | None:
     return None
 
 
+def score_adj(subs: list[Path], phase: str) -> int:
+    """:data:`OOM_SCORE_ADJ` for ``phase`` where one of ``subs`` is its own memory sub-cgroup, else 0."""
+    own = any(c.name == f"polar-{phase}" and (c / "memory.oom_control").is_file() for c in subs)
+    return OOM_SCORE_ADJ if own else 0
+
+
+def oom_snapshot(subs: list[Path]) -> dict[Path, int | None]:
+    """The OOM kills so far in each memory sub-cgroup of ``subs`` (v1: not counted in the container's)."""
+    return {c: oom_kills(c) for c in subs if (c / "memory.oom_control").is_file()}
+
+
+def oom_notes(phase: str, before: dict[Path, int | None], after: dict[Path, int | None],
+              limits: dict[str, int], trial_mb: int | None) -> list[str]:
+    """What the OOM killer did in the phases' own memory sub-cgroups while ``phase`` ran
+    (:func:`oom_snapshot` before and after; ``limits``: each phase's MiB): in its own, the phase
+    hit its limit ("memory limit hit", as the verdict and ``polar tasks check`` read it); in
+    another's (the agent's leftovers while the verifier runs), those processes were held to that
+    phase's limit, and the running phase's memory was not touched."""
+    notes = []
+    for c, n in after.items():
+        was = before.get(c)
+        if n is None or was is None or n <= was:
+            continue
+        owner = c.name.removeprefix("polar-")
+        if owner == phase:
+            notes.append(f"memory limit hit: the OOM killer ended {n - was} process(es) of the {phase} phase "
+                         f"at its own {limits.get(owner)} MiB (a sub-cgroup under the trial's {trial_mb} MiB)")
+        else:
+            notes.append(f"the OOM killer ended {n - was} process(es) the {owner} phase left running, at its "
+                         f"own {limits.get(owner)} MiB, while the {phase} phase ran (the {phase} phase's memory "
+                         f"untouched)")
+    return notes
+
+
 def remove(sub: Path) -> None:
     """Remove ``sub`` once its processes are gone (the container removed); never raises."""
     for _ in range(20):

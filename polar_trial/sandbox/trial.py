@@ -442,6 +442,7 @@ class LiveTrial:
 
     def run_phase(self, phase: str, spec: SandboxSpec, argv: list[str], *, stdout: Stream, stderr: Stream,
                   passwd_home: bool) -> SandboxResult:
+        from polar_trial.sandbox import phasecgroup
         from polar_trial.sandbox.docker import COPIED_IN
         from polar_trial.sandbox.egress import egress_env
         from polar_trial.sandbox.remap import chown_tree
@@ -495,7 +496,7 @@ class LiveTrial:
         report = self.dir / "reports" / f"{rid}.json"
         cgroups = self._phase_cgroups(phase, rid, notes)
         init_cfg = {"mode": phase, "join": self.holder, "binds": binds, "copy_in": copies, "covers": [INSIDE],
-                    "cgroups": cgroups, "oom_score_adj": self._oom_score_adj(phase),
+                    "cgroups": cgroups, "oom_score_adj": phasecgroup.score_adj(self._cgroups, phase),
                     "caps": caps_for(phase, privileged), "user": user, "passwd_home": passwd_home, "home": home_cfg,
                     "workdir": spec.workdir, "report_path": f"{INSIDE}/reports/{rid}.json"}
         cmd = [self.runtime, "exec", "--user", "0:0", "--workdir", "/"]
@@ -505,7 +506,7 @@ class LiveTrial:
         from polar_trial.sandbox.docker import oom_kills_of
 
         oom_before = oom_kills_of(self.runtime, self.name) if cfg.memory_mb else None
-        own_before = self._own_oom_kills()
+        own_before = phasecgroup.oom_snapshot(self._cgroups)
         try:
             rc, timed_out, _, wall = supervise(cmd, env=None, cwd=None, stdout=stdout, stderr=stderr,
                                                timeout_s=spec.timeout_s)
@@ -529,7 +530,8 @@ class LiveTrial:
         if oom_before is not None and oom_after is not None and oom_after > oom_before:
             notes.append(f"memory limit hit: the OOM killer ended {oom_after - oom_before} process(es) of the "
                          f"{phase} phase at the trial's {cfg.memory_mb} MiB")
-        notes += self._own_oom_notes(phase, own_before)
+        notes += phasecgroup.oom_notes(phase, own_before, phasecgroup.oom_snapshot(self._cgroups),
+                                       cfg.phase_memory_mb, cfg.memory_mb)
         notes.append(f"live trial {self.name}: {phase} phase "
                      + ("in the environment's namespaces" if phase == "agent" else
                         "in PID and mount namespaces of its own")
@@ -586,40 +588,6 @@ class LiveTrial:
             return f", at {self.cfg.memory_mb} MiB (lowering it failed: {(r.stderr or r.stdout).strip()[-200:]})"
         self.cfg.memory_mb = limit
         return f", lowered to the phase's {limit} MiB"
-
-    def _oom_score_adj(self, phase: str) -> int:
-        """``phasecgroup.OOM_SCORE_ADJ`` for a phase with a memory sub-cgroup of its own, else 0."""
-        from polar_trial.sandbox import phasecgroup
-
-        own = any(c.name == f"polar-{phase}" and (c / "memory.oom_control").is_file() for c in self._cgroups)
-        return phasecgroup.OOM_SCORE_ADJ if own else 0
-
-    def _own_oom_kills(self) -> dict[Path, int | None]:
-        """The OOM kills so far in each phase's own memory sub-cgroup (v1: not counted in the
-        container's)."""
-        from polar_trial.sandbox import phasecgroup
-
-        return {c: phasecgroup.oom_kills(c) for c in self._cgroups if (c / "memory.oom_control").is_file()}
-
-    def _own_oom_notes(self, phase: str, before: dict[Path, int | None]) -> list[str]:
-        """What the OOM killer did in the phases' own memory sub-cgroups while ``phase`` ran: in
-        its own, the phase hit its limit ("memory limit hit", as the verdict and ``polar tasks
-        check`` read it); in another's (the agent's leftovers while the verifier runs), those
-        processes were held to that phase's limit, and the running phase's memory was not touched."""
-        notes = []
-        for c, n in self._own_oom_kills().items():
-            was = before.get(c)
-            if n is None or was is None or n <= was:
-                continue
-            owner = c.name.removeprefix("polar-")
-            limit = self.cfg.phase_memory_mb.get(owner)
-            if owner == phase:
-                notes.append(f"memory limit hit: the OOM killer ended {n - was} process(es) of the {phase} phase "
-                             f"at its own {limit} MiB (a sub-cgroup under the trial's {self.cfg.memory_mb} MiB)")
-            else:
-                notes.append(f"the OOM killer ended {n - was} process(es) the {owner} phase left running, at its "
-                             f"own {limit} MiB, while the {phase} phase ran (the {phase} phase's memory untouched)")
-        return notes
 
     def _give_workdir(self, user: str) -> None:
         """The work dir to a non-root agent user (``[agent] user``, the image's USER), once: the
