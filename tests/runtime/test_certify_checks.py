@@ -207,6 +207,19 @@ def test_spread_rewards_gives_every_group_a_spread():
     assert got.group_by("group_id").agg(pl.col("reward").n_unique())["reward"].to_list() == [2, 2]
 
 
+def test_the_delivery_step_trains_one_pair_of_one_group():
+    from polar_runtime.certify.runner import delivery_pair
+
+    frame = pl.DataFrame({"group_id": ["a", "b", "b", "b", "b", "c", "c"],
+                          "session_id": ["s1", "t1", "t1", "t2", "t3", "u1", "u2"],
+                          "reward": [0.0] * 7, "status": ["ok"] * 7})
+    got = delivery_pair(frame)  # group a has one sample: no spread there; b's first two, every row of them
+    assert got.columns == frame.columns
+    assert got["session_id"].to_list() == ["t1", "t1", "t2"] and sorted(set(got["reward"])) == [0.0, 1.0]
+    lone = frame.filter(pl.col("group_id") == "a")
+    assert delivery_pair(lone).height == 1  # nothing to pair: the whole frame
+
+
 def test_cells_and_shards():
     from polar_runtime.certify.commands import cells_of
     from polar_runtime.certify.runner import cell_name
