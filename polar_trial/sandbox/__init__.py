@@ -6,7 +6,8 @@ Backends, one module each behind ``base.Sandbox``:
   default. Host system read-only, only the spec's binds visible, own PID namespace, no network
   but the model proxy (relayed through a job-private Unix socket), cgroup limits where writable.
 * ``docker``: the same spec on a Docker daemon (``docker run --network none``), where one answers.
-* ``podman``: the docker backend on Podman (daemonless; rootless keeps the caller's uid).
+* ``podman``: the docker backend on Podman: as root on a store of Polar's own, each live trial in a
+  user namespace of its own (``--userns=auto``); rootless keeps the caller's uid.
 * ``apptainer``: ``apptainer exec --containall --net --network none`` (HPC clusters without Docker).
 * ``host``: NO isolation at all, the command runs on the host as the caller. It exists only to
   show what the sandbox prevents (the adversarial tests run against it and fail) and for

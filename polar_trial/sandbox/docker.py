@@ -28,8 +28,8 @@ a 5 GiB sparse file in 1 GiB chunks into /tmp was OOM-killed (tmpfs pages count 
 container's memory cap, 4 GiB there). Without root or a loop device: tmpfs and RLIMIT_FSIZE, said.
 
 Podman (``podman.py``) and Apptainer (``apptainer.py``) reuse this class: the same run, relay
-and report, their own command line. Not tested on this machine (no daemon, no podman or apptainer
-installed); their tests skip and say why.
+and report, their own command line. Podman is tested live (as root, Debian 12's 4.3.1); Apptainer
+is not installed here, its tests skip and say why.
 """
 
 from __future__ import annotations
