@@ -62,7 +62,7 @@ def get_sandbox(name: str = "auto") -> Sandbox:
         for cand in AUTO_ORDER:
             why = backend_class(cand).unavailable_reason()
             if why is None:
-                return backend_class(cand)()
+                return backend_class(cand).open()
             reasons.append(f"{cand}: {why}")
         raise SandboxUnavailable("no sandbox backend is usable here (" + "; ".join(reasons)
                                  + "); install bubblewrap (scripts/setup.sh does)")
@@ -70,7 +70,7 @@ def get_sandbox(name: str = "auto") -> Sandbox:
     why = cls.unavailable_reason()
     if why is not None:
         raise SandboxUnavailable(f"sandbox {cls.name!r} is unavailable: {why}")
-    return cls()
+    return cls.open()
 
 
 __all__ = ["Sandbox", "SandboxError", "SandboxResult", "SandboxSpec", "SandboxUnavailable",

@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from polar_trial.sandbox.base import SandboxError, SandboxSpec
+from polar_trial.sandbox.base import SandboxError, SandboxSpec, SandboxUnavailable
 from polar_trial.sandbox.docker import DockerSandbox
 from polar_trial.sandbox.podmanroot import CONTAINER_IDS, PodmanRootError, use_private_root
 
@@ -46,18 +46,24 @@ class PodmanSandbox(DockerSandbox):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        """As docker's, on the store this process's podman children use: as root with none named
-        in ``CONTAINERS_STORAGE_CONF``, Polar's own is made first (``use_private_root``), so that
-        neither this probe nor any run touches the host's /var/lib/containers."""
+        """As docker's, but as root with no store named in ``CONTAINERS_STORAGE_CONF`` only the CLI
+        is looked for: ``podman info`` would make the host's /var/lib/containers, and Polar's own
+        store is made by :meth:`open` (any failure said there)."""
         import shutil
 
-        if shutil.which(cls.runtime) is None:
-            return f"the {cls.runtime} CLI is not installed"
+        if os.geteuid() == 0 and not os.environ.get("CONTAINERS_STORAGE_CONF"):
+            return None if shutil.which(cls.runtime) else f"the {cls.runtime} CLI is not installed"
+        return super().unavailable_reason()
+
+    @classmethod
+    def open(cls) -> PodmanSandbox:
+        """The backend with this process's podman children on Polar's own store (as root, unless
+        the caller named one: ``use_private_root``)."""
         try:
             use_private_root()
         except PodmanRootError as e:
-            return str(e)
-        return super().unavailable_reason()
+            raise SandboxUnavailable(f"sandbox 'podman' is unavailable: {e}") from None
+        return cls()
 
     def argv(self, spec: SandboxSpec, private: Path, name: str, inner: list[str],
              report_dir: Path | None = None, host_binds: list[tuple[str, str]] = (),
