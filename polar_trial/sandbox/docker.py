@@ -222,6 +222,7 @@ class DockerSandbox(Sandbox):
             # kept until inspected (OOMKilled) and, for a build step, committed: the finally below removes it
             if "--rm" in cmd:  # apptainer's exec leaves no container
                 cmd.remove("--rm")
+            cmd = self.before_start(cmd, name, spec, private, report_dir, staged, notes)
             rc, timed_out, _, wall = supervise(cmd, env=None, cwd=None, stdout=stdout, stderr=stderr,
                                                timeout_s=spec.timeout_s)
             if commit_to and rc == 0 and not timed_out:
@@ -273,6 +274,13 @@ class DockerSandbox(Sandbox):
                 egress.close()
             shutil.rmtree(private, ignore_errors=True)
             shutil.rmtree(report_dir, ignore_errors=True)
+
+    def before_start(self, cmd: list[str], name: str, spec: SandboxSpec, private: Path, report_dir: Path,
+                     staged: dict[Path, Path], notes: list[str]) -> list[str]:
+        """The command that runs the phase's container (``cmd``, a ``run``), given the chance to
+        set it up first: podman creates it in a user namespace of its own and hands it what it
+        writes (``podman.py``). Here: ``cmd`` as it is."""
+        return cmd
 
     def image_ready(self, image: str) -> str | None:
         """Make sure ``image`` is on the daemon, standing one in where it is missing (once per

@@ -65,6 +65,31 @@ class PodmanSandbox(DockerSandbox):
             raise SandboxUnavailable(f"sandbox 'podman' is unavailable: {e}") from None
         return cls()
 
+    def before_start(self, cmd: list[str], name: str, spec: SandboxSpec, private: Path, report_dir: Path,
+                     staged: dict[Path, Path], notes: list[str]) -> list[str]:
+        """As root, a phase's container (a build step, a per-phase run) gets a user namespace of its
+        own as a live trial's does: created with ``--userns=auto``, what it writes (its writable
+        binds or their copies on the disk image, the report dir, a harness's HOME to copy in)
+        chowned to its root, its writes capped, then ``podman start -a`` runs it."""
+        if os.geteuid() != 0:
+            return cmd  # rootless: --userns keep-id (argv)
+        from polar_trial.sandbox.remap import chown_tree
+
+        i = cmd.index("run")
+        _podman("create", f"--userns=auto:size={CONTAINER_IDS}", *cmd[i + 1:])
+        owner = container_root(name)
+        os.chmod(private, 0o755)
+        os.chown(report_dir, owner, owner)
+        for host, _, writable in spec.mounts():
+            if writable and host.exists():
+                chown_tree(staged.get(host, host), owner)
+        if spec.home_copy is not None:
+            chown_tree(spec.home_copy, owner)
+        if spec.disk_mb:
+            notes.append(cap_writes(name, spec.disk_mb).replace("the environment's", "the container's"))
+        notes.append(f"user namespace: the container's root is host uid {owner} (podman --userns=auto)")
+        return [cmd[0], "start", "--attach", name]
+
     def argv(self, spec: SandboxSpec, private: Path, name: str, inner: list[str],
              report_dir: Path | None = None, host_binds: list[tuple[str, str]] = (),
              staged: dict[Path, Path] | None = None, tmp_dir: Path | None = None) -> list[str]:

@@ -21,11 +21,13 @@ pytestmark = pytest.mark.podman
 
 
 def test_a_podman_trial_keeps_the_oracles_server_for_the_verifier(tiny_image, tmp_path):
-    """The rollout on ``--sandbox podman`` (the task's image built on podman, then one live
-    environment): the oracle leaves a web server running (``setsid httpd``); the verifier, in PID
-    and mount namespaces of its own in the same environment, reaches it (per-phase containers
-    lost it: 0). On the busybox image: a 400 MB python stand-in took 2 x 9 s of ``podman import``
-    (the stand-in, then the flattened build) of the test's 31 s."""
+    """The rollout on ``--sandbox podman``: the task's image built on podman (a RUN step), then one
+    live environment. The oracle leaves a web server running (``setsid httpd``); the verifier, in
+    PID and mount namespaces of its own in the same environment, reaches it (per-phase containers
+    lost it: 0). The RUN step ran in a user namespace of its own (its uid_map, kept in the image,
+    maps 0 to podman's range; as the host's root it was ``0 0 4294967295``) and a file it chowned
+    to 1000 is 1000 in the built image (not a host uid). On the busybox image: a 400 MB python
+    stand-in took 2 x 9 s of ``podman import`` (the stand-in, then the flattened build) of 31 s."""
     from polar_runtime import rollout as r
     from polar_runtime.harnesses import Endpoint, get_preset
     from polar_trial.tasks import load_tasks
@@ -35,9 +37,16 @@ def test_a_podman_trial_keeps_the_oracles_server_for_the_verifier(tiny_image, tm
         setsid httpd -f -p 127.0.0.1:8000 -h /srv/www >/dev/null 2>&1 < /dev/null &
         for i in $(seq 50); do wget -Y off -q -O /dev/null http://127.0.0.1:8000/marker && break; sleep 0.1; done
         """, test="""
-        [ "$(wget -Y off -q -O - http://127.0.0.1:8000/marker)" = served ] \\
-          && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+        ok=1
+        [ "$(wget -Y off -q -O - http://127.0.0.1:8000/marker)" = served ] || { echo "FAILED: the oracle's server"; ok=0; }
+        set -- $(cat /made/uidmap)
+        [ "$1" = 0 ] && [ "$2" -ge 1600000000 ] || { echo "FAILED: the build step's uid_map: $*"; ok=0; }
+        [ "$(stat -c %u:%g /made/f)" = 1000:1000 ] || { echo "FAILED: /made/f is $(stat -c %u:%g /made/f)"; ok=0; }
+        echo $ok > /logs/verifier/reward.txt
         """, base=tiny_image)
+    (d / "environment" / "Dockerfile").write_text(
+        f"FROM {tiny_image}\nRUN mkdir /made && cat /proc/self/uid_map > /made/uidmap && echo x > /made/f "
+        "&& chown 1000:1000 /made/f\nWORKDIR /app\n")
     cfg = r.RolloutConfig(tasks=load_tasks(d, container="podman"), preset=get_preset("oracle"),
                           endpoint=Endpoint(mode="base_url", base_url="http://127.0.0.1:9"),
                           capture_dir=tmp_path / "cap", model="-", samples=1, concurrency=1, timeout=120,
