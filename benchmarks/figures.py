@@ -331,6 +331,17 @@ def docker(get: Reader):
     return value, get.committed(f, "2026-12-03 16:56", "2dcf79acc22c"), CPU_BOX
 
 
+@figure("A live trial on docker and on podman (the debian stand-in, storage cap on): its start, and one phase's "
+        "exec (medians of 5 rounds, interleaved)", command="`benchmarks/bench_trial_runtimes.py`", page="sandbox")
+def trial_runtimes(get: Reader):
+    f = "trial_runtimes.json"
+    value = (f"start {get(f, 'docker.start_s_median'):.2f} s docker, {get(f, 'podman.start_s_median'):.2f} s podman "
+             f"(podman's first trial in a store {get(f, 'podman.first_start_s'):.2f} s: a new id range's copy of the "
+             f"image); an agent phase's exec {get(f, 'docker.agent_exec_ms_median')} ms docker, "
+             f"{get(f, 'podman.agent_exec_ms_median')} ms podman")
+    return value, get(f, "date"), f"{CPU_BOX}, load {get(f, 'load_avg'):.1f}-{get(f, 'load_avg_end'):.1f}"
+
+
 @figure("Public Harbor tasks through `polar tasks check --sandbox docker` (oracle passes)",
         command="`benchmarks/bench_harbor_public_docker.py`", page="harbor-docker")
 def harbor_docker(get: Reader):
