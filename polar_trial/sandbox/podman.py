@@ -143,22 +143,22 @@ def cap_writes(name: str, cap_mb: int) -> str:
 
 
 def create_owned(args: list[str], name: str, disk_mb: int | None, notes: list[str],
-                 own: Callable[[int], None]) -> int:
+                 own: Callable[[int], None], what: str = "the environment", userns: str | None = None) -> int:
     """A live trial's container from its ``run -d`` arguments: created in a user namespace of its
     own (``--userns=auto``), ``own(host uid of its root)`` called (the trial chowns what the
     container writes), its writes capped at ``disk_mb``, then started. Returns that uid; the
     container is removed again if any step fails."""
     if args[:2] != ["run", "-d"]:
         raise ValueError(f"expected `run -d ...`, got {args[:2]}")
-    _podman("create", f"--userns=auto:size={CONTAINER_IDS}", *args[2:])
+    _podman("create", f"--userns={userns or f'auto:size={CONTAINER_IDS}'}", *args[2:])
     try:
         owner = container_root(name)
         own(owner)
         if disk_mb:
-            notes.append(cap_writes(name, disk_mb))
+            notes.append(cap_writes(name, disk_mb).replace("the environment", what))
         _podman("start", name)
     except BaseException:
         subprocess.run(["podman", "rm", "-f", "-v", name], capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
         raise
-    notes.append(f"user namespace: the environment's root is host uid {owner} (podman --userns=auto)")
+    notes.append(f"user namespace: {what}'s root is host uid {owner} (podman --userns={userns or 'auto'})")
     return owner

@@ -25,6 +25,9 @@ What Debian 12's podman 4.3.1 does here (measured 2026-12-07, kernel 6.18, cgrou
   larger nproc; without CAP_SYS_RESOURCE (this machine's root lacks it) runc then fails:
   "setrlimit `RLIMIT_NPROC`: Operation not permitted". So ``default_ulimits`` are the caller's
   hard nofile and min(its hard nproc, 32768).
+* ``rm -f`` stops a container with SIGTERM and waits ``stop_timeout`` (10 s) before SIGKILL: a
+  service whose PID 1 ignores SIGTERM (busybox httpd) took 10.3 s to remove. ``stop_timeout = 0``
+  kills at once, as docker's ``rm -f`` does.
 * ``podman run --storage-opt size=`` is taken as a *global* driver option by 4.3 and the btrfs
   driver refuses it ("Error: unknown option size"); ``btrfs.size`` neither exists. The cap is
   put on from the host instead (``podman.cap_writes``): ``btrfs qgroup limit`` on the
@@ -123,6 +126,7 @@ class PodmanRoot:
                       'to 287 MiB\nlog_driver = "none"\n'
                       f"default_ulimits = [{limits}]\n"
                       f'[engine]\nruntime = "{RUNTIME}"\nevents_logger = "none"\ncgroup_manager = "cgroupfs"\n'
+                      "stop_timeout = 0\n"
                       f'tmp_dir = "{self.run_dir / "libpod"}"\n')
         return storage, containers
 

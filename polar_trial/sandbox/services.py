@@ -11,10 +11,13 @@ its loopback and the relays.
 Each service runs through the same hardened path as the main container: every capability dropped
 but the package manager's set (Docker's default, as Harbor's containers have: a database's
 entrypoint chowns its data dir and drops to its own user), no new privileges, the daemon's user
-namespace remap, no container log kept, the trial's pids/memory/cpu limits (per service: each
-is a container of its own), the trial's storage cap on its writable layer where the daemon caps
-one (``quotaroot.py``), a tmpfs /tmp. Its image is resolved by the caller (``image_of``:
-present, pulled where a registry answers, a stand-in, or the task is unreachable here, naming it).
+namespace remap (podman: the main container's user namespace, ``--userns=container:<main>``:
+one of its own failed to mount /sys in main's network namespace, "mount sysfs:/sys ...: operation
+not permitted"), no container log kept, the trial's pids/memory/cpu limits (per service: each is
+a container of its own), the trial's storage cap on its writable layer where the daemon caps one
+(``quotaroot.py``; podman: a quota limit set from the host, ``podman.cap_writes``), a tmpfs /tmp.
+Its image is resolved by the caller (``image_of``: present, pulled where a registry answers, a
+stand-in, or the task is unreachable here, naming it).
 
 Compose's start order: a service starts once what it ``depends_on`` has started, is healthy
 (``service_healthy``: its healthcheck passed) or has exited 0 (``service_completed_successfully``);
@@ -91,8 +94,15 @@ class Services:
             image, said = self.image_of(svc)
             if said:
                 self.notes.append(f"service {svc.name}: {said}")
-            self._docker(*self.run_args(svc, main, image))
-            self.containers[svc.name] = f"{main}-{svc.name}"
+            args, name = self.run_args(svc, main, image), f"{main}-{svc.name}"
+            if self.runtime == "podman":  # main's user namespace (below) and its writes capped, as main's
+                from polar_trial.sandbox.podman import create_owned
+
+                create_owned(args, name, self.disk_mb, self.notes, own=lambda _owner: None,
+                             what=f"service {svc.name}", userns=f"container:{main}")
+            else:
+                self._docker(*args)
+            self.containers[svc.name] = name
             self.notes.append(f"service {svc.name} ({image}) started in the main container's network namespace "
                               f"({svc.name} -> 127.0.0.1)")
 

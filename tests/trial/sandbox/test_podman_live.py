@@ -20,18 +20,43 @@ from polar_trial.sandbox import SandboxSpec
 pytestmark = pytest.mark.podman
 
 
-def test_a_podman_trial_keeps_the_oracles_server_for_the_verifier(tiny_image, tmp_path):
-    """The rollout on ``--sandbox podman``: the task's image built on podman (a RUN step), then one
-    live environment. The oracle leaves a web server running (``setsid httpd``); the verifier, in
-    PID and mount namespaces of its own in the same environment, reaches it (per-phase containers
-    lost it: 0). The RUN step ran in a user namespace of its own (its uid_map, kept in the image,
-    maps 0 to podman's range; as the host's root it was ``0 0 4294967295``) and a file it chowned
-    to 1000 is 1000 in the built image (not a host uid). On the busybox image: a 400 MB python
-    stand-in took 2 x 9 s of ``podman import`` (the stand-in, then the flattened build) of 31 s."""
+def test_a_podman_trial_built_with_a_service_keeps_the_oracles_server_for_the_verifier(tiny_image, tmp_path,
+                                                                                      monkeypatch):
+    """One rollout on ``--sandbox podman`` (a task with a RUN step and a compose service; the
+    checks share it, as the docker live tests share theirs, to keep CI short):
+
+    - the image is built on podman in a user namespace: the RUN step's uid_map, kept in the image,
+      maps 0 to podman's range (as the host's root it read ``0 0 4294967295``), and a file it
+      chowned to 1000 is 1000 in the image, not a host uid;
+    - ``web`` (busybox's httpd on 127.0.0.1:8080) joins the main container's network and user
+      namespaces (one of its own cannot mount /sys in main's network namespace: "mount sysfs:/sys
+      ...: operation not permitted"); main waits for its healthcheck; the verifier reaches it as
+      http://web:8080; from the host, before it is removed, its processes map 0 to the trial's
+      range, not to the host's root, and it keeps no log;
+    - the oracle leaves a web server running (``setsid httpd``); the verifier, in PID and mount
+      namespaces of its own in the same environment, reaches it (per-phase containers lost it).
+
+    On the busybox image: a 400 MB python stand-in took 2 x 9 s of ``podman import`` (the
+    stand-in, then the flattened build)."""
+    import json
+    import textwrap
+
     from polar_runtime import rollout as r
     from polar_runtime.harnesses import Endpoint, get_preset
+    from polar_trial.sandbox.podmanroot import AUTO_BASE
+    from polar_trial.sandbox.services import Services
     from polar_trial.tasks import load_tasks
 
+    seen: list[tuple[str, dict]] = []
+    real_stop = Services.stop
+
+    def inspect_then_stop(self):
+        for c in self.containers.values():
+            info = json.loads(subprocess.run(["podman", "inspect", c], capture_output=True, text=True).stdout)[0]
+            seen.append((Path(f"/proc/{info['State']['Pid']}/uid_map").read_text(), info))
+        real_stop(self)
+
+    monkeypatch.setattr(Services, "stop", inspect_then_stop)
     d = harbor_task(tmp_path, "leaves", solve="""
         mkdir -p /srv/www && echo served > /srv/www/marker
         setsid httpd -f -p 127.0.0.1:8000 -h /srv/www >/dev/null 2>&1 < /dev/null &
@@ -39,6 +64,7 @@ def test_a_podman_trial_keeps_the_oracles_server_for_the_verifier(tiny_image, tm
         """, test="""
         ok=1
         [ "$(wget -Y off -q -O - http://127.0.0.1:8000/marker)" = served ] || { echo "FAILED: the oracle's server"; ok=0; }
+        wget -Y off -q -O - http://web:8080/passwd | grep -q '^root:' || { echo "FAILED: the service web"; ok=0; }
         set -- $(cat /made/uidmap)
         [ "$1" = 0 ] && [ "$2" -ge 1600000000 ] || { echo "FAILED: the build step's uid_map: $*"; ok=0; }
         [ "$(stat -c %u:%g /made/f)" = 1000:1000 ] || { echo "FAILED: /made/f is $(stat -c %u:%g /made/f)"; ok=0; }
@@ -47,14 +73,33 @@ def test_a_podman_trial_keeps_the_oracles_server_for_the_verifier(tiny_image, tm
     (d / "environment" / "Dockerfile").write_text(
         f"FROM {tiny_image}\nRUN mkdir /made && cat /proc/self/uid_map > /made/uidmap && echo x > /made/f "
         "&& chown 1000:1000 /made/f\nWORKDIR /app\n")
+    (d / "environment" / "docker-compose.yaml").write_text(textwrap.dedent(f"""
+        services:
+          main:
+            depends_on:
+              web: {{condition: service_healthy}}
+          web:
+            image: {tiny_image}
+            command: ["httpd", "-f", "-p", "127.0.0.1:8080", "-h", "/etc"]
+            healthcheck:
+              test: ["CMD", "wget", "-Y", "off", "-q", "-O", "/dev/null", "http://127.0.0.1:8080/passwd"]
+              interval: 1s
+              retries: 30
+        """))
     cfg = r.RolloutConfig(tasks=load_tasks(d, container="podman"), preset=get_preset("oracle"),
                           endpoint=Endpoint(mode="base_url", base_url="http://127.0.0.1:9"),
                           capture_dir=tmp_path / "cap", model="-", samples=1, concurrency=1, timeout=120,
                           settle_s=0.0, sandbox="podman", work_root=tmp_path / "work")
-    rows = list(r.run_rollout(cfg).iter_rows(named=True))
-    assert rows[0]["reward"] == 1.0, why(rows)
-    notes = rows[0]["sandbox_notes"]
+    (row,) = r.run_rollout(cfg).iter_rows(named=True)
+    assert row["reward"] == 1.0, why([row])
+    notes = row["sandbox_notes"]
     assert "live trial" in notes and "podman --userns=auto" in notes, notes
+    (uid_map, info), = seen
+    inside, outside, count = uid_map.split()
+    assert (inside, count) == ("0", "65536") and int(outside) >= AUTO_BASE, uid_map
+    assert f"user namespace: the environment's root is host uid {outside} " in notes, (outside, notes)
+    hc = info["HostConfig"]
+    assert hc["NetworkMode"].startswith("container:") and hc["LogConfig"]["Type"] == "none", hc
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +207,4 @@ def _host_pid_of(cmdline: str) -> int:
         except OSError:
             continue
     raise AssertionError(f"no process {cmdline!r} on the host")
+
