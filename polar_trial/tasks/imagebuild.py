@@ -322,18 +322,51 @@ def image_changes(base: str, runtime: str = "docker") -> list[str]:
 
 def flatten(runtime: str, cid: str, tag: str, changes: list[str]) -> None:
     """``docker export`` of the container piped into ``docker import`` with ``changes``: one layer,
-    and a config that is exactly the base's plus the Dockerfile's."""
+    and a config that is exactly the base's plus the Dockerfile's. The stream is given an entry for
+    ``/`` itself first (0755, root's), which the export leaves out: podman 4.3's import then made
+    ``/`` 0555 (measured), where a root without capabilities (an agent denied them) could not make
+    a directory as it can under docker."""
+    import shutil
+
     exp = subprocess.Popen([runtime, "export", cid], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            stdin=subprocess.DEVNULL)
-    try:
-        imp = subprocess.run([runtime, "import", *(a for c in changes for a in ("--change", c)), "-", tag],
-                             stdin=exp.stdout, capture_output=True, text=True, timeout=600)
-    finally:
-        exp.stdout.close()  # type: ignore[union-attr]
-        exp_err = exp.stderr.read().decode(errors="replace")  # type: ignore[union-attr]
-        exp.wait(timeout=60)
+    with tempfile.TemporaryFile() as imp_err:
+        imp = subprocess.Popen([runtime, "import", *(a for c in changes for a in ("--change", c)), "-", tag],
+                               stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=imp_err)
+
+        def feed() -> None:
+            try:
+                imp.stdin.write(_root_entry())  # type: ignore[union-attr]
+                shutil.copyfileobj(exp.stdout, imp.stdin, 1 << 20)  # type: ignore[arg-type]
+            except (BrokenPipeError, ValueError):
+                pass  # import stopped reading: its error is said below
+            finally:
+                with contextlib.suppress(OSError):
+                    imp.stdin.close()  # type: ignore[union-attr]
+
+        feeder = threading.Thread(target=feed, name="flatten", daemon=True)
+        feeder.start()
+        try:
+            imp.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            imp.kill()
+            imp.wait()
+        finally:
+            exp.stdout.close()  # type: ignore[union-attr]
+            exp_err = exp.stderr.read().decode(errors="replace")  # type: ignore[union-attr]
+            exp.wait(timeout=60)
+            feeder.join(60)
+        imp_err.seek(0)
+        err = imp_err.read().decode(errors="replace")
     if exp.returncode != 0 or imp.returncode != 0:
-        raise RuntimeError(f"export/import into {tag} failed: {(exp_err + imp.stderr).strip()[-600:]}")
+        raise RuntimeError(f"export/import into {tag} failed: {(exp_err + err).strip()[-600:]}")
+
+
+def _root_entry() -> bytes:
+    """A tar header for ``./``: a directory, 0755, uid and gid 0."""
+    info = tarfile.TarInfo("./")
+    info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, int(time.time())
+    return info.tobuf(format=tarfile.PAX_FORMAT)
 
 
 def tar_into(runtime: str, cid: str, trees: list[tuple[Path, str]]) -> None:

@@ -27,7 +27,8 @@ def test_a_podman_trial_built_with_a_service_keeps_the_oracles_server_for_the_ve
 
     - the image is built on podman in a user namespace: the RUN step's uid_map, kept in the image,
       maps 0 to podman's range (as the host's root it read ``0 0 4294967295``), and a file it
-      chowned to 1000 is 1000 in the image, not a host uid;
+      chowned to 1000 is 1000 in the image, not a host uid; ``/`` is 0755 in it (podman's import
+      of the flattened build made it 0555);
     - ``web`` (busybox's httpd on 127.0.0.1:8080) joins the main container's network and user
       namespaces (one of its own cannot mount /sys in main's network namespace: "mount sysfs:/sys
       ...: operation not permitted"); main waits for its healthcheck; the verifier reaches it as
@@ -68,6 +69,7 @@ def test_a_podman_trial_built_with_a_service_keeps_the_oracles_server_for_the_ve
         set -- $(cat /made/uidmap)
         [ "$1" = 0 ] && [ "$2" -ge 1600000000 ] || { echo "FAILED: the build step's uid_map: $*"; ok=0; }
         [ "$(stat -c %u:%g /made/f)" = 1000:1000 ] || { echo "FAILED: /made/f is $(stat -c %u:%g /made/f)"; ok=0; }
+        [ "$(stat -c %a /)" = 755 ] || { echo "FAILED: / is $(stat -c %a /)"; ok=0; }
         echo $ok > /logs/verifier/reward.txt
         """, base=tiny_image)
     (d / "environment" / "Dockerfile").write_text(
