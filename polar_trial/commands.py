@@ -8,6 +8,14 @@
     polar docker stand-in IMAGE...     build a local stand-in for a base image no registry serves
 
 The daemon lives in ``$POLAR_HOME/dockerd`` by default (``sandbox/dockerd.py``; docs/sandbox.md).
+
+``polar podman``: podman's store of Polar's own (``sandbox/podmanroot.py``), which ``--sandbox
+podman`` makes and mounts in ``$POLAR_HOME/podman`` as root and leaves mounted for the next run:
+
+    polar podman status [--dir D]      mounted or not, and its containers
+    eval "$(polar podman env)"         point the podman CLI at it
+    polar podman stop   [--dir D]      remove its containers and unmount it (its loop device freed)
+
 Wired into ``polar`` by ``polar_runtime/cli.py``, as the other areas' ``commands.py``.
 """
 
@@ -94,5 +102,47 @@ def standin_command(images: Annotated[list[str], typer.Argument(help="Base image
         raise typer.Exit(1)
 
 
+podman_app = typer.Typer(no_args_is_help=True, help="Podman's store of Polar's own (status, env, stop).")
+PodmanDirOpt = Annotated[Optional[Path], typer.Option("--dir", help="The store's directory (default $POLAR_HOME/podman).")]
+
+
+def _store(dir: Path | None):
+    from polar_trial.sandbox.podmanroot import PodmanRoot, default_root
+
+    return PodmanRoot(dir or default_root())
+
+
+@podman_app.command("status")
+def podman_status_command(dir: PodmanDirOpt = None) -> None:
+    """Whether the store is mounted, and the containers in it (exit 1 when it is not mounted)."""
+    import subprocess
+
+    s = _store(dir)
+    if not s.mounted():
+        console.print(f"podman store of {s.root}: not mounted", markup=False)
+        raise typer.Exit(1)
+    r = subprocess.run(["podman", "ps", "-a", "--format", "{{.Names}} {{.Status}}"], capture_output=True, text=True,
+                       env=dict(os.environ, **s.env()), stdin=subprocess.DEVNULL, timeout=60)
+    names = r.stdout.split("\n") if r.returncode == 0 else []
+    console.print(f"podman store of {s.root}: mounted at {s.root / 'data'}, "
+                  f"{len([n for n in names if n])} container(s)", markup=False)
+
+
+@podman_app.command("env")
+def podman_env_command(dir: PodmanDirOpt = None) -> None:
+    """``export CONTAINERS_STORAGE_CONF=... CONTAINERS_CONF=...`` for a shell's eval."""
+    print("export " + " ".join(f"{k}={v}" for k, v in _store(dir).env().items()))
+
+
+@podman_app.command("stop")
+def podman_stop_command(dir: PodmanDirOpt = None) -> None:
+    """Remove the store's containers and unmount it (the next ``--sandbox podman`` mounts it again)."""
+    s = _store(dir)
+    was = s.mounted()
+    s.stop()
+    console.print(f"podman store of {s.root}: " + ("unmounted" if was else "was not mounted"), markup=False)
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(docker_app, name="docker")
+    app.add_typer(podman_app, name="podman")

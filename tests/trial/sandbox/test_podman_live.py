@@ -210,3 +210,25 @@ def _host_pid_of(cmdline: str) -> int:
             continue
     raise AssertionError(f"no process {cmdline!r} on the host")
 
+
+
+def test_polar_podman_stop_unmounts_a_store_and_frees_its_loop_device(podman_store, tmp_path):
+    """``--sandbox podman`` leaves its store mounted for the next run (a loop device of the
+    machine's 8); ``polar podman stop`` removes its containers and unmounts it."""
+    from typer.testing import CliRunner
+
+    from polar_trial.commands import podman_app
+    from polar_trial.sandbox.podmanroot import PodmanRoot
+
+    store = PodmanRoot(tmp_path / "s", data_quota_gb=1)
+    store.start(install=False)
+    image = str(store.root / "data.img")
+    assert any(image in line for line in subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout.splitlines())
+    cli = CliRunner()
+    status = cli.invoke(podman_app, ["status", "--dir", str(store.root)])
+    assert status.exit_code == 0 and "mounted at" in status.output and "0 container(s)" in status.output, status.output
+    assert f"CONTAINERS_STORAGE_CONF={store.storage_conf}" in cli.invoke(podman_app, ["env", "--dir", str(store.root)]).output
+    stop = cli.invoke(podman_app, ["stop", "--dir", str(store.root)])
+    assert stop.exit_code == 0 and "unmounted" in stop.output, stop.output
+    assert not store.mounted() and cli.invoke(podman_app, ["status", "--dir", str(store.root)]).exit_code == 1
+    assert not any(image in line for line in subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout.splitlines())
