@@ -146,10 +146,12 @@ def test_the_environments_root_is_not_the_hosts_seen_from_the_host(tiny_image, t
     podman's range (their /proc uid_map maps 0 there), a different one per trial; a file their
     root makes in the work dir is owned by that uid on the host; a host file readable only by the
     host's root, bound in read-only, cannot be read by the container's root for all its
-    DAC_OVERRIDE (with the container's root the host's it is read: the attack). No container log."""
+    DAC_OVERRIDE (with the container's root the host's it is read: the attack). The agent holds the
+    package manager's capabilities only (bounding and effective), no new privileges, a seccomp
+    filter. No container log."""
     from polar_trial.sandbox.podman import PodmanSandbox
     from polar_trial.sandbox.podmanroot import AUTO_BASE, AUTO_COUNT
-    from polar_trial.sandbox.trial import LiveTrial, TrialConfig
+    from polar_trial.sandbox.trial import PACKAGE_CAPS, LiveTrial, TrialConfig
 
     secret = tmp_path / "secret"
     secret.write_text("host root only\n")
@@ -166,7 +168,12 @@ def test_the_environments_root_is_not_the_hosts_seen_from_the_host(tiny_image, t
             src = trial._workdir_src or work
             assert not (src / "read").read_text() and "Permission denied" in (src / "err").read_text()
             pid = _host_pid_of(f"sleep\x0042{i}")
-            host_uid = int(Path(f"/proc/{pid}/status").read_text().split("\nUid:\t")[1].split()[0])
+            status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                          if ":\t" in line)
+            host_uid = int(status["Uid"].split()[0])
+            caps = sum(1 << c for c in PACKAGE_CAPS.values())  # the package manager's, no SYS_ADMIN
+            assert int(status["CapEff"], 16) == int(status["CapBnd"], 16) == caps, status
+            assert status["NoNewPrivs"].strip() == "1" and status["Seccomp"].strip() == "2", status
             assert (src / "uid").read_text() == "0\n" and os.stat(src / "uid").st_uid == host_uid
             inside, outside, count = Path(f"/proc/{pid}/uid_map").read_text().split()
             assert (inside, count) == ("0", "65536") and int(outside) == host_uid == trial.owner, (host_uid, trial.owner)
