@@ -11,11 +11,14 @@ once the container exists, so the trial's container is made in three steps (:fun
 ``podman create``; the dirs it writes chowned to its root (``remap.chown_tree``, as for a
 remapping dockerd) and its writes capped (:func:`cap_writes`); ``podman start``.
 
+Per-phase containers (a task image's RUN steps, per-phase runs) are made the same way
+(:meth:`PodmanSandbox.before_start`), and a compose service joins its trial's user namespace
+(``services.py``: one of its own cannot mount /sys in the trial's network namespace).
+
 Differences from docker that matter here: ``podman info`` has no ``.ServerVersion`` (the check asks
 for ``.Version.Version``); rootless Podman maps the caller to root inside the user namespace, so
-``--userns keep-id`` keeps the caller's uid and the bound work dir and HOME stay writable by it.
-Per-phase runs (image build steps) run without a user namespace of their own as root: the
-container's root is the host's, all capabilities dropped but the build's (docs/sandbox.md).
+``--userns keep-id`` keeps the caller's uid and the bound work dir and HOME stay writable by it
+(rootless is not tested here: our machines run as root).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class PodmanSandbox(DockerSandbox):
         """As root, a phase's container (a build step, a per-phase run) gets a user namespace of its
         own as a live trial's does: created with ``--userns=auto``, what it writes (its writable
         binds or their copies on the disk image, the report dir, a harness's HOME to copy in)
-        chowned to its root, its writes capped, then ``podman start -a`` runs it."""
+        chowned to its root, its writes capped, then ``podman start --attach`` runs it."""
         if os.geteuid() != 0:
             return cmd  # rootless: --userns keep-id (argv)
         from polar_trial.sandbox.remap import chown_tree
