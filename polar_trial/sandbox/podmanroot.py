@@ -7,9 +7,10 @@ a store under a directory of its own (default ``$POLAR_HOME/podman``)::
 
     <root>/data.img, data/  the graph root on a loop-mounted btrfs with simple quotas
                             (``quotaroot.py``, the same as the private dockerd's data root)
-    <root>/storage.conf     driver btrfs, graphroot data/storage, runroot run/, the auto
-                            user-namespace range's user
+    <root>/storage.conf     driver btrfs, graphroot data/storage, the auto user-namespace
+                            range's user
     <root>/containers.conf  runtime runc, no container log, no event log, the ulimits below
+    /run/polar/podman-<hash of root>/   runroot and libpod's tmp dir (conmon's sockets: short)
 
 and every ``podman`` child of this process finds it through ``CONTAINERS_STORAGE_CONF`` and
 ``CONTAINERS_CONF`` (:meth:`PodmanRoot.env`; ``use`` sets them in ``os.environ``), as every docker
