@@ -34,7 +34,7 @@ PANELS: dict[str, tuple[str, ...]] = {
     "Check": ("certify", "tasks"),
     "Inspect": ("view", "calls", "inspect", "align", "drift", "trajectories", "flows", "captures"),
     "Train": ("train",),
-    "Set up": ("models", "harness", "docker", "serve", "proxy", "version"),
+    "Set up": ("models", "harness", "docker", "podman", "serve", "proxy", "version"),
     "Scale": ("slurm", "cluster"),
 }
 #: command name -> (panel, its place in the help).
