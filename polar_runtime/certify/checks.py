@@ -288,7 +288,8 @@ def check_exact_history(ev: Evidence) -> CheckResult:
 def check_mask(ev: Evidence) -> CheckResult:
     """In every training sequence the ids under the loss mask are exactly the sampled ids of its
     calls, in call order (none dropped, none duplicated), with the captured logprobs; nothing else is
-    under the mask; and every usable call of the run is trained in exactly one sequence."""
+    under the mask; and every usable call of the run is trained in exactly one sequence (a harness's
+    side call in none: the capture check fails one that is trained)."""
     import numpy as np
 
     if ev.trajectories is None:
@@ -329,8 +330,11 @@ def check_mask(ev: Evidence) -> CheckResult:
             continue
         if not np.allclose(lps[mask == 1], np.asarray(want_lps, dtype=np.float64), rtol=0, atol=1e-9):
             failures.append(f"{tid}: behaviour logprobs under the mask are not the captured ones")
-    for r in ev.records:
-        if _usable(r) and seen.get(r["call_id"], 0) != 1:
+    from polar_core.compaction import side_call_of
+
+    for r in ev.records:  # a harness's side call is kept out by the builder (the capture check's rule)
+        if _usable(r) and seen.get(r["call_id"], 0) != 1 and not (seen.get(r["call_id"], 0) == 0
+                                                                 and side_call_of(_messages(r))):
             failures.append(f"{_label(r)}: trained in {seen.get(r['call_id'], 0)} sequences (exactly one expected)")
     measured = f"{tokens} sampled tokens in {ev.trajectories.height} sequences, {len(failures)} misplaced"
     return judge("mask", tokens, failures, measured, value=float(len(failures)))

@@ -127,6 +127,26 @@ def test_an_off_by_one_mask_fails_the_mask_check(clean, qwen05_dir):
     assert r.details[0].startswith(traj["trajectory_id"][row]) and "first difference at masked token 0" in r.details[0]
 
 
+def test_a_harness_side_call_is_not_required_in_a_training_sequence(tmp_path, qwen05_dir):
+    """A harness's own side call (OpenCode's title call) is kept out of training by the builder
+    (polar_core.compaction.HARNESS_SIDE_CALLS), so the mask check must not ask for it (opencode x
+    tiny-r1 FAILed mask on its six title calls); a usable model call left out still fails."""
+    def as_title_call(sessions):
+        rec = sessions["hello-file.st0.s0"][-1]
+        rec["normalized_request"]["messages"] = [
+            {"role": "system", "content": "You are a title generator. You output ONLY a thread title."},
+            {"role": "user", "content": "Generate a title for this conversation."}]
+
+    out = _copy_run(tmp_path, as_title_call)
+    traj = _build(out, qwen05_dir)
+    r = C.check_mask(_evidence(out, qwen05_dir, traj))
+    print(r.measured, r.details)
+    assert r.state == "PASS", r.details
+    dropped = traj.filter(pl.col("trajectory_id") != traj["trajectory_id"][0])
+    r = C.check_mask(_evidence(out, qwen05_dir, dropped))
+    assert r.state == "FAIL" and any("trained in 0 sequences" in d for d in r.details)
+
+
 def test_a_temperature_the_trainer_does_not_apply_fails_sampling(clean, qwen05_dir):
     """The trajectory trains a sequence at another temperature than its calls were sampled at."""
     out, traj = clean
