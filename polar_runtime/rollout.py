@@ -53,6 +53,9 @@ ROLLOUTS_SUBDIR = "rollouts"
 ROLLOUTS_FILE = "rollouts.parquet"
 
 STATUSES = ("ok", "failed", "timeout")
+#: After an interruption, how long run_rollout waits for its workers to return once their processes
+#: are killed (they return within about a second: kill_group's grace); past it, it re-raises anyway.
+STOP_WAIT_S = 30.0
 
 #: rollouts.parquet columns (the first twelve are the contract; the rest are for debugging).
 ROLLOUT_SCHEMA: dict[str, pl.DataType] = {
@@ -711,11 +714,17 @@ def run_rollout(
         on_start(len(todo), len(done))
     registry = SessionRegistry(control)
     stop = threading.Event()
+    # Every process a sample starts is tracked in this scope, so an interruption kills what runs
+    # *and* what a worker starts afterwards: a snapshot of the running harnesses alone missed a
+    # sample still preparing its sandbox, which then ran its harness to --timeout (600 s) while the
+    # main thread waited for it; SIGTERM hung in 3 of 6 tries sent as the first harness started.
+    scope = cancel.CancelScope("rollout")
 
     def one(job: Job) -> dict[str, Any] | None:
         if stop.is_set():
             return None
-        row = run_sample(cfg, job, registry)
+        with cancel.bound(scope):
+            row = run_sample(cfg, job, registry)
         if stop.is_set():  # killed by an interruption: not a result, so a re-run runs it again
             return None
         store.put(sample_key(job.task.id, cfg.step, job.sample), row)
@@ -723,8 +732,11 @@ def run_rollout(
         return row
 
     pool = cf.ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="rollout")
+    futures: list[cf.Future] = []
     try:
-        pending = {pool.submit(one, j) for j in todo}
+        for j in todo:
+            futures.append(pool.submit(one, j))
+        pending = set(futures)
         while pending:
             # Short waits: SIGINT may land on a worker or library thread, and Python only runs the
             # handler when the main thread wakes up.
@@ -736,11 +748,14 @@ def run_rollout(
     except BaseException:  # Ctrl-C (or a bug): stop the harnesses now, keep what finished
         stop.set()
         pool.shutdown(wait=False, cancel_futures=True)
+        scope.cancel(grace=1.0)  # kills what runs; whatever a worker starts from now on dies at once
         terminate_all()
         from polar_trial import terminate_sandboxed
 
         terminate_sandboxed()
-        pool.shutdown(wait=True)
+        # A bounded wait: a worker stuck in something no scope tracks must not hold the interruption
+        # up; the caller's stop_all_children then kills this process's children, which frees it.
+        cf.wait(futures, timeout=STOP_WAIT_S)
         store.write_parquet()
         raise
     pool.shutdown(wait=True)

@@ -259,6 +259,37 @@ def test_interrupt_kills_running_harnesses_and_keeps_finished_results(tmp_path):
     assert [j.task.id for j in todo] == ["long"] and len(done) == 1
 
 
+def test_interrupt_kills_a_harness_that_starts_after_it(tmp_path, monkeypatch):
+    """A sample still preparing when the interruption comes starts its harness only afterwards: it
+    must die at once too. Before, the stop killed a snapshot of the running harnesses, this one ran
+    on (to --timeout) and the main thread waited for it: SIGTERM to `polar rollout` hung past 60 s."""
+    import threading
+
+    cfg = make_cfg(tmp_path, [r.Task("late", "please sleep", evaluator="true")], samples=1, timeout=60)
+    interrupted = threading.Event()
+    real_terminate, real_run_sample = r.terminate_all, r.run_sample
+
+    def terminate_all() -> int:  # the interruption's stop has run
+        n = real_terminate()
+        interrupted.set()
+        return n
+
+    def run_sample(*args, **kw):  # preparing until after the interruption, then the harness starts
+        assert interrupted.wait(30)
+        return real_run_sample(*args, **kw)
+
+    monkeypatch.setattr(r, "terminate_all", terminate_all)
+    monkeypatch.setattr(r, "run_sample", run_sample)
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        r.run_rollout(cfg)
+    took = time.monotonic() - t0
+    assert took < 20, f"run_rollout returned {took:.0f} s after the interruption: the late harness ran on"
+    assert not (cfg.capture_dir / "rollouts.parquet").exists() or pl.read_parquet(
+        cfg.capture_dir / "rollouts.parquet").is_empty()
+
+
 @pytest.mark.parametrize("name", ["coding", "followups"])
 def test_builtin_tasks_pass_the_oracle_and_nop_check(name, tmp_path):
     """Every built-in task can give both verdicts, in the sandbox an agent gets: reward 1 after its
