@@ -9,8 +9,9 @@ prompt itself opened a think block, or after a ``<think>`` the model wrote first
 still turn out to be reasoning is never sent as answer. Answer text is forwarded while it cannot be
 part of a tool call or markup; the rest is held back and the whole answer is derendered once at
 the end, whose remaining reasoning, content and tool calls close the stream. Should the parser
-disagree with what was already streamed, the answer is still sent whole and the call is not
-offered for splicing (the harness holds other text than its ids).
+disagree with what was already streamed, a field nothing was streamed of is sent whole, a field
+already streamed gets the rest of the engine's own text (never the derendered text again after
+it), and the call is not offered for splicing (the harness holds other text than its ids).
 """
 
 from __future__ import annotations
@@ -273,19 +274,21 @@ class _Ctx:
             tail: list[bytes] = []
             delta = {}
             differs = []
+            engine = dict(zip(("reasoning", "content"), stream_view(text, opened=opened, tools=tools, complete=True)))
             for key, done in (("reasoning", sent_r), ("content", sent_c)):
                 rest, same = _rest(message.get(key) or (message.get("reasoning_content") if key == "reasoning" else "")
-                                   or "", done)
+                                   or "", done, engine[key])
                 if rest:
                     delta[key] = rest
                 if not same:
                     differs.append(key)
             if differs:
-                # the answer still goes out whole; the record keeps what was sent, and these ids
-                # are not offered for splicing since the harness holds other text
+                # the harness holds the engine's text for that field (what vLLM's own stream sends),
+                # never the derendered text again after it; the record keeps what was sent, and these
+                # ids are not offered for splicing since the harness holds other text
                 self.rec.translation_notes.append(
                     f"exact history: streamed {' and '.join(differs)} differs from the derendered answer; "
-                    "sent whole, not spliced later")
+                    "the engine's text delivered, not spliced later")
                 p = self.owner.pending.get(self.rec.call_id)
                 if p is not None:
                     p.delivered_differs = True
@@ -317,13 +320,14 @@ class _Ctx:
         finally:
             resp.close()
 
-def stream_view(text: str, *, opened: bool, tools: bool) -> tuple[str, str]:
+def stream_view(text: str, *, opened: bool, tools: bool, complete: bool = False) -> tuple[str, str]:
     """(reasoning, content) of the engine's text so far that may be streamed now. Each grows only by
     appending as text arrives; what might still change role (text that may be reasoning, a marker
     or tool call beginning, whitespace a parser may strip) is held back. ``opened``: the prompt
-    ended inside a think block, so the text is reasoning until ``</think>``."""
+    ended inside a think block, so the text is reasoning until ``</think>``. ``complete``: the
+    engine's text is all there is, so a tail that could have begun a marker is not held."""
     lead = text.lstrip()
-    if THINK_OPEN.startswith(lead):
+    if THINK_OPEN.startswith(lead) and not (complete and lead):
         return "", ""  # nothing yet, or the start of "<think>": may become reasoning
     if lead.startswith(THINK_OPEN):
         body = lead[len(THINK_OPEN):]  # the model opened the block (parsers drop the marker)
@@ -333,16 +337,16 @@ def stream_view(text: str, *, opened: bool, tools: bool) -> tuple[str, str]:
         return "", _content_view(text, tools)
     end = body.find(THINK_CLOSE)
     if end < 0:
-        return _trim(body[: _cut(body, (THINK_CLOSE,))]), ""
-    return _trim(body[:end]), _content_view(body[end + len(THINK_CLOSE):], tools)
+        return _trim(body if complete else body[: _cut(body, (THINK_CLOSE,))]), ""
+    return _trim(body[:end]), _content_view(body[end + len(THINK_CLOSE):], tools, complete)
 
 
-def _content_view(text: str, tools: bool) -> str:
+def _content_view(text: str, tools: bool, complete: bool = False) -> str:
     """Answer text that cannot become a tool call or markup: up to the first marker (or the start
     of one); nothing when tools are offered and the text starts like a JSON tool call."""
     if tools and text.lstrip()[:1] in ("{", "[", "`"):
         return ""
-    return _trim(text[: min(_first_marker(text), _safe_len(text))])
+    return _trim(text[: min(_first_marker(text), len(text) if complete else _safe_len(text))])
 
 
 def _first_marker(text: str) -> int:
@@ -364,16 +368,21 @@ def _cut(text: str, markers: tuple[str, ...]) -> int:
     return cut
 
 
-def _rest(final: str, sent: str) -> tuple[str, bool]:
+def _rest(final: str, sent: str, engine: str) -> tuple[str, bool]:
     """What of the derendered ``final`` text is still to send after ``sent`` (compared without the
-    leading whitespace parsers differ on), and whether ``final`` continues what was sent; when it
-    does not, all of ``final`` goes out."""
+    leading whitespace parsers differ on), and whether ``final`` continues what was sent.
+
+    When it does not (a special token the engine's text leaves out, measured: tiny-r1 sampled
+    ``<|video_pad|>`` mid-reasoning), the rest of the engine's own text for the field goes out,
+    as vLLM's stream would have sent it: sending ``final`` whole after what was streamed gave the
+    harness that reasoning twice (8,016 characters for 4,015). A field nothing was streamed of
+    gets ``final`` whole."""
     if not sent:
         return final, True
     body, head = final.lstrip(), sent.lstrip()
     if body.startswith(head):
         return body[len(head):], True
-    return final, False
+    return (engine[len(sent):] if engine.startswith(sent) else ""), False
 
 
 def _must_hold(text: str, tools: bool) -> bool:

@@ -83,6 +83,7 @@ class Evidence:
     template: Any  # TemplateInfo of the served model's chat template (None: inferred from the calls)
     trajectories: Any = None  # polars DataFrame of training sequences (None: not built)
     flows: Path | None = None  # saved mitmproxy flows of the run (``save_stream_file``)
+    tokenizer: Any = None  # the served model's tokenizer (None: delivered text not compared with the ids)
     _drift: Any = None
 
     @classmethod
@@ -100,11 +101,13 @@ class Evidence:
         lf = frames.calls(captures, rewards=None, cache_dir=cache_dir)
         if wanted is not None:
             lf = lf.filter(pl.col("session_id").is_in(sorted(wanted)))
-        template = alignment.template_info_for(alignment.get_renderer(model_dir), lf) if model_dir else None
+        renderer = alignment.get_renderer(model_dir) if model_dir else None
+        template = alignment.template_info_for(renderer, lf)
         if isinstance(trajectories, (str, Path)):
             trajectories = pl.read_parquet(trajectories)
         flows_path = Path(flows) if flows else captures / "flows.mitm"
-        return cls(captures, records, lf, template, trajectories, flows_path if flows_path.is_file() else None)
+        return cls(captures, records, lf, template, trajectories, flows_path if flows_path.is_file() else None,
+                   getattr(renderer, "tokenizer", None))
 
     @property
     def by_id(self) -> dict[str, dict[str, Any]]:
@@ -470,14 +473,41 @@ def check_tool_calls(ev: Evidence) -> CheckResult:
 _THINK_MARKS = ("<think>", "</think>")
 
 
+def _squeezed(text: str, drop: Iterable[str] = ()) -> str:
+    for token in drop:
+        text = text.replace(token, "")
+    return "".join(text.split())
+
+
+def _not_sampled(rec: dict[str, Any], tokenizer: Any) -> str | None:
+    """Why the delivered reasoning is not text of the call's sampled ids, or None when it is.
+
+    Compared without whitespace and special tokens: the engine's streamed text leaves special tokens
+    out and the derendered answer keeps them (tiny-r1 sampled ``<|video_pad|>`` mid-reasoning), and
+    parsers differ on whitespace at the edges. What this catches is text the model did not sample
+    in that place: the same reasoning delivered twice (8,016 characters for 4,015), another call's."""
+    ids = rec.get("sampled_token_ids") or []
+    if tokenizer is None or not ids:
+        return None
+    special = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    delivered = _squeezed(rec.get("output_reasoning") or "", special)
+    sampled = _squeezed(tokenizer.decode(ids, skip_special_tokens=True), special)
+    if delivered in sampled:
+        return None
+    return (f"delivered reasoning is not the sampled text: {len(delivered)} characters delivered, "
+            f"the {len(ids)} sampled ids decode to {len(sampled)} (whitespace and special tokens aside)")
+
+
 def check_reasoning(ev: Evidence) -> CheckResult:
-    """Reasoning was delivered as reasoning (no think markup in the answer text, the proxy's streamed
-    text never differed from the derendered answer) and the history kept or dropped it as the
-    template does: kept (the next prompt holds the sampled ids: drift ``none``) or dropped by the
-    template's own rule (``template_dropped_reasoning``), never removed or changed by the history."""
+    """Reasoning was delivered as reasoning (no think markup in the answer text; the delivered
+    reasoning is text of the sampled ids, once) and the history kept or dropped it as the template
+    does: kept (the next prompt holds the sampled ids: drift ``none``) or dropped by the template's
+    own rule (``template_dropped_reasoning``), never removed or changed by the history. A stream the
+    derendered answer parted from (a special token the engine's text leaves out) is counted: the
+    harness holds the engine's text, and exact history names the cause."""
     nxt = ev.successors()
     failures: list[str] = []
-    n = kept = dropped = 0
+    n = kept = dropped = parted = 0
     for rec in ev.records:
         if rec.get("status") != "ok" or not (rec.get("output_reasoning") or "").strip():
             continue
@@ -485,9 +515,10 @@ def check_reasoning(ev: Evidence) -> CheckResult:
         text = rec.get("output_text") or ""
         if any(m in text for m in _THINK_MARKS):
             failures.append(f"{_label(rec)}: reasoning markup in the answer text")
-        for note in rec.get("translation_notes") or []:
-            if "differs from the derendered" in note:
-                failures.append(f"{_label(rec)}: {note[:160]}")
+        wrong = _not_sampled(rec, getattr(ev, "tokenizer", None))
+        if wrong:
+            failures.append(f"{_label(rec)}: {wrong}")
+        parted += any("differs from the derendered" in note for note in rec.get("translation_notes") or [])
         row = nxt.get(rec["call_id"])
         if row is None:
             continue
@@ -502,5 +533,6 @@ def check_reasoning(ev: Evidence) -> CheckResult:
     # harness dropped whole, or the last of a session, shows nothing: delivered, but the history not seen)
     judged = kept + dropped + sum(1 for f in failures if "which the template keeps" in f)
     measured = (f"{n} answers with reasoning, delivered as reasoning; in the next prompt {kept} kept, "
-                f"{dropped} dropped by the template")
+                f"{dropped} dropped by the template"
+                + (f"; {parted} streamed apart from the derendered answer (the engine's text delivered)" if parted else ""))
     return judge("reasoning", judged, failures, measured, value=float(judged))

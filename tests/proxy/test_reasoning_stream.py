@@ -128,7 +128,34 @@ def test_a_parser_that_disagrees_still_gets_the_answer_through_and_the_call_is_n
     prompt = [1, 2, OPEN]
     acc, owner, rec = _run(prompt, [("Four", [65]), (".", [66])], {"reasoning": None, "content": "Four."})
     assert "".join(acc.reasoning) == "Four." and "".join(acc.content) == "Four."
-    assert owner.pending["c1"].delivered_differs and "sent whole" in rec.translation_notes[0]
+    assert owner.pending["c1"].delivered_differs and "engine's text delivered" in rec.translation_notes[0]
+
+
+VIDEO_PAD = 151656  # a special token: vLLM's streamed text leaves it out, the derendered answer keeps it
+
+
+def test_a_special_token_mid_reasoning_is_not_delivered_twice() -> None:
+    # measured with tiny-r1 under OpenCode: the streamed reasoning is not a prefix of the derendered
+    # one; sending the derendered whole after it gave the harness 8,016 characters for 4,015
+    prompt = [1, 2, OPEN]
+    pieces = [("Two plus", [10]), ("", [VIDEO_PAD]), (" two.", [11]), ("</think>", [CLOSE]), ("Four.", [12])]
+    derendered = {"reasoning": "Two plus<|video_pad|> two.", "content": "Four."}
+    acc, owner, rec = _run(prompt, pieces, derendered)
+    assert "".join(acc.reasoning) == "Two plus two."  # the engine's text, once
+    assert "".join(acc.content) == "Four."
+    assert owner.pending["c1"].delivered_differs and "reasoning differs" in rec.translation_notes[0]
+
+
+def test_a_differing_field_gets_the_held_tail_of_the_engines_text() -> None:
+    # cut at the token cap in the middle of what could have been "</think>": the stream held " <"
+    # back; the harness still gets all of the engine's text, and nothing of it twice
+    prompt = [1, 2, OPEN]
+    pieces = [("Two plus", [10]), ("", [VIDEO_PAD]), (" two <", [11, 12])]
+    derendered = {"reasoning": "Two plus<|video_pad|> two <", "content": None}
+    acc, owner, _ = _run(prompt, pieces, derendered)
+    assert "".join(owner.before_derender.reasoning) == "Two plus two"
+    assert "".join(acc.reasoning) == "Two plus two <" and not "".join(acc.content)
+    assert owner.pending["c1"].delivered_differs
 
 
 def test_a_parser_that_takes_unmarked_text_as_reasoning_streams_it_as_reasoning() -> None:

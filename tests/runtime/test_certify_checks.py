@@ -392,3 +392,39 @@ def test_a_dropped_answer_is_no_broken_exact_claim_but_an_unnamed_edit_fails():
     r = C.check_exact_history(Ev(exact + [row(12, "other", "turn 2 (user) edited")]))
     assert r.state == "FAIL" and any("without a named cause" in d for d in r.details)
     assert any("recorded as history=exact" in d for d in r.details)  # a re-sent answer's claim is still checked
+
+
+def test_reasoning_delivered_twice_fails_and_a_special_token_left_out_does_not(qwen05_dir):
+    """The delivered reasoning must be text of the call's sampled ids, once. Measured with tiny-r1
+    under OpenCode: the model sampled ``<|video_pad|>`` mid-reasoning, the engine's streamed text left
+    it out, and the proxy then sent the derendered reasoning whole after it (8,016 characters for
+    4,015). The engine's text without the special token, or the derendered text with it, PASSes."""
+    from polar_analysis.alignment import load_tokenizer
+
+    tok = load_tokenizer(qwen05_dir)
+    ids = tok.encode("Two plus two is four, so the file gets one line.") + [tok.convert_tokens_to_ids("<|video_pad|>")] \
+        + tok.encode(" Writing it now.")
+    engine = tok.decode(ids, skip_special_tokens=True)
+    derendered = tok.decode(ids, skip_special_tokens=False)
+    assert "<|video_pad|>" in derendered and "<|video_pad|>" not in engine
+
+    class Ev:
+        tokenizer = tok
+
+        def __init__(self, delivered):
+            note = "exact history: streamed reasoning differs from the derendered answer; the engine's text delivered"
+            self.records = [{"call_id": f"c{i}", "session_id": "s", "call_index": i, "status": "ok",
+                             "sampled_token_ids": ids, "output_reasoning": text, "output_text": "",
+                             "translation_notes": [note] if i == 0 else []} for i, text in enumerate(delivered)]
+
+        def successors(self):
+            return {r["call_id"]: {"cause": "template_dropped_reasoning"} for r in self.records}
+
+    r = C.check_reasoning(Ev([engine, derendered, "\n" + engine.strip() + "\n"]))
+    assert r.state == "PASS", r.details
+    assert "1 streamed apart from the derendered answer" in r.measured
+    r = C.check_reasoning(Ev([engine + derendered, derendered, engine]))
+    assert r.state == "FAIL" and r.failures == 1
+    assert "s#0: delivered reasoning is not the sampled text: 102 characters delivered, the 18 sampled ids decode to 51" in r.details[0], r.details
+    r = C.check_reasoning(Ev([engine, derendered, engine.replace("four", "five")]))  # not what was sampled
+    assert r.state == "FAIL" and "s#2" in r.details[0]
