@@ -409,7 +409,7 @@ class Polar:
             flows.show_as_called(flow)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        call = self.state.calls.get(flow.id)
+        call = self.state.calls.get(flow.id) or self.state.relayed_whole.pop(flow.id, None)
         if call is None or call.ticket is None or flow.response is None:
             if flow.response is not None and (flow.metadata.get("polar") or {}).get("passthrough"):
                 scrub(flow)  # already sent upstream: keep secrets out of saved flows
@@ -420,7 +420,8 @@ class Polar:
             return
         restore_request(call)
         flows.show_as_called(flow)
-        flow.response.stream = streaming.SSEStream(self.state, call)  # the relay's head is already the harness's
+        # the relay's head is already the harness's
+        flow.response.stream = (streaming.KeptStream if call.translated else streaming.SSEStream)(self.state, call)
 
     def response(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None and (flow.metadata.get("polar") or {}).get("passthrough") \
@@ -430,6 +431,9 @@ class Polar:
     def error(self, flow: http.HTTPFlow) -> None:
         if (flow.metadata.get("polar") or {}).get("passthrough"):
             scrub(flow)  # failed before any response: responseheaders never ran
+        whole = self.state.relayed_whole.pop(flow.id, None)
+        if whole is not None and whole.ticket is not None:
+            self.state.tickets.pop(whole.ticket, None)
         call = self.state.calls.get(flow.id)
         if call is None or call.finalized:
             return

@@ -63,6 +63,7 @@ class Call:
         self.relay_restore: tuple | None = None  # the request's own target and body while relayed
         self.body_kept: bytearray | None = None  # a relayed stream: what the harness got (for the flow)
         self.body_sent = 0  # ... and how many bytes that was in all
+        self.translated = False  # the relay serves bytes already translated (a long answer that came at once)
 
 
 def guess_provider(path: str, headers: dict[str, str]) -> Provider | None:

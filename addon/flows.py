@@ -141,10 +141,15 @@ def keep_body(flow: http.HTTPFlow, kept: bytes | bytearray, sent: int) -> None:
     if resp is None:
         return
     resp.data.content = bytes(kept)  # the headers already went out: leave them as sent
+    note_body(flow, len(kept), sent)
+
+
+def note_body(flow: http.HTTPFlow, kept: int, sent: int) -> None:
+    """Say in the flow how much of a streamed answer's ``sent`` bytes its saved body holds."""
     meta = flow.metadata.setdefault(META_KEY, {})
-    meta["response_body"] = {"kept": len(kept), "sent": sent}
-    if len(kept) < sent and flow.comment:
-        flow.comment += f" body_cut={len(kept)}/{sent}B"
+    meta["response_body"] = {"kept": kept, "sent": sent}
+    if kept < sent and flow.comment:
+        flow.comment += f" body_cut={kept}/{sent}B"
 
 
 def save_filter(user: str | None, keep_control: bool) -> str | None:

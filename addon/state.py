@@ -53,6 +53,7 @@ class ProxyState:
         # -- calls and sessions ------------------------------------------------------------------
         self.calls: dict[str, Call] = {}  # in flight, by flow id
         self.tickets: dict[str, Call] = {}  # relayed streams waiting for the relay, by ticket
+        self.relayed_whole: dict[str, Call] = {}  # recorded answers the relay sends (streaming.relay_translated)
         self.session_calls: OrderedDict[str, int] = OrderedDict()  # next call index per session
         self.registry: OrderedDict[str, dict[str, Any]] = OrderedDict()  # what the runner said of a session
         self.conn_proxy_auth: dict[str, str] = {}  # regular mode: proxy user of each client connection

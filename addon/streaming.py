@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any
 
@@ -208,7 +209,44 @@ def answer_finished_stream(s: ProxyState, call: Call, resp: aiohttp.ClientRespon
     s.stats["streamed_at_once"] += 1
     translate = SSEStream(s, call, keep=False)  # the whole answer becomes the body anyway
     out = b"".join(translate(data)) + b"".join(translate(b""))
+    if 0 < s.flow_body_limit < len(out):
+        # a body set here is saved whole; the relay's stream keeps the first polar_flow_body_limit
+        # bytes, as for every streamed answer (the hop costs < 1 ms)
+        relay_translated(s, call, out)
+        return
     call.flow.response = make_response(200, out, {"content-type": "text/event-stream", "cache-control": "no-cache"})
+    flows.note_body(call.flow, len(out), len(out))
+
+
+def relay_translated(s: ProxyState, call: Call, out: bytes) -> None:
+    """Send ``out`` (the harness's bytes, already translated and recorded) through the relay."""
+    from .exact_stream import ExactResponse  # the relay reads it as it reads aiohttp's response
+
+    call.upstream_response = ExactResponse(200, out)
+    call.translated = True
+    call.ticket = os.urandom(16).hex()
+    s.tickets[call.ticket] = call
+    s.relayed_whole[call.flow.id] = call  # finalized: no longer among the calls in flight
+    to_relay(s, call)
+
+
+class KeptStream:
+    """``flow.response.stream`` for bytes already translated: passed on, the first
+    ``polar_flow_body_limit`` of them kept as the flow's response body."""
+
+    def __init__(self, state: ProxyState, call: Call):
+        self.state, self.call = state, call
+        call.body_kept = bytearray()
+
+    def __call__(self, data: bytes) -> list[bytes]:
+        call, kept = self.call, self.call.body_kept
+        if kept is not None:
+            call.body_sent += len(data)
+            kept += data[: max(0, self.state.flow_body_limit - len(kept))]
+            if not data:
+                flows.keep_body(call.flow, kept, call.body_sent)
+                call.body_kept = None
+        return [data] if data else []
 
 
 # -- the loopback relay ------------------------------------------------------------------------------

@@ -110,6 +110,8 @@ def test_saved_answer_is_what_the_harness_received(saved) -> None:
     assert stream.metadata["polar"]["response_body"] == {"kept": len(got["chat-stream-tool"]),
                                                          "sent": len(got["chat-stream-tool"])}
     assert burst.response.content == got["chat-stream-burst"]  # answered at once
+    n = len(got["chat-stream-burst"])
+    assert burst.metadata["polar"]["response_body"] == {"kept": n, "sent": n}
     anth = by_path["/v1/messages"][0]
     assert anth.response.content == got["anthropic-stream"] and b"event: message_stop" in anth.response.content
     assert by_path["/v1/responses"][0].response.content == got["responses"]
@@ -214,6 +216,25 @@ def test_control_flows_kept_when_asked(helpers, upstream, proxy_factory, tmp_pat
     control = [f.metadata["polar"]["control"] for f in flows if "/_polar/" in f.request.path]
     assert control and set(control) == {"status"}  # the readiness probe and ours
     call = next(f for f in flows if cv.polar_meta(f))
+    assert call.response.content == ans.body[:100]
+    assert call.metadata["polar"]["response_body"] == {"kept": 100, "sent": len(ans.body)}
+    assert f"body_cut=100/{len(ans.body)}B" in call.comment
+
+
+def test_an_answer_that_came_at_once_is_cut_in_the_saved_flow_too(helpers, upstream, proxy_factory, tmp_path) -> None:
+    """A stream that had wholly arrived is answered in one piece; a body set in the request hook is
+    saved whole, so one longer than ``polar_flow_body_limit`` goes out through the relay, whose
+    stream keeps the limit. The harness still gets every byte."""
+    flows_file = tmp_path / "flows.mitm"
+    proxy = proxy_factory(upstream.url, options={"save_stream_file": str(flows_file), "polar_flow_body_limit": "100"})
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi #scenario:words:60 #send:burst"}]}
+    ans = helpers.request(proxy.url + "/v1/chat/completions", body, headers={"x-polar-session": "flows-once"})
+    assert ans.status == 200 and len(ans.body) > 100 and ans.body.endswith(b"data: [DONE]\n\n")
+    assert proxy.control.status()["streamed_at_once"] == 1
+    text = helpers.parsers["openai_chat"](ans.body, True).text
+    assert len(text.split()) == 60
+    proxy.stop()
+    call = next(f for f in _read(flows_file) if cv.polar_meta(f))
     assert call.response.content == ans.body[:100]
     assert call.metadata["polar"]["response_body"] == {"kept": 100, "sent": len(ans.body)}
     assert f"body_cut=100/{len(ans.body)}B" in call.comment
