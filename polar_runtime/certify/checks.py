@@ -479,6 +479,40 @@ def _squeezed(text: str, drop: Iterable[str] = ()) -> str:
     return "".join(text.split())
 
 
+def _special_tokens(tokenizer: Any) -> list[str]:
+    return [t.content for t in tokenizer.added_tokens_decoder.values() if t.special] if tokenizer is not None else []
+
+
+def _received_bodies(ev: Evidence) -> dict[str, str]:
+    """call id -> the whole response body the harness received (UTF-8), for flows kept uncut."""
+    if getattr(ev, "flows", None) is None:
+        return {}
+    out = {}
+    for kind, meta, flow in _flow_kinds(ev.flows):
+        kept = meta.get("response_body") or {}
+        if kind == "model" and meta.get("call_id") and flow.response is not None and kept.get("kept") == kept.get("sent"):
+            out[str(meta["call_id"])] = (flow.response.content or b"").decode("utf-8", "replace")
+    return out
+
+
+def _not_received(rec: dict[str, Any], body: str | None, special: list[str]) -> str | None:
+    """Why the harness did not get the call's reasoning as reasoning, or None when it did (or the
+    flow is not there to say): the reasoning must be in the provider's reasoning field, whole."""
+    from .received import reasoning_and_text
+
+    got = reasoning_and_text(str(rec.get("provider") or ""), body) if body is not None else None
+    if got is None:
+        return None
+    want = _squeezed(rec.get("output_reasoning") or "", special)
+    reasoning, text = (_squeezed(x, special) for x in got)
+    if want in reasoning:
+        return None
+    if want in text:
+        return f"reasoning delivered as answer text ({len(want)} characters in the answer field, {len(reasoning)} as reasoning)"
+    return (f"reasoning not delivered whole: {len(reasoning)} characters in the harness's reasoning field "
+            f"for {len(want)} sampled (whitespace and special tokens aside)")
+
+
 def _not_sampled(rec: dict[str, Any], tokenizer: Any) -> str | None:
     """Why the delivered reasoning is not text of the call's sampled ids, or None when it is.
 
@@ -489,7 +523,7 @@ def _not_sampled(rec: dict[str, Any], tokenizer: Any) -> str | None:
     ids = rec.get("sampled_token_ids") or []
     if tokenizer is None or not ids:
         return None
-    special = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    special = _special_tokens(tokenizer)
     delivered = _squeezed(rec.get("output_reasoning") or "", special)
     sampled = _squeezed(tokenizer.decode(ids, skip_special_tokens=True), special)
     if delivered in sampled:
@@ -500,12 +534,15 @@ def _not_sampled(rec: dict[str, Any], tokenizer: Any) -> str | None:
 
 def check_reasoning(ev: Evidence) -> CheckResult:
     """Reasoning was delivered as reasoning (no think markup in the answer text; the delivered
-    reasoning is text of the sampled ids, once) and the history kept or dropped it as the template
+    reasoning is text of the sampled ids, once; the saved flow shows the harness got it whole in its
+    provider's reasoning field, not as answer text: ``received.py``) and the history kept or dropped it as the template
     does: kept (the next prompt holds the sampled ids: drift ``none``) or dropped by the template's
     own rule (``template_dropped_reasoning``), never removed or changed by the history. A stream the
     derendered answer parted from (a special token the engine's text leaves out) is counted: the
     harness holds the engine's text, and exact history names the cause."""
     nxt = ev.successors()
+    bodies = _received_bodies(ev)
+    special = _special_tokens(getattr(ev, "tokenizer", None))
     failures: list[str] = []
     n = kept = dropped = parted = 0
     for rec in ev.records:
@@ -515,7 +552,7 @@ def check_reasoning(ev: Evidence) -> CheckResult:
         text = rec.get("output_text") or ""
         if any(m in text for m in _THINK_MARKS):
             failures.append(f"{_label(rec)}: reasoning markup in the answer text")
-        wrong = _not_sampled(rec, getattr(ev, "tokenizer", None))
+        wrong = _not_sampled(rec, getattr(ev, "tokenizer", None)) or _not_received(rec, bodies.get(rec["call_id"]), special)
         if wrong:
             failures.append(f"{_label(rec)}: {wrong}")
         parted += any("differs from the derendered" in note for note in rec.get("translation_notes") or [])

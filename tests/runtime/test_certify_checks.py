@@ -428,3 +428,71 @@ def test_reasoning_delivered_twice_fails_and_a_special_token_left_out_does_not(q
     assert "s#0: delivered reasoning is not the sampled text: 102 characters delivered, the 18 sampled ids decode to 51" in r.details[0], r.details
     r = C.check_reasoning(Ev([engine, derendered, engine.replace("four", "five")]))  # not what was sampled
     assert r.state == "FAIL" and "s#2" in r.details[0]
+
+
+def _sse(*events: dict, named: bool = False) -> bytes:
+    return b"".join((f"event: {e['type']}\n" if named else "").encode() + b"data: " + json.dumps(e).encode() + b"\n\n"
+                    for e in events)
+
+
+def _bodies(reasoning: str, field: str) -> dict[str, bytes]:
+    """A streamed answer in each provider's wire format, its text in the reasoning ``field`` or the
+    answer's ``text`` field, as the proxy's translators write them (the shapes of the tiny-r1 flows)."""
+    as_r = field == "reasoning"
+    return {
+        "openai_chat": _sse({"object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": {"reasoning" if as_r else "content": reasoning}}]}) + b"data: [DONE]\n\n",
+        "anthropic": _sse({"type": "content_block_start", "index": 0,
+                           "content_block": {"type": "thinking" if as_r else "text", "thinking" if as_r else "text": ""}},
+                          {"type": "content_block_delta", "index": 0, "delta": {
+                              "type": "thinking_delta", "thinking": reasoning} if as_r else {"type": "text_delta", "text": reasoning}},
+                          named=True),
+        "openai_responses": _sse({"type": "response.reasoning_text.delta" if as_r else "response.output_text.delta",
+                                  "delta": reasoning}, named=True),
+        "google": _sse({"candidates": [{"content": {"parts": [{"text": reasoning, "thought": True} if as_r
+                                                              else {"text": reasoning}]}}]}),
+    }
+
+
+def test_reasoning_the_harness_got_as_answer_text_or_cut_fails(tmp_path, qwen05_dir):
+    """The record holds the answer before translation; the saved flow holds what the harness got. A
+    translator that sends reasoning as answer text, or not whole, FAILs reasoning with the numbers;
+    each provider's reasoning field PASSes (on the nine tiny-r1 cells' flows: 228 of 228 answers
+    found in their reasoning field, in all four wire formats)."""
+    from mitmproxy import io
+    from mitmproxy.test import tflow
+
+    from polar_analysis.alignment import load_tokenizer
+    from polar_core.flowmeta import META_KEY
+
+    tok = load_tokenizer(qwen05_dir)
+    reasoning = "The file needs one line, so I write first and stop there."
+    ids = tok.encode(reasoning)
+
+    def judge(bodies: dict[str, bytes]):
+        path = tmp_path / "flows.mitm"
+        records = []
+        with open(path, "wb") as fh:
+            w = io.FlowWriter(fh)
+            for i, (provider, body) in enumerate(bodies.items()):
+                f = tflow.tflow(resp=True)
+                f.response.content = body
+                f.metadata[META_KEY] = {"call_id": f"c{i}", "session": "s", "call_index": i}
+                w.add(f)
+                records.append({"call_id": f"c{i}", "session_id": "s", "call_index": i, "status": "ok",
+                                "provider": provider, "sampled_token_ids": ids, "output_reasoning": reasoning,
+                                "output_text": "", "translation_notes": []})
+        ev = C.Evidence(tmp_path, records, None, None, flows=path, tokenizer=tok)
+        ev._drift = [{"call_id": f"n{r['call_id']}", "prev_call_id": r["call_id"], "cause": "template_dropped_reasoning"}
+                     for r in records]
+        return C.check_reasoning(ev)
+
+    r = judge(_bodies(reasoning, "reasoning"))
+    assert r.state == "PASS" and r.count == 4, r.details
+    r = judge(_bodies(reasoning, "text"))
+    assert r.state == "FAIL" and r.failures == 4, r.details
+    assert all("reasoning delivered as answer text (46 characters in the answer field, 0 as reasoning)" in d
+               for d in r.details), r.details
+    r = judge(_bodies(reasoning[:30], "reasoning"))
+    assert r.state == "FAIL" and r.failures == 4
+    assert "reasoning not delivered whole: 23 characters in the harness's reasoning field for 46 sampled" in r.details[0]
