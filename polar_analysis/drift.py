@@ -28,6 +28,8 @@ normalized requests' messages:
 - ``empty_think_generation_prompt``: the previous prompt ended with an empty
   ``<think>\\n\\n</think>\\n\\n`` that the history rendering does not repeat (Qwen3,
   ``enable_thinking=false``); ``generation_prompt_changed`` for other generation-prompt tails;
+- ``tool_call_edited``: the harness re-sent the model's tool call with arguments it added, every
+  sampled one unchanged (Claude Code fills in Edit's ``"replace_all": false``): a harness edit;
 - ``tool_result_reformatted``: an earlier tool result is rendered differently (string vs parts);
 - ``system_changed``: the system prompt differs (e.g. Claude Code's per-request billing header);
 - ``compacted``: the context was compacted or truncated (a summary call with ``tools=[]``, or a
@@ -79,6 +81,7 @@ CAUSES = (
     "generation_prompt_changed",
     "tool_result_reformatted",
     "user_turn_edited",
+    "tool_call_edited",
     "system_changed",
     "compacted",
     "tools_changed",
@@ -107,6 +110,7 @@ ORIGIN = {
     "answer_dropped": "harness",
     "tool_result_reformatted": "harness",
     "user_turn_edited": "harness",
+    "tool_call_edited": "harness",
     "system_changed": "harness",
     "compacted": "harness",
     "tools_changed": "harness",
@@ -188,6 +192,23 @@ def _same_tool_calls(got: list[dict[str, Any]] | None, answer_msg: dict[str, Any
     """The calls the engine parsed from the answer are the ones the history sends back."""
     sent = _tool_calls(answer_msg)
     return bool(got) and [(g.get("name"), _args(g.get("arguments"))) for g in got] == [(n, v) for n, v, _ in sent]
+
+
+def added_arguments(got: list[dict[str, Any]] | None, sent: list[tuple[Any, Any, Any]]) -> list[str] | None:
+    """The argument keys a harness added to the tool calls it re-sent (same calls, same names, every
+    sampled argument unchanged), or None when the calls differ otherwise. Claude Code re-sends an
+    Edit call with ``"replace_all": false`` filled in when the model left it out."""
+    if not got or len(got) != len(sent):
+        return None
+    added: list[str] = []
+    for g, (name, args, _) in zip(got, sent):
+        mine = _args(g.get("arguments"))
+        if g.get("name") != name or not isinstance(mine, dict) or not isinstance(args, dict):
+            return None
+        if any(k not in args or args[k] != v for k, v in mine.items()):
+            return None
+        added += [k for k in args if k not in mine]
+    return added or None
 
 
 def _reasoning(m: dict[str, Any]) -> str:
@@ -303,6 +324,8 @@ def classify_pair(prev: Call, nxt: Call, template: TemplateInfo | None = None) -
             drift.detail = _first_line_diff(ta, tb)
             if answer_msg is not None and _same_tool_calls(prev.tool_calls, answer_msg):
                 drift.cause = "tool_call_rerendered"
+            elif answer_msg is not None and (added := added_arguments(prev.tool_calls, _tool_calls(answer_msg))):
+                drift.cause, drift.detail = "tool_call_edited", f"the harness added {', '.join(sorted(set(added)))}"
             return drift
         if answer_msg is not None:
             got = prev.tool_calls

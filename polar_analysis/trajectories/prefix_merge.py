@@ -54,7 +54,6 @@ import polars as pl
 from polar_analysis.trajectories.common import (
     BuildStats,
     MERGE_KINDS,
-    TEMPLATE_RERENDERED,
     Call,
     Sequence,
     TemplateInfo,
@@ -210,11 +209,15 @@ class SessionMerger:
         self._clock += 1
         merge, near = self.find(call)
         same_dist = merge is not None and merge.seq.calls[-1].trainer_sampling[:3] == call.trainer_sampling[:3]
-        # the proxy prompted this call with the template's rendering of an answer (its reasoning
-        # dropped, or the old prompt no longer a prefix): the earlier sampled ids are not in its
-        # context, so it is not merged after them (tiny-r1: a merge put 48 unseen reasoning ids
-        # before it, gap 4.2e-2 nats, 2.9e-6 split; with tool calls, mismatch_kl 4.1e-2 merged)
-        dropped = merge is not None and merge.kind != "exact" and call.history_cause in TEMPLATE_RERENDERED
+        # the proxy prompted this call with a rendering of its history, not the sampled ids: the
+        # template's rule (reasoning dropped, the old prompt no longer a prefix) or the harness's
+        # edit (an answer changed or dropped): the earlier sampled ids are not in its context, so
+        # it is not merged after them (tiny-r1: a merge put 48 unseen reasoning ids before it, gap
+        # 4.2e-2 nats, 2.9e-6 split; with tool calls, mismatch_kl 4.1e-2 merged; Claude Code x
+        # Qwen2.5-Coder-0.5B, an Edit call re-sent with "replace_all" added: 5 later calls merged
+        # after it, mismatch_kl 6.95e-3, one token 13.2 nats off). Without exact history no call
+        # carries a cause, and the default builder's merges stay as they were.
+        dropped = merge is not None and merge.kind != "exact" and call.history_cause is not None
         if merge is not None and same_dist and (not self.strict or merge.kind == "exact") and not dropped:
             merge.seq.extend(call, call.prompt[merge.tail_start :], merge.kind)
             self._touched[merge.index] = self._clock

@@ -399,6 +399,13 @@ def _canonical_args(args: Any) -> str:
     return json.dumps(args, sort_keys=True, separators=(",", ":"))
 
 
+def _parsed(args: str) -> Any:
+    try:
+        return json.loads(args)
+    except ValueError:
+        return args
+
+
 def _request_tool_calls(rec: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(id, name, canonical arguments) of every assistant tool call in a normalized request."""
     out = []
@@ -427,9 +434,12 @@ def check_tool_calls(ev: Evidence) -> CheckResult:
     the same id in the harness's own request body."""
     by_id = ev.by_id
     nxt = ev.successors()
+    from polar_analysis.drift import added_arguments
+
     responses = _responses_by_call(ev)
     failures: list[str] = []
     sampled = returned = ended = 0
+    added: dict[str, int] = {}
     for rec in ev.records:
         calls = rec.get("output_tool_calls") or []
         if rec.get("status") != "ok" or not calls:
@@ -456,6 +466,14 @@ def check_tool_calls(ev: Evidence) -> CheckResult:
             returned += 1
             name, tid, args = str(tc.get("name") or ""), str(tc.get("id") or ""), _canonical_args(tc.get("arguments"))
             match = [c for c in carried if c[1] == name and c[2] == args]
+            if not match:  # the harness may fill in arguments the model left out: named, every sampled one kept
+                for c in carried:
+                    keys = added_arguments([tc], [(c[1], _parsed(c[2]), c[2])]) if c[1] == name else None
+                    if keys:
+                        match = [c]
+                        for key in keys:
+                            added[key] = added.get(key, 0) + 1
+                        break
             if not match:
                 failures.append(f"{_label(rec)}: tool call {name}({args[:60]}) did not come back in the next request "
                                 f"{row['session_id']}#{row['call_index']} (drift cause {row['cause']})")
@@ -463,7 +481,9 @@ def check_tool_calls(ev: Evidence) -> CheckResult:
                 failures.append(f"{_label(rec)}: tool call {name} came back without its id {tid} in the harness's "
                                 "own next request")
     measured = (f"{returned - len(failures)}/{returned} sampled tool calls came back in the next request"
-                + (f" ({sampled} sampled, {ended} ended their session)" if sampled else ""))
+                + (f" ({sampled} sampled, {ended} ended their session)" if sampled else "")
+                + (f"; arguments the harness added: {', '.join(f'{k} {v}' for k, v in sorted(added.items()))}"
+                   if added else ""))
     return judge("tool calls", returned, failures, measured, value=(returned - len(failures)) / returned if returned else None)
 
 

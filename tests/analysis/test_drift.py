@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import polars as pl
 
 from polar_analysis import drift, frames
@@ -211,3 +213,25 @@ def test_a_user_turn_the_harness_rewrote_is_a_named_harness_edit():
     cause, detail = _history_diff(before, after)
     assert cause == "user_turn_edited" and ORIGIN[cause] == "harness" and "turn 0" in detail
     assert _history_diff(before, before) is None
+
+
+def test_a_tool_call_the_harness_filled_in_is_named_a_harness_edit(tmp_path, renderer, template, pi_chat):
+    """Claude Code re-sends an Edit call with ``"replace_all": false`` added when the model left it
+    out: every sampled argument unchanged, one added. That is the harness's edit (not graded by
+    certify, split by the trajectory builder), named, never ``other``; a changed argument is not."""
+    def run(sent_args, where):
+        s = session(renderer, pi_chat, sid=where).user("read a file")
+        s.generate(tool_calls=[("read", {"path": "f0.py"})])
+        call = s.messages[-1]["tool_calls"][0]
+        call["function"]["arguments"] = json.dumps(sent_args)  # what the harness re-sends
+        s.tool("content of f0.py", call["id"])
+        s.generate(content="done")
+        return report(tmp_path / where, s.records, template).sort("call_index").row(1, named=True)
+
+    row = run({"path": "f0.py", "limit": 2000}, "filled")
+    assert row["cause"] == "tool_call_edited" and row["detail"] == "the harness added limit"
+    assert drift.ORIGIN["tool_call_edited"] == "harness"
+    assert run({"path": "f1.py", "limit": 2000}, "changed")["cause"] == "other"
+    assert drift.added_arguments([{"name": "read", "arguments": '{"path": "a"}'}],
+                                 [("read", {"path": "a", "limit": 5}, "")]) == ["limit"]
+    assert drift.added_arguments([{"name": "read", "arguments": '{"path": "a"}'}], [("write", {"path": "a"}, "")]) is None

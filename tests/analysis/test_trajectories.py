@@ -265,9 +265,15 @@ def test_length_turn_with_empty_content_keeps_its_ids(tmp_path, renderer, templa
     rer, rstats = prefix_merge.build(capture(tmp_path / "template-not-prefix", s.records), template=template)
     check(rer, rstats, s.records)
     assert rer.height == 2 and rstats.break_reasons == {"template_not_prefix": 1}
-    # a cause from the harness (it edited the answer) keeps the default builder's merge
+    # a cause from the harness (it edited the answer: Claude Code fills in an Edit call's
+    # "replace_all") splits too: the proxy prompted with the edited history, not the sampled ids
     s.records[1].history_cause = "answer_changed"
-    kept, _ = prefix_merge.build(capture(tmp_path / "answer-changed", s.records), template=template)
+    edited, estats = prefix_merge.build(capture(tmp_path / "answer-changed", s.records), template=template)
+    check(edited, estats, s.records)
+    assert edited.height == 2 and estats.break_reasons == {"answer_changed": 1}
+    # without exact history no call carries a cause: the default builder's merge stays
+    s.records[1].history_cause = None
+    kept, _ = prefix_merge.build(capture(tmp_path / "no-cause", s.records), template=template)
     assert kept.height == 1 and kept["merge_kind"].to_list() == [["content_changed"]]
     # a harness that drops the empty turn: a break, the ids are kept in their own sequence
     s2 = pi_session(renderer, pi_chat, "len2").user("Think hard about primes.")

@@ -496,3 +496,30 @@ def test_reasoning_the_harness_got_as_answer_text_or_cut_fails(tmp_path, qwen05_
     r = judge(_bodies(reasoning[:30], "reasoning"))
     assert r.state == "FAIL" and r.failures == 4
     assert "reasoning not delivered whole: 23 characters in the harness's reasoning field for 46 sampled" in r.details[0]
+
+
+def test_a_tool_call_the_harness_filled_in_comes_back_named_and_a_changed_one_fails():
+    """Claude Code re-sends the model's Edit call with ``"replace_all": false`` filled in: the call
+    came back (every sampled argument unchanged) and the added key is named; an argument the harness
+    changed, or a call it left out, still FAILs."""
+    sampled = {"id": "t1", "name": "Edit", "arguments": json.dumps({"file_path": "n.txt", "new_string": "x"})}
+
+    class Ev:
+        flows = None
+
+        def __init__(self, sent_args):
+            self.records = [{"call_id": "c0", "session_id": "s", "call_index": 0, "status": "ok", "provider": "anthropic",
+                             "output_tool_calls": [sampled]}]
+            self.later = {"call_id": "c1", "native_request": {"messages": [{"content": [{"id": "t1"}]}]},
+                          "normalized_request": {"messages": [{"role": "assistant", "tool_calls": [
+                              {"id": "t1", "function": {"name": "Edit", "arguments": json.dumps(sent_args)}}]}]}}
+            self.by_id = {"c0": self.records[0], "c1": self.later}
+
+        def successors(self):
+            return {"c0": {"call_id": "c1", "session_id": "s", "call_index": 1, "cause": "tool_call_edited"}}
+
+    r = C.check_tool_calls(Ev({"file_path": "n.txt", "new_string": "x", "replace_all": False}))
+    assert r.failures == 0 and "1/1 sampled tool calls came back" in r.measured
+    assert "arguments the harness added: replace_all 1" in r.measured
+    r = C.check_tool_calls(Ev({"file_path": "m.txt", "new_string": "x", "replace_all": False}))
+    assert r.state == "FAIL" and "did not come back" in r.details[0]
