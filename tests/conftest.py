@@ -91,3 +91,16 @@ def vllm_tiny():
 def vllm_qwen05():
     """A running vLLM serving the 0.5B (served name "qwen2.5-coder-0.5b-instruct")."""
     yield from _server(models.QWEN05, "POLAR_TEST_VLLM_QWEN05_URL", max_model_len=32768)
+
+
+@pytest.fixture
+def ctrl_c():
+    """Python's own Ctrl-C handler for a test that sends itself SIGINT, whatever the test run was
+    started with: a process started in the background by a non-interactive shell inherits SIGINT
+    ignored, and no KeyboardInterrupt ever comes (the rollout's two Ctrl-C tests failed so, launched
+    with ``bash -c '...' &``)."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

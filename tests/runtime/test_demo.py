@@ -51,7 +51,7 @@ def test_stop_children_signals_each_process_group_but_the_excluded() -> None:
             p.wait()
 
 
-def test_ctrl_c_stops_the_running_harness_and_keeps_no_result(tmp_path: Path) -> None:
+def test_ctrl_c_stops_the_running_harness_and_keeps_no_result(tmp_path: Path, ctrl_c: None) -> None:
     """SIGINT during a rollout: the harness (its own process group) is killed at once, the
     interrupted sample leaves no result (a re-run redoes it), KeyboardInterrupt reaches the caller."""
     marker = tmp_path / "started"

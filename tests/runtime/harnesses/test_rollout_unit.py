@@ -238,16 +238,6 @@ def test_summary_table(tmp_path):
         ("good", 1, 0, 0.5), ("slow", 0, 1, 0.0)]
 
 
-@pytest.fixture
-def ctrl_c():
-    """Python's own Ctrl-C handler, whatever the test runner was started with: a process started in
-    the background by a non-interactive shell inherits SIGINT ignored, and then no KeyboardInterrupt
-    ever comes (both interrupt tests failed so, launched with ``bash -c '...' &``)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
-
-
 def test_interrupt_kills_running_harnesses_and_keeps_finished_results(tmp_path, ctrl_c):
     """Ctrl-C: harnesses (in process groups of their own) are killed at once; finished samples keep
     their results, interrupted ones have none, so the next run does exactly those."""
