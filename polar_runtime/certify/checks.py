@@ -85,6 +85,7 @@ class Evidence:
     flows: Path | None = None  # saved mitmproxy flows of the run (``save_stream_file``)
     tokenizer: Any = None  # the served model's tokenizer (None: delivered text not compared with the ids)
     _drift: Any = None
+    _bodies: Any = None  # call id -> the body the harness received (_received_bodies)
 
     @classmethod
     def load(cls, captures: str | Path, model_dir: str | Path | None, *, sessions: Iterable[str] | None = None,
@@ -416,14 +417,20 @@ def _request_tool_calls(rec: dict[str, Any]) -> list[tuple[str, str, str]]:
     return out
 
 
-def _responses_by_call(ev: Evidence) -> dict[str, str]:
-    """call id -> the answer's body as the harness received it (the saved flow's response)."""
-    if ev.flows is None:
+def _received_bodies(ev: Evidence) -> dict[str, str]:
+    """call id -> the whole response body the harness received (UTF-8), read once per run from the
+    saved flows; a body cut at ``polar_flow_body_limit`` is left out (it cannot say what is missing)."""
+    if getattr(ev, "flows", None) is None:
         return {}
+    cached = getattr(ev, "_bodies", None)
+    if cached is not None:
+        return cached
     out = {}
     for kind, meta, flow in _flow_kinds(ev.flows):
-        if kind == "model" and meta.get("call_id") and flow.response is not None:
-            out[str(meta["call_id"])] = flow.response.get_text(strict=False) or ""
+        kept = meta.get("response_body") or {}
+        if kind == "model" and meta.get("call_id") and flow.response is not None and kept.get("kept") == kept.get("sent"):
+            out[str(meta["call_id"])] = (flow.response.content or b"").decode("utf-8", "replace")
+    ev._bodies = out
     return out
 
 
@@ -436,7 +443,7 @@ def check_tool_calls(ev: Evidence) -> CheckResult:
     nxt = ev.successors()
     from polar_analysis.drift import added_arguments
 
-    responses = _responses_by_call(ev)
+    responses = _received_bodies(ev)
     failures: list[str] = []
     sampled = returned = ended = 0
     added: dict[str, int] = {}
@@ -501,18 +508,6 @@ def _squeezed(text: str, drop: Iterable[str] = ()) -> str:
 
 def _special_tokens(tokenizer: Any) -> list[str]:
     return [t.content for t in tokenizer.added_tokens_decoder.values() if t.special] if tokenizer is not None else []
-
-
-def _received_bodies(ev: Evidence) -> dict[str, str]:
-    """call id -> the whole response body the harness received (UTF-8), for flows kept uncut."""
-    if getattr(ev, "flows", None) is None:
-        return {}
-    out = {}
-    for kind, meta, flow in _flow_kinds(ev.flows):
-        kept = meta.get("response_body") or {}
-        if kind == "model" and meta.get("call_id") and flow.response is not None and kept.get("kept") == kept.get("sent"):
-            out[str(meta["call_id"])] = (flow.response.content or b"").decode("utf-8", "replace")
-    return out
 
 
 def _not_received(rec: dict[str, Any], body: str | None, special: list[str]) -> str | None:
